@@ -1,0 +1,179 @@
+"""Lazy reading of dumps: a step file, or a directory of step files, and their index."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator, Optional, Union
+
+import h5py
+import numpy as np
+import pandas as pd
+
+from . import format as fmt
+from .decoding import decode
+from .errors import DumpError
+
+PathLike = Union[str, os.PathLike]
+
+# Columns a loaded index adds in front of the on-disk ones.
+STEP_COLUMNS = ("epoch", "step", "rank")
+
+
+def _open_h5(path: Path) -> h5py.File:
+    """Open a step file read-only, turning every failure into a one-line :class:`DumpError`."""
+    if fmt.is_temp_file_name(path.name):
+        raise DumpError(f"{path}: is still being written (temporary file); wait for the step "
+                        f"to finish or pass the published file")
+    if not path.exists():
+        raise DumpError(f"{path}: no such file or directory")
+    if not os.access(path, os.R_OK):
+        raise DumpError(f"{path}: permission denied; make the file readable")
+    if not h5py.is_hdf5(path):
+        raise DumpError(f"{path}: not an HDF5 file")
+    try:
+        return h5py.File(path, "r", locking=False)
+    except OSError as exc:
+        raise DumpError(f"{path}: cannot be opened as HDF5 (truncated or damaged?): "
+                        f"{str(exc).splitlines()[0]}") from exc
+
+
+class StepFile:
+    """One published step file. Its attributes and index are read when it is opened."""
+
+    def __init__(self, path: PathLike):
+        self.path = Path(path)
+        with _open_h5(self.path) as f:
+            self.attrs = {k: _plain(v) for k, v in f.attrs.items()}
+            self._check_format()
+            self.epoch, self.step = int(self.attrs["epoch"]), int(self.attrs["step"])
+            rank = int(self.attrs["rank"])
+            self.rank: Optional[int] = None if rank < 0 else rank
+            self.group_name = fmt.step_group_name(self.epoch, self.step)
+            try:
+                table = f[self.group_name][fmt.INDEX_DATASET][()]
+            except (KeyError, OSError) as exc:
+                raise DumpError(f"{self.path}: damaged dump, its index table cannot be read "
+                                f"({exc})") from exc
+        self.index = _index_frame(table)
+
+    def _check_format(self) -> None:
+        name = self.attrs.get(fmt.ATTR_FORMAT_NAME)
+        if name != fmt.FORMAT_NAME:
+            raise DumpError(f"{self.path}: HDF5 file is not an h5cmp dump (no "
+                            f"{fmt.ATTR_FORMAT_NAME}={fmt.FORMAT_NAME!r} attribute)")
+        version = self.attrs.get(fmt.ATTR_FORMAT_VERSION)
+        if version not in fmt.SUPPORTED_VERSIONS:
+            raise DumpError(f"{self.path}: dump format version {version} is not supported by this "
+                            f"h5cmp (reads {sorted(fmt.SUPPORTED_VERSIONS)}); upgrade h5cmp")
+
+    def open(self) -> "StepReader":
+        """Open the file for reading tensors: ``with step.open() as r: r.read(row)``."""
+        return StepReader(self, _open_h5(self.path))
+
+    def __repr__(self) -> str:
+        return f"StepFile({str(self.path)!r}, epoch={self.epoch}, step={self.step})"
+
+
+class StepReader:
+    """An open step file; reads tensors named by index rows."""
+
+    def __init__(self, step: StepFile, h5: h5py.File):
+        self.step, self._h5 = step, h5
+        self._group = h5[step.group_name]
+
+    def dataset(self, row) -> h5py.Dataset:
+        return self._group[row.group][row.dataset]
+
+    def read(self, row) -> np.ndarray:
+        """Decoded values of the tensor of index row ``row`` (whole)."""
+        return decode(self.dataset(row)[()], row.dtype, row.encoding)
+
+    def read_raw(self, row) -> np.ndarray:
+        """The stored array as it is on disk (bits for types numpy lacks)."""
+        return self.dataset(row)[()]
+
+    def chunks(self, row, max_elements: int) -> Iterator[np.ndarray]:
+        """Decoded values in flat C-order pieces of at most about ``max_elements`` elements."""
+        ds = self.dataset(row)
+        if ds.ndim == 0 or ds.size <= max_elements:
+            yield decode(ds[()], row.dtype, row.encoding).reshape(-1)
+            return
+        per_row = max(1, ds.size // ds.shape[0])
+        step = max(1, max_elements // per_row)
+        for start in range(0, ds.shape[0], step):
+            yield decode(ds[start:start + step], row.dtype, row.encoding).reshape(-1)
+
+    def close(self) -> None:
+        self._h5.close()
+
+    def __enter__(self) -> "StepReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Dump:
+    """A dump: step files from one file or a directory, with a combined index DataFrame.
+
+    Index columns: ``epoch, step, rank`` then the on-disk columns of ``compare.format``, with
+    ``shape`` parsed to a tuple. Rows are in execution order (step, then ``seq``).
+    """
+
+    def __init__(self, path: PathLike, steps: list[StepFile]):
+        self.path = Path(path)
+        self.steps = sorted(steps, key=lambda s: (s.epoch, s.step, s.rank or 0))
+        frames = [s.index.assign(epoch=s.epoch, step=s.step, rank=s.rank) for s in self.steps]
+        index = pd.concat(frames, ignore_index=True) if frames else _index_frame(None)
+        if not frames:
+            index = index.assign(epoch=0, step=0, rank=None)
+        self.index = index[list(STEP_COLUMNS) + list(fmt.INDEX_COLUMN_NAMES)]
+
+    def step_file(self, epoch: int, step: int, rank: Optional[int] = None) -> StepFile:
+        for s in self.steps:
+            if (s.epoch, s.step, s.rank) == (epoch, step, rank):
+                return s
+        raise KeyError((epoch, step, rank))
+
+    def __repr__(self) -> str:
+        return f"Dump({str(self.path)!r}, {len(self.steps)} steps, {len(self.index)} records)"
+
+
+def load_dump(path: Union[PathLike, Dump]) -> Dump:
+    """Open a dump file or a directory of step files, lazily (no tensor is read).
+
+    Raises :class:`DumpError` with a one-line message for anything that is not a readable dump.
+    """
+    if isinstance(path, Dump):
+        return path
+    p = Path(path)
+    if p.is_dir():
+        names = sorted(n for n in os.listdir(p) if fmt.parse_step_file_name(n))
+        if not names:
+            raise DumpError(f"{p}: directory holds no dump step files "
+                            f"(*-epoch_*-step_dump.hdf5)")
+        return Dump(p, [StepFile(p / n) for n in names])
+    return Dump(p, [StepFile(p)])
+
+
+def _plain(value):
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _index_frame(table: Optional[np.ndarray]) -> pd.DataFrame:
+    names = fmt.INDEX_COLUMN_NAMES
+    if table is None or len(table) == 0:
+        return pd.DataFrame({n: pd.Series(dtype=object if k == "str" else k)
+                             for n, k in fmt.INDEX_COLUMNS})
+    cols = {}
+    for name, kind in fmt.INDEX_COLUMNS:
+        col = table[name]
+        cols[name] = [v.decode() if isinstance(v, bytes) else v for v in col] if kind == "str" else col
+    frame = pd.DataFrame(cols, columns=list(names))
+    frame["shape"] = frame["shape"].map(fmt.parse_shape)
+    frame["requires_grad"] = frame["requires_grad"].astype(bool)
+    return frame

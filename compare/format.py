@@ -1,0 +1,123 @@
+"""The on-disk dump format: every name, attribute and encoding, specified once.
+
+This module is torch-free; the dumper writes with it and the compare side reads with it.
+``docs/format.md`` is the prose version of this file; keep the two in step and bump
+``FORMAT_VERSION`` on any incompatible change.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+FORMAT_NAME = "h5cmp-dump"
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = frozenset({1})
+
+# ---- files -------------------------------------------------------------------------
+FILE_SUFFIX = ".hdf5"
+TEMP_SUFFIX = ".tmp"
+_STEP_FILE_RE = re.compile(
+    r"^(?P<epoch>\d+)-epoch_(?P<step>\d+)-step(?:_rank(?P<rank>\d+))?_dump\.hdf5$"
+)
+
+
+def step_file_name(epoch: int, step: int, rank: Optional[int] = None) -> str:
+    """Final name of one step's file: ``{epoch}-epoch_{step}-step[_rank{r}]_dump.hdf5``."""
+    rank_part = "" if rank is None else f"_rank{rank}"
+    return f"{epoch}-epoch_{step}-step{rank_part}_dump{FILE_SUFFIX}"
+
+
+def temp_file_name(final_name: str, pid: int) -> str:
+    """Name a step file carries while it is being written (hidden, never matches a dump)."""
+    return f".{final_name}.{pid}{TEMP_SUFFIX}"
+
+
+def parse_step_file_name(name: str) -> Optional[tuple[int, int, Optional[int]]]:
+    """``(epoch, step, rank)`` of a final step-file name, or None for any other name."""
+    m = _STEP_FILE_RE.match(name)
+    if m is None:
+        return None
+    rank = m.group("rank")
+    return int(m.group("epoch")), int(m.group("step")), None if rank is None else int(rank)
+
+
+def is_temp_file_name(name: str) -> bool:
+    return name.startswith(".") and name.endswith(TEMP_SUFFIX) and FILE_SUFFIX in name
+
+
+# ---- inside a file -----------------------------------------------------------------
+def step_group_name(epoch: int, step: int) -> str:
+    return f"{epoch}-epoch_{step}-step"
+
+
+def call_group_name(call: int, module_key: str) -> str:
+    """Group of one module call, e.g. ``0018_layer1.0.bn1.BatchNorm2d``."""
+    return f"{call:04d}_{module_key.replace('/', '|')}"
+
+
+def module_key(path: str, cls: str) -> str:
+    """Key of a module: its path in the model and its class; the root is its class alone."""
+    return f"{path}.{cls}" if path else cls
+
+
+def dataset_name(kind: str, index: int) -> str:
+    return f"{kind}_{index}"
+
+
+INDEX_DATASET = "index"
+
+# Kinds of record. Forward kinds are written at forward time, backward kinds when autograd runs.
+INPUT, OUTPUT, GRAD_INPUT, GRAD_OUTPUT, PARAM, PARAM_GRAD = (
+    "input", "output", "grad_input", "grad_output", "param", "param_grad",
+)
+KINDS = (INPUT, OUTPUT, GRAD_INPUT, GRAD_OUTPUT, PARAM, PARAM_GRAD)
+FORWARD_KINDS = frozenset({INPUT, OUTPUT, PARAM})
+BACKWARD_KINDS = frozenset({GRAD_INPUT, GRAD_OUTPUT, PARAM_GRAD})
+
+# Encodings of a stored dataset.
+ENC_RAW = "raw"    # stored in the numpy dtype of the same name as the torch dtype
+ENC_BITS = "bits"  # the tensor's bytes reinterpreted as an unsigned/int type; decode by `dtype`
+ENC_NONE = "none"  # no dataset: a non-tensor leaf (see `value`) or a dropped tensor
+ENCODINGS = frozenset({ENC_RAW, ENC_BITS, ENC_NONE})
+
+# Record status.
+ST_OK, ST_DROPPED, ST_UNSUPPORTED = "ok", "dropped", "unsupported"
+
+# Columns of the per-step index table, in order: (name, kind), kind "str" = UTF-8 vlen string.
+INDEX_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("seq", "int64"),         # global event number: orders forward and backward records
+    ("call", "int32"),        # module-call number in this step (execution order of forward)
+    ("module", "str"),        # module path in the model, "" for the root
+    ("cls", "str"),           # module class name
+    ("call_idx", "int32"),    # n-th call of this module in this step, from 0
+    ("group", "str"),         # name of the call's group inside the step group
+    ("kind", "str"),          # one of KINDS
+    ("index", "int32"),       # n-th tensor of this kind in this call; -1 for non-tensor leaves
+    ("path", "str"),          # structural path of the leaf, e.g. args[0], kwargs['mask'], out['logits']
+    ("dataset", "str"),       # dataset name inside the call group, "" if none
+    ("dtype", "str"),         # torch dtype name (e.g. bfloat16); Python type name for non-tensors
+    ("shape", "str"),         # comma-separated sizes, "" for a 0-d tensor
+    ("encoding", "str"),      # one of ENCODINGS
+    ("device", "str"),        # device the tensor lived on
+    ("requires_grad", "int8"),
+    ("status", "str"),        # ST_OK / ST_DROPPED / ST_UNSUPPORTED
+    ("value", "str"),         # short repr of a non-tensor leaf, or why a tensor was not stored
+)
+INDEX_COLUMN_NAMES = tuple(name for name, _ in INDEX_COLUMNS)
+
+# Root attributes of every step file.
+ATTR_FORMAT_NAME = "format_name"
+ATTR_FORMAT_VERSION = "format_version"
+RUN_ATTRS = (
+    "epoch", "step", "rank", "world_size", "torch_version", "device", "default_dtype",
+    "tf32_matmul", "tf32_cudnn", "float32_matmul_precision", "deterministic_algorithms",
+    "cudnn_deterministic", "created",
+)
+
+
+def format_shape(shape: tuple[int, ...]) -> str:
+    return ",".join(str(s) for s in shape)
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    return tuple(int(s) for s in text.split(",")) if text else ()

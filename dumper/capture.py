@@ -1,0 +1,182 @@
+"""Module hooks for one step: number every call, snapshot its tensors, follow its gradients.
+
+Data flows one way: hooks -> :class:`~dumper.record.Record` -> ``sink`` (the step writer).
+Every hook registered here is kept in ``handles`` and removed by :meth:`StepCapture.remove`.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import defaultdict
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from compare import format as fmt
+
+from .flatten import leaves
+from .grads import GradInputCollector, current_sequence_nr, gradient_edge
+from .record import CallInfo, Record, leaf_record, tensor_record
+from .selection import Selection
+
+Sink = Callable[[Record], None]
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass on this thread (e.g. checkpoint recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _OpenCall:
+    """State of a call between its pre-hook and its forward hook."""
+
+    __slots__ = ("info", "seq_lo", "grads")
+
+    def __init__(self, info: CallInfo, seq_lo: int, grads: Optional[GradInputCollector]):
+        self.info, self.seq_lo, self.grads = info, seq_lo, grads
+
+
+class StepCapture:
+    """Hooks ``model`` for one step and sends a :class:`Record` per captured leaf to ``sink``."""
+
+    def __init__(self, model: nn.Module, sink: Sink, selection: Selection, params: bool):
+        self._sink = sink
+        self._sel = selection
+        self._params = params
+        self._seq = itertools.count()
+        self._calls = itertools.count()
+        self._lock = threading.Lock()
+        self._call_counts: dict[int, int] = defaultdict(int)
+        self._open: dict[int, list[Optional[_OpenCall]]] = defaultdict(list)
+        self._collectors: list[GradInputCollector] = []
+        self._first_call: dict[int, CallInfo] = {}
+        self._param_grads: dict[tuple[int, int], Record] = {}
+        self.handles: list[RemovableHandle] = []
+        for path, module in model.named_modules():
+            if selection.wants_module(path, module):
+                self._install(path, module)
+
+    # -- lifetime ----------------------------------------------------------------------
+    def _install(self, path: str, module: nn.Module) -> None:
+        cls = type(module).__name__
+        self.handles.append(module.register_forward_pre_hook(
+            lambda m, args, kwargs: self._pre_hook(m, path, cls, args, kwargs), with_kwargs=True))
+        self.handles.append(module.register_forward_hook(
+            lambda m, args, kwargs, out: self._post_hook(m, out), with_kwargs=True))
+        if self._params and self._sel.wants_kind(fmt.PARAM_GRAD):
+            for i, (name, p) in enumerate(module.named_parameters(recurse=False)):
+                if p.requires_grad:
+                    self.handles.append(p.register_post_accumulate_grad_hook(
+                        self._param_grad_hook(id(module), i, name)))
+
+    def finish(self) -> None:
+        """Emit what only completes at step end (partial grad sums, final parameter grads)."""
+        for collector in self._collectors:
+            collector.flush()
+        for record in sorted(self._param_grads.values(), key=lambda r: r.seq):
+            self._sink(record)
+
+    def remove(self) -> None:
+        """Remove every hook this capture registered (module, tensor, node and parameter hooks)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        self._collectors.clear()
+        self._param_grads.clear()
+
+    # -- forward -----------------------------------------------------------------------
+    def _next_seq(self) -> int:
+        with self._lock:
+            return next(self._seq)
+
+    def _pre_hook(self, module: nn.Module, path: str, cls: str, args: tuple, kwargs: dict) -> None:
+        stack = self._open[id(module)]
+        if in_backward():  # activation-checkpoint recomputation: already recorded
+            stack.append(None)
+            return
+        info = CallInfo(next(self._calls), path, cls, self._call_counts[id(module)])
+        self._call_counts[id(module)] += 1
+        self._first_call.setdefault(id(module), info)
+        seq = self._next_seq()
+        want_input = self._sel.wants_kind(fmt.INPUT)
+        want_grad = self._sel.wants_kind(fmt.GRAD_INPUT) and torch.is_grad_enabled()
+        edges, keep_alive, paths, index = {}, [], {}, 0
+        for leaf_path, leaf in itertools.chain(leaves(args, "args"), leaves(kwargs, "kwargs")):
+            if isinstance(leaf, torch.Tensor):
+                if want_input:
+                    self._sink(tensor_record(seq, info, fmt.INPUT, index, leaf_path, leaf))
+                if want_grad and leaf.requires_grad:
+                    node, nr = gradient_edge(leaf)
+                    edges.setdefault((id(node), nr), index)
+                    keep_alive.append(node)
+                    paths[index] = leaf_path
+                index += 1
+            elif want_input:
+                self._sink(leaf_record(seq, info, fmt.INPUT, leaf_path, leaf))
+        if self._params and self._sel.wants_kind(fmt.PARAM):
+            for i, (name, p) in enumerate(module.named_parameters(recurse=False)):
+                self._sink(tensor_record(seq, info, fmt.PARAM, i, name, p))
+        grads = None
+        if edges:
+            grads = GradInputCollector(edges, keep_alive, self._grad_input_emitter(info, paths))
+            self._collectors.append(grads)
+        stack.append(_OpenCall(info, current_sequence_nr(), grads))
+
+    def _post_hook(self, module: nn.Module, output: Any) -> None:
+        stack = self._open[id(module)]
+        call = stack.pop() if stack else None
+        if call is None:
+            return
+        seq = self._next_seq()
+        want_output = self._sel.wants_kind(fmt.OUTPUT)
+        want_grad = self._sel.wants_kind(fmt.GRAD_OUTPUT)
+        grad_outputs: list[tuple[int, str, torch.Tensor]] = []
+        index = 0
+        for leaf_path, leaf in leaves(output, "output"):
+            if isinstance(leaf, torch.Tensor):
+                if want_output:
+                    self._sink(tensor_record(seq, call.info, fmt.OUTPUT, index, leaf_path, leaf))
+                if leaf.requires_grad:
+                    grad_outputs.append((index, leaf_path, leaf))
+                index += 1
+            elif want_output:
+                self._sink(leaf_record(seq, call.info, fmt.OUTPUT, leaf_path, leaf))
+        passthrough: dict[int, int] = {}
+        if call.grads is not None:
+            found = call.grads.attach([t for _, _, t in grad_outputs], call.seq_lo,
+                                      current_sequence_nr(), self.handles)
+            by_tensor = {id(t): idx for t, idx in found}
+            passthrough = {i: by_tensor[id(t)] for i, _, t in grad_outputs if id(t) in by_tensor}
+        for i, leaf_path, t in grad_outputs:
+            if want_grad or i in passthrough:
+                self.handles.append(t.register_hook(self._grad_output_hook(
+                    call, i, leaf_path, want_grad, passthrough.get(i))))
+
+    # -- backward ----------------------------------------------------------------------
+    def _grad_output_hook(self, call: _OpenCall, index: int, path: str, record: bool,
+                          passthrough_input: Optional[int]):
+        def hook(grad: torch.Tensor) -> None:
+            if record:
+                self._sink(tensor_record(self._next_seq(), call.info, fmt.GRAD_OUTPUT, index,
+                                         path, grad))
+            if passthrough_input is not None:
+                call.grads.add_passthrough(passthrough_input, grad)
+        return hook
+
+    def _grad_input_emitter(self, info: CallInfo, paths: dict[int, str]
+                            ) -> Callable[[int, torch.Tensor], None]:
+        def emit(index: int, grad: torch.Tensor) -> None:
+            self._sink(tensor_record(self._next_seq(), info, fmt.GRAD_INPUT, index,
+                                     paths[index], grad))
+        return emit
+
+    def _param_grad_hook(self, module_id: int, index: int, name: str):
+        """Keeps the latest accumulated gradient; it is recorded under the module's first call."""
+        def hook(p: torch.Tensor) -> None:
+            call = self._first_call.get(module_id)
+            if p.grad is not None and call is not None:
+                self._param_grads[(module_id, index)] = tensor_record(
+                    self._next_seq(), call, fmt.PARAM_GRAD, index, name, p.grad)
+        return hook

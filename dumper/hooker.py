@@ -1,0 +1,155 @@
+"""``HookerAndDumper``: the public entry point of the capture side."""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from pathlib import Path
+from typing import Iterable, Iterator, Optional, Union
+
+from torch import nn
+
+from compare import format as fmt
+
+from .capture import StepCapture
+from .run_info import distributed_rank, run_attrs
+from .selection import Patterns, Selection, Types
+from .window import Window, WindowSpec
+from .writer import DumpWriteError, StepWriter
+
+DEFAULT_MAX_BYTES_IN_FLIGHT = 1 << 30
+
+
+class HookerAndDumper:
+    """Capture every module call's tensors of the chosen steps into per-step HDF5 files.
+
+    ``register_hooks(model, epoch, step)`` before a step and ``remove_hooks()`` after it; outside
+    the ``epochs`` x ``steps`` window both are no-ops that install nothing and touch no file.
+    Each step is written to ``file_path/{epoch}-epoch_{step}-step_dump.hdf5`` (see
+    ``docs/format.md``), published atomically by ``remove_hooks``. The model's numerics are not
+    changed: hooks only read.
+
+    ``on_error="raise"`` (default) makes ``remove_hooks`` raise :class:`DumpWriteError` when the
+    step could not be written; ``"warn"`` warns and lets training go on. Either way earlier step
+    files are untouched.
+    """
+
+    def __init__(self, file_path: Union[str, os.PathLike] = "dumps/", epochs: WindowSpec = None,
+                 steps: WindowSpec = None, *, include: Patterns = None, exclude: Patterns = None,
+                 module_types: Types = None, kinds: Optional[Iterable[str]] = None,
+                 params: bool = False, on_error: str = "raise",
+                 max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT, fsync: bool = False):
+        self.directory = _prepare_directory(file_path)
+        self.epochs = Window(epochs, "epochs")
+        self.steps = Window(steps, "steps")
+        self.selection = Selection(include, exclude, module_types, kinds)
+        self.params = bool(params)
+        if on_error not in ("raise", "warn"):
+            raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
+        self.on_error = on_error
+        if max_bytes_in_flight <= 0:
+            raise ValueError(f"max_bytes_in_flight must be positive, got {max_bytes_in_flight}")
+        self.max_bytes_in_flight = max_bytes_in_flight
+        self.fsync = fsync
+        self.written_files: list[Path] = []
+        self._registered = False
+        self._capture: Optional[StepCapture] = None
+        self._writer: Optional[StepWriter] = None
+
+    def in_window(self, epoch: int, step: int) -> bool:
+        return epoch in self.epochs and step in self.steps
+
+    def register_hooks(self, model: nn.Module, epoch: int, step: int) -> bool:
+        """Hook ``model`` for step ``(epoch, step)`` if it is in the window; returns whether it is."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"register_hooks needs a torch.nn.Module, got {type(model).__name__}")
+        for name, value in (("epoch", epoch), ("step", step)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if self._registered:
+            raise RuntimeError("register_hooks was called twice without remove_hooks; call "
+                               "remove_hooks() at the end of every step (or use `with d.hooks(...)`)")
+        self._registered = True
+        if not self.in_window(epoch, step):
+            return False
+        rank, _ = distributed_rank()
+        path = self.directory / fmt.step_file_name(epoch, step, rank)
+        self._writer = StepWriter(path, fmt.step_group_name(epoch, step),
+                                  run_attrs(model, epoch, step), self.max_bytes_in_flight,
+                                  self.fsync)
+        self._capture = StepCapture(model, self._writer.submit, self.selection, self.params)
+        return True
+
+    def remove_hooks(self) -> Optional[Path]:
+        """Remove every hook and publish this step's file; returns its path (None outside the window)."""
+        self._registered = False
+        capture, writer = self._capture, self._writer
+        self._capture = self._writer = None
+        if capture is None:
+            return None
+        try:
+            capture.finish()
+        finally:
+            capture.remove()
+        try:
+            path = writer.finish()
+        except DumpWriteError as exc:
+            if self.on_error == "raise":
+                raise
+            warnings.warn(str(exc), RuntimeWarning, stacklevel=2)
+            return None
+        self.written_files.append(path)
+        return path
+
+    def abort_step(self) -> None:
+        """Remove every hook and discard the step in flight (nothing is published)."""
+        self._registered = False
+        capture, writer = self._capture, self._writer
+        self._capture = self._writer = None
+        if capture is not None:
+            capture.remove()
+            writer.abort()
+
+    @contextlib.contextmanager
+    def hooks(self, model: nn.Module, epoch: int, step: int) -> Iterator[bool]:
+        """``with d.hooks(model, epoch, step):`` one step; a step that raises is discarded."""
+        active = self.register_hooks(model, epoch, step)
+        try:
+            yield active
+        except BaseException:
+            self.abort_step()
+            raise
+        self.remove_hooks()
+
+    def close(self) -> None:
+        """Discard a step left open (hooks registered, never removed)."""
+        self.abort_step()
+
+    def __enter__(self) -> "HookerAndDumper":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def read_h5py_data(self, path: Union[str, os.PathLike, None] = None) -> None:
+        """Print the structure of the dump (groups, datasets, dtypes, shapes); default: all of it."""
+        from compare.inspect import print_tree
+        print_tree(self.directory if path is None else path)
+
+
+def _prepare_directory(file_path: Union[str, os.PathLike]) -> Path:
+    if not isinstance(file_path, (str, os.PathLike)):
+        raise TypeError(f"file_path must be a directory path, got {type(file_path).__name__}")
+    directory = Path(file_path)
+    if directory.exists() and not directory.is_dir():
+        raise NotADirectoryError(f"file_path {str(directory)!r} exists and is not a directory; "
+                                 f"pass a directory for the step files")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PermissionError(f"cannot create dump directory {str(directory)!r}: "
+                              f"{exc.strerror}; choose a writable file_path") from exc
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise PermissionError(f"dump directory {str(directory)!r} is not writable; "
+                              f"choose a writable file_path")
+    return directory
