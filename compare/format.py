@@ -60,8 +60,9 @@ def module_key(path: str, cls: str) -> str:
     return f"{path}.{cls}" if path else cls
 
 
-def dataset_name(kind: str, index: int) -> str:
-    return f"{kind}_{index}"
+def dataset_name(kind: str, index: int, occurrence: int = 0) -> str:
+    """``input_0``; a gradient delivered again by a later backward pass gets ``@n`` appended."""
+    return f"{kind}_{index}" if occurrence == 0 else f"{kind}_{index}@{occurrence}"
 
 
 INDEX_DATASET = "index"
@@ -93,6 +94,7 @@ INDEX_COLUMNS: tuple[tuple[str, str], ...] = (
     ("group", "str"),         # name of the call's group inside the step group
     ("kind", "str"),          # one of KINDS
     ("index", "int32"),       # n-th tensor of this kind in this call; -1 for non-tensor leaves
+    ("occurrence", "int32"),  # 0; n for the n-th repeat of a gradient (backward run again)
     ("path", "str"),          # structural path of the leaf, e.g. args[0], kwargs['mask'], out['logits']
     ("dataset", "str"),       # dataset name inside the call group, "" if none
     ("dtype", "str"),         # torch dtype name (e.g. bfloat16); Python type name for non-tensors

@@ -53,6 +53,7 @@ class StepCapture:
         self._collectors: list[GradInputCollector] = []
         self._first_call: dict[int, CallInfo] = {}
         self._param_grads: dict[tuple[int, int], Record] = {}
+        self._occurrences: dict[tuple[int, str, int], int] = defaultdict(int)
         self.handles: list[RemovableHandle] = []
         for path, module in model.named_modules():
             if selection.wants_module(path, module):
@@ -159,8 +160,8 @@ class StepCapture:
                           passthrough_input: Optional[int]):
         def hook(grad: torch.Tensor) -> None:
             if record:
-                self._sink(tensor_record(self._next_seq(), call.info, fmt.GRAD_OUTPUT, index,
-                                         path, grad))
+                self._emit_gradient(tensor_record(self._next_seq(), call.info, fmt.GRAD_OUTPUT,
+                                                  index, path, grad))
             if passthrough_input is not None:
                 call.grads.add_passthrough(passthrough_input, grad)
         return hook
@@ -168,9 +169,17 @@ class StepCapture:
     def _grad_input_emitter(self, info: CallInfo, paths: dict[int, str]
                             ) -> Callable[[int, torch.Tensor], None]:
         def emit(index: int, grad: torch.Tensor) -> None:
-            self._sink(tensor_record(self._next_seq(), info, fmt.GRAD_INPUT, index,
-                                     paths[index], grad))
+            self._emit_gradient(tensor_record(self._next_seq(), info, fmt.GRAD_INPUT, index,
+                                              paths[index], grad))
         return emit
+
+    def _emit_gradient(self, record: Record) -> None:
+        """Send a gradient record, numbering repeats (a backward pass run again on the graph)."""
+        key = (record.call.number, record.kind, record.index)
+        with self._lock:
+            record.occurrence = self._occurrences[key]
+            self._occurrences[key] += 1
+        self._sink(record)
 
     def _param_grad_hook(self, module_id: int, index: int, name: str):
         """Keeps the latest accumulated gradient; it is recorded under the module's first call."""

@@ -41,6 +41,7 @@ class GradInputCollector:
         self._edges = edges            # input edge -> input index
         self._keep_alive = keep_alive  # input edge nodes, so their ids stay unique
         self._emit = emit
+        self._expected: dict[int, int] = {}  # contributions per input in one backward pass
         self._pending: dict[int, int] = {}
         self._sums: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
@@ -61,10 +62,11 @@ class GradInputCollector:
                 roots.append(node)
         for node, slots in self._find_consumers(roots, seq_lo, seq_hi).items():
             for idx in {i for _, i in slots}:
-                self._pending[idx] = self._pending.get(idx, 0) + 1
+                self._expected[idx] = self._expected.get(idx, 0) + 1
             handles.append(node.register_hook(self._node_hook(slots)))
         for _, idx in passthrough:
-            self._pending[idx] = self._pending.get(idx, 0) + 1
+            self._expected[idx] = self._expected.get(idx, 0) + 1
+        self._pending = dict(self._expected)
         self._keep_alive = []
         return passthrough
 
@@ -108,8 +110,10 @@ class GradInputCollector:
 
     def _done(self, idx: int) -> None:
         self._pending[idx] -= 1
-        if self._pending[idx] == 0 and idx in self._sums:
-            self._emit(idx, self._sums.pop(idx))
+        if self._pending[idx] == 0:
+            self._pending[idx] = self._expected[idx]  # ready for another backward pass
+            if idx in self._sums:
+                self._emit(idx, self._sums.pop(idx))
 
     def flush(self) -> None:
         """Emit partial sums of inputs whose other consumers never ran (called at step end)."""

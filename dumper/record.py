@@ -42,10 +42,13 @@ class Record:
     status: str
     value: str = ""
     snapshot: Optional[torch.Tensor] = None
+    occurrence: int = 0
 
     @property
     def dataset(self) -> str:
-        return fmt.dataset_name(self.kind, self.index) if self.snapshot is not None else ""
+        if self.snapshot is None:
+            return ""
+        return fmt.dataset_name(self.kind, self.index, self.occurrence)
 
     @property
     def nbytes(self) -> int:

@@ -31,7 +31,8 @@ def _index_dtype() -> np.dtype:
 
 def _index_row(r: Record, encoding: str) -> tuple:
     c = r.call
-    return (r.seq, c.number, c.module, c.cls, c.call_idx, c.group, r.kind, r.index, r.path,
+    return (r.seq, c.number, c.module, c.cls, c.call_idx, c.group, r.kind, r.index, r.occurrence,
+            r.path,
             r.dataset, r.dtype, r.shape, encoding, r.device, int(r.requires_grad), r.status,
             r.value)
 
@@ -146,7 +147,7 @@ class StepWriter:
         self._rows.append(_index_row(record, encoding))
 
     def _write_index(self, step_group: h5py.Group) -> None:
-        self._rows.sort(key=lambda row: (row[0], row[1], row[6], row[7]))
+        self._rows.sort(key=lambda row: row[0])  # stable: one event's rows keep their order
         table = np.array(self._rows, dtype=_index_dtype())
         step_group.create_dataset(fmt.INDEX_DATASET, data=table)
 

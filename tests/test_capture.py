@@ -1,0 +1,189 @@
+"""What the dumper records: exact gradients, snapshots, structure, selection."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from compare.dump import load_dump
+from dumper import HookerAndDumper
+
+from helpers import read_tensors
+from zoo import SharedTwice, UsesInputTwice, loss_of
+
+
+class ResidualNoInplace(nn.Module):
+    """Inputs consumed inside and outside modules; no in-place ops, so autograd.grad w.r.t. an
+    output is a valid reference."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = UsesInputTwice(16)
+        self.blocks = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.inner(x) + x
+        h = self.blocks(h) + h
+        return self.head(h)
+
+
+def _dump_one_step(model, batch, tmp_path, **kwargs):
+    dumper = HookerAndDumper(tmp_path, **kwargs)
+    dumper.register_hooks(model, 0, 0)
+    out = model(batch)
+    loss = loss_of(out)
+    loss.backward()
+    dumper.remove_hooks()
+    return out, loss
+
+
+@pytest.mark.parametrize("factory", [ResidualNoInplace, SharedTwice])
+def test_gradients_match_autograd_references(factory, tmp_path):
+    """grad_output against torch.autograd.grad of the loss; grad_input against the module's VJP."""
+    model = factory()
+    batch = torch.randn(6, 16 if factory is ResidualNoInplace else 8, requires_grad=True)
+    outputs = {}  # (module, call_idx) -> output tensor, kept by the test's own forward hooks
+    seen = {}
+    handles = []
+    for name, m in model.named_modules():
+        def keep(mod, args, out, name=name):
+            i = seen.get(name, 0)
+            seen[name] = i + 1
+            outputs[(name, i)] = out
+        handles.append(m.register_forward_hook(keep))
+    dumper = HookerAndDumper(tmp_path)
+    dumper.register_hooks(model, 0, 0)
+    loss = loss_of(model(batch))
+    refs = torch.autograd.grad(loss, list(outputs.values()) + [batch])[:-1]
+    dumper.remove_hooks()
+    for h in handles:
+        h.remove()
+    ref_grad_out = dict(zip(outputs, refs))
+    rec = read_tensors(tmp_path)
+    modules = dict(model.named_modules())
+    checked = 0
+    for (name, call), grad_out in ref_grad_out.items():
+        assert torch.equal(rec[(name, call, "grad_output", 0)], grad_out), (name, call)
+        # VJP of the module alone, at the recorded input, with the reference grad_output
+        x = rec[(name, call, "input", 0)].clone().requires_grad_()
+        (ref_in,) = torch.autograd.grad(modules[name](x), x, grad_out)
+        assert torch.equal(rec[(name, call, "grad_input", 0)], ref_in), (name, call)
+        checked += 1
+    assert checked == len(outputs) >= 4
+
+
+def test_inplace_relu_does_not_alter_snapshots(tmp_path):
+    torch.manual_seed(0)
+    lin, relu = nn.Linear(4, 4), nn.ReLU(inplace=True)
+    model = nn.Sequential(lin, relu)
+    x = torch.randn(8, 4)
+    expected_lin_out = lin(x).detach().clone()
+    assert (expected_lin_out < 0).any()
+    _dump_one_step(model, x, tmp_path)
+    rec = read_tensors(tmp_path)
+    assert torch.equal(rec[("0", 0, "output", 0)], expected_lin_out)        # before the ReLU
+    assert torch.equal(rec[("1", 0, "input", 0)], expected_lin_out)         # pre-hook snapshot
+    assert torch.equal(rec[("1", 0, "output", 0)], expected_lin_out.relu())
+    # gradients: the linear output's gradient is taken before the in-place ReLU modified it
+    g_relu_out = rec[("1", 0, "grad_output", 0)]
+    assert torch.equal(rec[("0", 0, "grad_output", 0)], g_relu_out * (expected_lin_out > 0))
+    assert torch.equal(rec[("1", 0, "grad_input", 0)], g_relu_out * (expected_lin_out > 0))
+
+
+def test_repeated_backward_records_each_pass(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    dumper = HookerAndDumper(tmp_path)
+    dumper.register_hooks(model, 0, 0)
+    loss = loss_of(model(torch.randn(3, 4, requires_grad=True)))
+    loss.backward(retain_graph=True)
+    (loss * 2).backward()
+    dumper.remove_hooks()
+    rec = read_tensors(tmp_path)
+    for kind in ("grad_output", "grad_input"):
+        first = rec[("1", 0, kind, 0)]
+        assert torch.equal(rec[("1", 0, kind, 0, 1)], first * 2)
+
+
+def test_shared_module_calls_are_numbered_and_paired(tmp_path):
+    model = SharedTwice()
+    _dump_one_step(model, torch.randn(4, 8, requires_grad=True), tmp_path)
+    index = load_dump(tmp_path).index
+    shared = index[index["module"] == "shared"]
+    assert sorted(shared["call_idx"].unique()) == [0, 1]
+    for call_idx, rows in shared.groupby("call_idx"):
+        assert set(rows["kind"]) == {"input", "output", "grad_input", "grad_output"}
+        assert rows["group"].nunique() == 1
+    # the second call's backward runs first
+    back = shared[shared["kind"] == "grad_output"].sort_values("seq")
+    assert back["call_idx"].tolist() == [1, 0]
+    groups = shared.drop_duplicates("call")["group"].tolist()
+    assert groups == ["0001_shared.Linear", "0002_shared.Linear"]
+
+
+def test_structured_leaves_and_non_tensors_are_indexed(tmp_path):
+    from zoo import StructuredModel
+    _dump_one_step(StructuredModel(), torch.randn(4, 8), tmp_path)
+    index = load_dump(tmp_path).index
+    dt = index[(index["module"] == "dt") & (index["kind"] == "output")]
+    assert dt["path"].tolist() == ["output['logits']", "output['aux'][0]", "output['aux'][1]",
+                                   "output['aux'][2]", "output['pair'].left", "output['pair'].right"]
+    assert dt["index"].tolist() == [0, 1, -1, -1, 2, -1]
+    assert dt[dt["index"] == -1]["value"].tolist() == ["3", "None", "'tag'"]
+    n = index[(index["module"] == "int") & (index["kind"] == "output")]
+    assert n["dtype"].tolist() == ["int"] and n["value"].tolist() == ["4"]
+    none_out = index[(index["module"] == "none") & (index["kind"] == "output")]
+    assert none_out["value"].tolist() == ["None"]
+    dc = index[(index["module"] == "dc") & (index["kind"] == "output")]
+    assert dc["path"].tolist() == ["output.main", "output.extra['scale']", "output.extra['t']"]
+
+
+def test_kwargs_are_captured(tmp_path):
+    from zoo import KwargsModel
+    _dump_one_step(KwargsModel(), torch.randn(4, 8, requires_grad=True), tmp_path)
+    index = load_dump(tmp_path).index
+    inner = index[(index["module"] == "inner") & (index["kind"].isin(["input", "grad_input"]))]
+    assert set(inner["path"]) == {"kwargs['x']", "kwargs['scale']", "kwargs['mask']"}
+    assert inner[inner["kind"] == "grad_input"]["path"].tolist() == ["kwargs['x']"]
+
+
+def test_selection_filters_modules_and_kinds(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Linear(4, 1))
+    _dump_one_step(model, torch.randn(3, 4), tmp_path / "a", include=["1*"], exclude=["*Tanh"],
+                   kinds=["output", "grad_output"])
+    index = load_dump(tmp_path / "a").index
+    assert set(index["module"]) == {"1", "1.0"}
+    assert set(index["kind"]) == {"output", "grad_output"}
+    _dump_one_step(model, torch.randn(3, 4), tmp_path / "b", module_types=["Tanh", nn.Sequential])
+    assert set(load_dump(tmp_path / "b").index["cls"]) == {"Tanh", "Sequential"}
+
+
+def test_params_and_param_grads(tmp_path):
+    model = nn.Sequential(nn.Linear(3, 2))
+    weight_before = model[0].weight.detach().clone()
+    _dump_one_step(model, torch.randn(5, 3), tmp_path, params=True)
+    rec = read_tensors(tmp_path)
+    assert torch.equal(rec[("0", 0, "param", 0)], weight_before)
+    assert torch.equal(rec[("0", 0, "param_grad", 0)], model[0].weight.grad)
+    assert torch.equal(rec[("0", 0, "param_grad", 1)], model[0].bias.grad)
+
+
+def test_run_metadata(tmp_path):
+    _dump_one_step(nn.Linear(2, 2), torch.randn(1, 2), tmp_path)
+    step = load_dump(tmp_path).steps[0]
+    assert step.attrs["format_version"] == 1
+    assert step.attrs["torch_version"] == str(torch.__version__)
+    assert step.attrs["device"] == "cpu" and step.attrs["default_dtype"] == "float32"
+    assert {"tf32_matmul", "tf32_cudnn", "deterministic_algorithms"} <= set(step.attrs)
+
+
+def test_read_h5py_data_prints_tree(tmp_path, capsys):
+    dumper = HookerAndDumper(tmp_path)
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with dumper.hooks(model, 0, 0):
+        model(torch.randn(3, 2)).sum().backward()
+    dumper.read_h5py_data()
+    text = capsys.readouterr().out
+    assert "0-epoch_0-step_dump.hdf5" in text and "/0-epoch_0-step" in text
+    assert "0001_0.Linear" in text and "0002_1.ReLU" in text
+    assert "grad_input_0" in text and "float32" in text and "[3, 2]" in text
