@@ -74,7 +74,9 @@ def decode(array: np.ndarray, dtype: str, encoding: str) -> np.ndarray:
         halves = array.astype(np.uint32)
         real = (halves & 0xFFFF).astype(np.uint16).view(np.float16)
         imag = (halves >> 16).astype(np.uint16).view(np.float16)
-        return real.astype(np.float32) + 1j * imag.astype(np.float32)
+        out = np.empty(array.shape, dtype=np.complex64)
+        out.real, out.imag = real, imag
+        return out
     if dtype == "float4_e2m1fn_x2":  # two values per byte, low nibble first
         table = _table(dtype)
         pairs = np.stack([table[array & 0xF], table[array >> 4]], axis=-1)

@@ -86,17 +86,17 @@ class StepReader:
 
     def read(self, row) -> np.ndarray:
         """Decoded values of the tensor of index row ``row`` (whole)."""
-        return decode(self.dataset(row)[()], row.dtype, row.encoding)
+        return decode(self.read_raw(row), row.dtype, row.encoding)
 
     def read_raw(self, row) -> np.ndarray:
         """The stored array as it is on disk (bits for types numpy lacks)."""
-        return self.dataset(row)[()]
+        return np.asarray(self.dataset(row)[()])
 
     def chunks(self, row, max_elements: int) -> Iterator[np.ndarray]:
         """Decoded values in flat C-order pieces of at most about ``max_elements`` elements."""
         ds = self.dataset(row)
         if ds.ndim == 0 or ds.size <= max_elements:
-            yield decode(ds[()], row.dtype, row.encoding).reshape(-1)
+            yield decode(np.asarray(ds[()]), row.dtype, row.encoding).reshape(-1)
             return
         per_row = max(1, ds.size // ds.shape[0])
         step = max(1, max_elements // per_row)

@@ -1,0 +1,47 @@
+"""Child process for the crash tests: trains a small model with the dumper on every step.
+
+usage: crash_child.py DIR STEPS [--hang-at STEP] [--fsize-limit BYTES]
+With --hang-at, prints HANGING in the middle of that step's backward and sleeps (to be killed).
+With --fsize-limit, the process may not write files larger than BYTES (a full disk, in effect).
+"""
+import argparse
+import resource
+import signal
+import sys
+import time
+
+import torch
+from torch import nn
+
+from dumper import DumpWriteError, HookerAndDumper
+
+parser = argparse.ArgumentParser()
+parser.add_argument("dir")
+parser.add_argument("steps", type=int)
+parser.add_argument("--hang-at", type=int, default=-1)
+parser.add_argument("--fsize-limit", type=int, default=0)
+args = parser.parse_args()
+if args.fsize_limit:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit then fail with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (args.fsize_limit, args.fsize_limit))
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(inplace=True), nn.Linear(256, 256), nn.Tanh(),
+                      nn.Linear(256, 8))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+dumper = HookerAndDumper(args.dir, params=True)
+for step in range(args.steps):
+    x = torch.randn(64 * (step + 1), 64)  # steps grow: a size limit hits a later step first
+    dumper.register_hooks(model, 0, step)
+    out = model(x)
+    if step == args.hang_at:
+        out.register_hook(lambda g: (print("HANGING", flush=True), time.sleep(600)))
+    out.pow(2).mean().backward()
+    try:
+        dumper.remove_hooks()
+    except DumpWriteError as exc:
+        print(f"WRITE-ERROR step {step}: {exc}", flush=True)
+    else:
+        print(f"DONE {step}", flush=True)
+    opt.step()
+    opt.zero_grad()

@@ -1,0 +1,74 @@
+"""A crash or a full disk during step N leaves every earlier step readable and exact."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from compare import format as fmt
+from compare.dump import load_dump
+
+from helpers import read_tensors
+
+CHILD = Path(__file__).with_name("crash_child.py")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _child(*args) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, str(CHILD), *map(str, args)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _assert_steps_equal(dir_a: Path, dir_b: Path, steps: range) -> None:
+    for step in steps:
+        name = fmt.step_file_name(0, step)
+        a, b = read_tensors(dir_a / name), read_tensors(dir_b / name)
+        assert a.keys() == b.keys() and len(a) > 20
+        for key in a:
+            assert torch.equal(a[key], b[key]), (step, key)
+
+
+@pytest.mark.slow
+def test_kill_9_mid_step_keeps_completed_steps(tmp_path):
+    reference = tmp_path / "reference"
+    ref = _child(reference, 3)
+    assert ref.wait(timeout=120) == 0, ref.stderr.read()
+    crashed = tmp_path / "crashed"
+    proc = _child(crashed, 5, "--hang-at", 3)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line.strip())
+        if line.startswith("HANGING"):
+            break
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert lines == ["DONE 0", "DONE 1", "DONE 2", "HANGING"]
+    published = sorted(n for n in os.listdir(crashed) if not n.startswith("."))
+    assert published == [fmt.step_file_name(0, s) for s in range(3)]
+    leftovers = [n for n in os.listdir(crashed) if n.startswith(".")]
+    assert all(fmt.is_temp_file_name(n) for n in leftovers)
+    assert len(load_dump(crashed).steps) == 3  # the directory still loads, the temp file ignored
+    _assert_steps_equal(reference, crashed, range(3))
+
+
+@pytest.mark.slow
+def test_full_disk_reports_error_and_keeps_completed_steps(tmp_path):
+    reference = tmp_path / "reference"
+    assert _child(reference, 1).wait(timeout=120) == 0
+    one_step = (reference / fmt.step_file_name(0, 0)).stat().st_size
+    limited = tmp_path / "limited"
+    proc = _child(limited, 3, "--fsize-limit", int(one_step * 1.5))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    lines = out.splitlines()
+    assert lines[0] == "DONE 0"
+    assert lines[1].startswith("WRITE-ERROR step 1") and "earlier steps are intact" in lines[1]
+    assert sorted(os.listdir(limited))[0] == fmt.step_file_name(0, 0)
+    assert not any(fmt.is_temp_file_name(n) for n in os.listdir(limited))
+    _assert_steps_equal(reference, limited, range(1))
