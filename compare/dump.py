@@ -19,7 +19,7 @@ PathLike = Union[str, os.PathLike]
 STEP_COLUMNS = ("epoch", "step", "rank")
 
 
-def _open_h5(path: Path) -> h5py.File:
+def open_h5(path: Path) -> h5py.File:
     """Open a step file read-only, turning every failure into a one-line :class:`DumpError`."""
     if fmt.is_temp_file_name(path.name):
         raise DumpError(f"{path}: is still being written (temporary file); wait for the step "
@@ -42,7 +42,7 @@ class StepFile:
 
     def __init__(self, path: PathLike):
         self.path = Path(path)
-        with _open_h5(self.path) as f:
+        with open_h5(self.path) as f:
             self.attrs = {k: _plain(v) for k, v in f.attrs.items()}
             self._check_format()
             self.epoch, self.step = int(self.attrs["epoch"]), int(self.attrs["step"])
@@ -68,7 +68,7 @@ class StepFile:
 
     def open(self) -> "StepReader":
         """Open the file for reading tensors: ``with step.open() as r: r.read(row)``."""
-        return StepReader(self, _open_h5(self.path))
+        return StepReader(self, open_h5(self.path))
 
     def __repr__(self) -> str:
         return f"StepFile({str(self.path)!r}, epoch={self.epoch}, step={self.step})"
@@ -93,15 +93,8 @@ class StepReader:
         return np.asarray(self.dataset(row)[()])
 
     def chunks(self, row, max_elements: int) -> Iterator[np.ndarray]:
-        """Decoded values in flat C-order pieces of at most about ``max_elements`` elements."""
-        ds = self.dataset(row)
-        if ds.ndim == 0 or ds.size <= max_elements:
-            yield decode(np.asarray(ds[()]), row.dtype, row.encoding).reshape(-1)
-            return
-        per_row = max(1, ds.size // ds.shape[0])
-        step = max(1, max_elements // per_row)
-        for start in range(0, ds.shape[0], step):
-            yield decode(ds[start:start + step], row.dtype, row.encoding).reshape(-1)
+        """Decoded values in flat C-order pieces (see :func:`read_chunks`)."""
+        return read_chunks(self.dataset(row), row.dtype, row.encoding, max_elements)
 
     def close(self) -> None:
         self._h5.close()
@@ -111,6 +104,20 @@ class StepReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def read_chunks(ds: h5py.Dataset, dtype: str, encoding: str,
+                max_elements: int) -> Iterator[np.ndarray]:
+    """Decoded values of ``ds`` as flat C-order pieces of whole leading-axis slices, each of at
+    most ``max_elements`` elements (or one slice, if a slice is larger). Two datasets of the same
+    shape give aligned pieces."""
+    if ds.ndim == 0 or ds.size <= max_elements:
+        yield decode(np.asarray(ds[()]), dtype, encoding).reshape(-1)
+        return
+    per_row = max(1, ds.size // ds.shape[0])
+    step = max(1, max_elements // per_row)
+    for start in range(0, ds.shape[0], step):
+        yield decode(ds[start:start + step], dtype, encoding).reshape(-1)
 
 
 class Dump:

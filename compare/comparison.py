@@ -1,0 +1,122 @@
+"""``compare_dumps``: pair two dumps and measure every tensor pair's error."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+from typing import Callable, Iterable, Optional, Union
+
+import numpy as np
+import pandas as pd
+
+from .dump import Dump, PathLike, load_dump, open_h5, read_chunks
+from .errors import DumpError
+from .metrics import (METRIC_COLUMNS, MISSING_IN_A, MISSING_IN_B, SHAPE_MISMATCH,
+                      compare_chunks)
+from .pairing import pair_records, tensor_rows
+from .tolerance import pair_tolerance
+
+DEFAULT_CHUNK_ELEMENTS = 1 << 22  # 4 Mi elements: 32 MiB of float64 per side and chunk
+
+RESULT_COLUMNS = [
+    "epoch", "step", "rank", "seq", "module", "cls", "call_idx", "kind", "index", "occurrence",
+    "path", "dtype_a", "dtype_b", "shape_a", "shape_b", "status", *METRIC_COLUMNS, "rtol", "atol",
+]
+
+
+def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Optional[float] = None,
+                  atol: Optional[float] = None, *, steps: Optional[Iterable[str]] = None,
+                  modules: Optional[Iterable[str]] = None, kinds: Optional[Iterable[str]] = None,
+                  jobs: int = 1, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+                  progress: Optional[Callable[[int], None]] = None) -> pd.DataFrame:
+    """One row per tensor record of either dump, in execution order, with its errors.
+
+    ``a`` is the reference. Records are paired by (epoch, step, rank, module, call, kind, index);
+    a record on one side only gets status ``missing_in_a``/``missing_in_b``. ``rtol``/``atol``
+    override the per-dtype defaults (see :mod:`compare.tolerance`). ``steps`` holds ``"S"`` or
+    ``"E:S"`` strings, ``modules`` globs on module path or key, ``kinds`` record kinds. ``jobs``
+    > 1 compares in that many processes. ``progress(n)`` is called as ``n`` more pairs are done.
+    """
+    dump_a, dump_b = load_dump(a), load_dump(b)
+    _check_distinct(dump_a, dump_b)
+    pairs = pair_records(tensor_rows(dump_a, steps, modules, kinds),
+                         tensor_rows(dump_b, steps, modules, kinds))
+    files_a = {(s.epoch, s.step, s.rank if s.rank is not None else -1): s for s in dump_a.steps}
+    files_b = {(s.epoch, s.step, s.rank if s.rank is not None else -1): s for s in dump_b.steps}
+    tasks = _tasks(pairs, files_a, files_b, max(1, jobs), chunk_elements, rtol, atol)
+    metrics: dict[int, dict] = {}
+    if jobs > 1 and len(tasks) > 1:
+        with cf.ProcessPoolExecutor(max_workers=jobs) as pool:
+            for result in pool.map(_run_task, tasks):
+                metrics.update(result)
+                if progress:
+                    progress(len(result))
+    else:
+        for task in tasks:
+            result = _run_task(task)
+            metrics.update(result)
+            if progress:
+                progress(len(result))
+    return _result_frame(pairs, metrics, rtol, atol)
+
+
+def _check_distinct(a: Dump, b: Dump) -> None:
+    files_a = {os.path.realpath(s.path) for s in a.steps}
+    same = files_a & {os.path.realpath(s.path) for s in b.steps}
+    if same:
+        raise DumpError(f"{sorted(same)[0]}: the same file is on both sides; pass two different dumps")
+
+
+def _tasks(pairs: pd.DataFrame, files_a: dict, files_b: dict, jobs: int, chunk_elements: int,
+           rtol, atol) -> list[tuple]:
+    """Work units: (step file A, step file B, rows); a step's rows are split so every job has work."""
+    both = pairs[pairs["side"] == "both"]
+    groups = list(both.groupby(["epoch", "step", "rank"], sort=True))
+    pieces = max(1, -(-jobs * 2 // max(1, len(groups)))) if jobs > 1 else 1
+    tasks = []
+    for key, rows in groups:
+        records = list(rows[["dataset_a", "dataset_b", "group_a", "group_b", "dtype_a",
+                             "dtype_b", "encoding_a", "encoding_b", "shape_a",
+                             "shape_b"]].itertuples())
+        for part in np.array_split(np.arange(len(records)), min(pieces, len(records))):
+            tasks.append((files_a[key].path, files_b[key].path, files_a[key].group_name,
+                          files_b[key].group_name, [records[i] for i in part], chunk_elements,
+                          rtol, atol))
+    return tasks
+
+
+def _run_task(task: tuple) -> dict[int, dict]:
+    path_a, path_b, group_a, group_b, records, chunk_elements, rtol, atol = task
+    out = {}
+    with open_h5(path_a) as fa, open_h5(path_b) as fb:
+        for r in records:
+            tol = pair_tolerance(r.dtype_a, r.dtype_b, rtol, atol)
+            if tuple(r.shape_a) != tuple(r.shape_b):
+                out[r.Index] = {"status": SHAPE_MISMATCH, "rtol": tol.rtol, "atol": tol.atol}
+                continue
+            try:
+                ds_a = fa[group_a][r.group_a][r.dataset_a]
+                ds_b = fb[group_b][r.group_b][r.dataset_b]
+                chunks = zip(read_chunks(ds_a, r.dtype_a, r.encoding_a, chunk_elements),
+                             read_chunks(ds_b, r.dtype_b, r.encoding_b, chunk_elements))
+                result = compare_chunks(chunks, tol)
+            except (KeyError, OSError) as exc:
+                raise DumpError(f"{path_a} / {path_b}: cannot read {r.group_a}/{r.dataset_a} "
+                                f"({exc}); the file is damaged") from exc
+            out[r.Index] = {**result, "rtol": tol.rtol, "atol": tol.atol}
+    return out
+
+
+def _result_frame(pairs: pd.DataFrame, metrics: dict[int, dict], rtol, atol) -> pd.DataFrame:
+    frame = pairs.copy()
+    frame["seq"] = frame["seq_a"].fillna(frame["seq_b"]).astype("int64")
+    frame["cls"] = frame["cls_a"].fillna(frame["cls_b"])
+    frame["path"] = frame["path_a"].fillna(frame["path_b"])
+    computed = pd.DataFrame.from_dict(metrics, orient="index")
+    frame = frame.join(computed)
+    frame.loc[frame["side"] == "a_only", "status"] = MISSING_IN_B
+    frame.loc[frame["side"] == "b_only", "status"] = MISSING_IN_A
+    for col in [*METRIC_COLUMNS, "rtol", "atol"]:
+        if col not in frame:
+            frame[col] = np.nan
+    frame["rank"] = frame["rank"].where(frame["rank"] >= 0, None)
+    return frame[RESULT_COLUMNS].reset_index(drop=True)
