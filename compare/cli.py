@@ -14,8 +14,8 @@ EXIT_SAME, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("a", type=click.Path(path_type=Path))
-@click.argument("b", type=click.Path(path_type=Path), required=False)
+@click.argument("a", type=click.Path(path_type=Path, readable=False))
+@click.argument("b", type=click.Path(path_type=Path, readable=False), required=False)
 @click.option("--rtol", type=float, help="Relative tolerance for every pair (default: per dtype).")
 @click.option("--atol", type=float, help="Absolute tolerance for every pair (default: per dtype).")
 @click.option("--step", "steps", multiple=True, help="Only step S, or E:S (repeatable).")

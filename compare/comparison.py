@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Iterable, NamedTuple, Optional, Union
 
 import numpy as np
 import pandas as pd
@@ -59,6 +59,22 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     return _result_frame(pairs, metrics, rtol, atol)
 
 
+class _PairRef(NamedTuple):
+    """What a worker needs to read one pair (picklable)."""
+
+    row: int
+    dataset_a: str
+    dataset_b: str
+    group_a: str
+    group_b: str
+    dtype_a: str
+    dtype_b: str
+    encoding_a: str
+    encoding_b: str
+    shape_a: tuple
+    shape_b: tuple
+
+
 def _check_distinct(a: Dump, b: Dump) -> None:
     files_a = {os.path.realpath(s.path) for s in a.steps}
     same = files_a & {os.path.realpath(s.path) for s in b.steps}
@@ -74,9 +90,7 @@ def _tasks(pairs: pd.DataFrame, files_a: dict, files_b: dict, jobs: int, chunk_e
     pieces = max(1, -(-jobs * 2 // max(1, len(groups)))) if jobs > 1 else 1
     tasks = []
     for key, rows in groups:
-        records = list(rows[["dataset_a", "dataset_b", "group_a", "group_b", "dtype_a",
-                             "dtype_b", "encoding_a", "encoding_b", "shape_a",
-                             "shape_b"]].itertuples())
+        records = [_PairRef(*t) for t in rows[list(_PairRef._fields[1:])].itertuples(name=None)]
         for part in np.array_split(np.arange(len(records)), min(pieces, len(records))):
             tasks.append((files_a[key].path, files_b[key].path, files_a[key].group_name,
                           files_b[key].group_name, [records[i] for i in part], chunk_elements,
@@ -91,7 +105,7 @@ def _run_task(task: tuple) -> dict[int, dict]:
         for r in records:
             tol = pair_tolerance(r.dtype_a, r.dtype_b, rtol, atol)
             if tuple(r.shape_a) != tuple(r.shape_b):
-                out[r.Index] = {"status": SHAPE_MISMATCH, "rtol": tol.rtol, "atol": tol.atol}
+                out[r.row] = {"status": SHAPE_MISMATCH, "rtol": tol.rtol, "atol": tol.atol}
                 continue
             try:
                 ds_a = fa[group_a][r.group_a][r.dataset_a]
@@ -102,7 +116,7 @@ def _run_task(task: tuple) -> dict[int, dict]:
             except (KeyError, OSError) as exc:
                 raise DumpError(f"{path_a} / {path_b}: cannot read {r.group_a}/{r.dataset_a} "
                                 f"({exc}); the file is damaged") from exc
-            out[r.Index] = {**result, "rtol": tol.rtol, "atol": tol.atol}
+            out[r.row] = {**result, "rtol": tol.rtol, "atol": tol.atol}
     return out
 
 

@@ -20,3 +20,65 @@ def read_tensors(path) -> dict[tuple, torch.Tensor]:
                 assert key not in out, f"duplicate record {key}"
                 out[key] = decode_to_tensor(reader.read_raw(row), row.dtype)
     return out
+
+
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; scales the gradient in backward (a planted backward-only error)."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+class Planted(torch.nn.Module):
+    """Linear -> Tanh -> Linear -> ReLU -> Linear (+ an Identity with ``extra``)."""
+
+    def __init__(self, extra: bool = False):
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 16)
+        self.act = torch.nn.Tanh()
+        self.mid = torch.nn.Linear(16, 16)
+        self.relu = torch.nn.ReLU()
+        self.out = torch.nn.Linear(16, 3)
+        self.extra = torch.nn.Identity() if extra else None
+
+    def forward(self, x):
+        h = self.mid(self.act(self.inp(x)))
+        if self.extra is not None:
+            h = self.extra(h)
+        return self.out(self.relu(h))
+
+
+def plant_error(model: Planted, where: str) -> None:
+    """Make ``model.mid`` itself wrong: its output (``forward``), or, inside it, the gradient
+    it sends back to its input (``backward``)."""
+    if where == "forward":
+        model.mid.register_forward_hook(lambda m, args, out: out * (1 + 1e-3))
+    else:
+        linear = model.mid.forward
+        model.mid.forward = lambda x: linear(ScaleGrad.apply(x, 1.05))
+
+
+def dump_run(directory, *, plant: str = "", extra: bool = False, steps: int = 2,
+             dtype=torch.float32, seed: int = 0):
+    """Train ``Planted`` for ``steps`` steps from ``seed``, dumping every step into ``directory``."""
+    from dumper import HookerAndDumper
+    torch.manual_seed(seed)
+    model = Planted(extra=extra).to(dtype)
+    if plant:
+        plant_error(model, plant)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    dumper = HookerAndDumper(directory, params=True)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for step in range(steps):
+        x = torch.randn(8, 6, generator=gen).to(dtype).requires_grad_()
+        with dumper.hooks(model, 0, step):
+            model(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return directory

@@ -1,0 +1,184 @@
+"""The h5cmp command: exit codes, output formats, listing, and every bad-input case."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import h5py
+import pytest
+from click.testing import CliRunner
+
+from compare import format as fmt
+from compare.cli import main
+
+from helpers import dump_run
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    return {"ref": dump_run(root / "ref"), "same": dump_run(root / "same"),
+            "fwd": dump_run(root / "fwd", plant="forward")}
+
+
+def h5cmp(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_exit_codes(runs):
+    same = h5cmp(runs["ref"], runs["same"])
+    assert same.exit_code == 0, same.output
+    assert "all compared tensors agree within tolerance" in same.output
+    diff = h5cmp(runs["ref"], runs["fwd"])
+    assert diff.exit_code == 1
+    assert "first divergence: step 0:0, forward, module mid (Linear) call 0, output[0]" in diff.output
+    assert "the error starts in this module" in diff.output
+    assert h5cmp(runs["ref"], runs["fwd"], "-q").output == ""
+    assert h5cmp(runs["ref"], runs["fwd"], "--rtol", "0.1", "--atol", "0.1").exit_code == 0
+
+
+def test_table_shows_failures_then_all(runs):
+    out = h5cmp(runs["ref"], runs["fwd"], "--top", "3").output
+    lines = out.splitlines()
+    assert lines[0].startswith("rows outside tolerance in execution order (first 3 of")
+    assert "mid.Linear#0" in lines[2] and "output[0]" in lines[2] and "DIFF" in lines[2]
+    every = h5cmp(runs["ref"], runs["fwd"], "--all", "--top", "1000").output
+    assert "equal" in every and "inp.Linear#0" in every
+
+
+def test_filters_step_module_kind(runs):
+    out = h5cmp(runs["ref"], runs["fwd"], "--step", "0:1", "--module", "out*", "--kind",
+                "grad_output", "--all").output
+    assert "out.Linear#0" in out and "grad_output[0]" in out and "mid" not in out.split("\n\n")[0]
+
+
+@pytest.mark.parametrize("ext", ["csv", "json", "html", "xlsx"])
+def test_output_formats(runs, tmp_path, ext):
+    target = tmp_path / f"report.{ext}"
+    result = h5cmp(runs["ref"], runs["fwd"], "-q", "-o", target)
+    assert result.exit_code == 1 and target.stat().st_size > 0
+    if ext == "csv":
+        import pandas as pd
+        frame = pd.read_csv(target)
+        assert {"module", "kind", "status", "max_abs_err", "rel_l2_err"} <= set(frame.columns)
+        assert (frame["status"] == "DIFF").any()
+    elif ext == "json":
+        payload = json.loads(target.read_text())
+        assert payload["summary"]["first_divergence"].startswith("first divergence")
+        assert payload["rows"][0]["status"] == "equal"
+    elif ext == "html":
+        text = target.read_text()
+        assert text.startswith("<!DOCTYPE html>") and "<table" in text and "first divergence" in text
+    else:
+        import openpyxl
+        sheet = openpyxl.load_workbook(target).active
+        assert sheet.max_row > 10
+
+
+def test_plot(runs, tmp_path):
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "errors.png"
+    assert h5cmp(runs["ref"], runs["fwd"], "-q", "--plot", target).exit_code == 1
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_listing_one_dump(runs):
+    result = h5cmp(runs["ref"])
+    assert result.exit_code == 0
+    assert "0-epoch_0-step_dump.hdf5" in result.output and "0002_act.Tanh" in result.output
+    assert "grad_input_0" in result.output
+
+
+def test_jobs_option(runs):
+    assert h5cmp(runs["ref"], runs["fwd"], "--jobs", "2").exit_code == 1
+
+
+def test_extra_step_is_reported(runs, tmp_path):
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    shutil.copy(runs["ref"] / fmt.step_file_name(0, 0), partial)
+    result = CliRunner().invoke(main, [str(runs["ref"]), str(partial)])
+    assert "step 0:1 is only in A" in result.output
+    assert result.exit_code == 1
+
+
+def test_console_script_starts_without_torch():
+    code = ("import sys; from compare.cli import main\n"
+            "try: main(['--help'])\nexcept SystemExit: pass\n"
+            "assert 'torch' not in sys.modules and 'pandas' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+# ---- bad input: one line on stderr naming the file, exit 2, no traceback --------------------
+def _bad(*args, match: str):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("h5cmp: error: "), result.output
+    assert match in result.output, result.output
+    return result
+
+
+def test_missing_path(runs, tmp_path):
+    _bad(tmp_path / "nope", runs["ref"], match="nope: no such file or directory")
+
+
+def test_directory_without_dumps(runs, tmp_path):
+    _bad(tmp_path, runs["ref"], match="holds no dump step files")
+
+
+def test_not_hdf5(runs, tmp_path):
+    bogus = tmp_path / "x.hdf5"
+    bogus.write_text("hello")
+    _bad(bogus, runs["ref"], match="x.hdf5: not an HDF5 file")
+
+
+def test_truncated_hdf5(runs, tmp_path):
+    src = runs["ref"] / fmt.step_file_name(0, 0)
+    cut = tmp_path / fmt.step_file_name(0, 0)
+    cut.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
+    _bad(cut, src, match=str(cut))
+
+
+def test_hdf5_that_is_not_a_dump(runs, tmp_path):
+    other = tmp_path / "other.h5"
+    with h5py.File(other, "w") as f:
+        f["x"] = [1, 2, 3]
+    _bad(other, runs["ref"], match="is not an h5cmp dump")
+
+
+def test_unknown_format_version(runs, tmp_path):
+    future = tmp_path / fmt.step_file_name(0, 0)
+    shutil.copy(runs["ref"] / fmt.step_file_name(0, 0), future)
+    with h5py.File(future, "a") as f:
+        f.attrs[fmt.ATTR_FORMAT_VERSION] = 99
+    _bad(future, runs["ref"], match="format version 99 is not supported")
+
+
+def test_same_file_twice(runs):
+    path = runs["ref"] / fmt.step_file_name(0, 0)
+    _bad(path, path, match="same file is on both sides")
+
+
+def test_unreadable_file(runs, tmp_path, monkeypatch):
+    locked = tmp_path / fmt.step_file_name(0, 0)
+    shutil.copy(runs["ref"] / fmt.step_file_name(0, 0), locked)
+    os.chmod(locked, 0)
+    if os.geteuid() == 0:  # root reads anything: make the access check say what it would say
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(locked) else real(p, mode))
+    _bad(locked, runs["ref"], match="permission denied")
+
+
+def test_file_still_being_written(runs, tmp_path):
+    temp = tmp_path / fmt.temp_file_name(fmt.step_file_name(0, 0), 123)
+    shutil.copy(runs["ref"] / fmt.step_file_name(0, 0), temp)
+    _bad(temp, runs["ref"], match="still being written")
+
+
+def test_unknown_output_format(runs, tmp_path):
+    _bad(runs["ref"], runs["fwd"], "-o", tmp_path / "r.txt", match="unknown output format .txt")

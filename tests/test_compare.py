@@ -1,0 +1,131 @@
+"""compare_dumps end to end: pairing, first divergence and its origin, jobs, chunking."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+
+from compare import compare_dumps, load_dump, summarize
+from compare.summary import BETWEEN_MODULES, ORIGIN
+
+from helpers import dump_run
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    return {name: dump_run(root / name, **kwargs) for name, kwargs in {
+        "ref": {}, "same": {}, "fwd": {"plant": "forward"}, "bwd": {"plant": "backward"},
+        "extra": {"extra": True},
+    }.items()}
+
+
+def test_identical_runs_are_equal(runs):
+    result = compare_dumps(runs["ref"], runs["same"])
+    assert (result["status"] == "equal").all()
+    assert set(result["kind"]) == {"input", "output", "grad_input", "grad_output", "param",
+                                   "param_grad"}
+    summary = summarize(result)
+    assert summary.ok and summary.first is None
+    # one row per stored tensor of A, in execution order within each step
+    index = load_dump(runs["ref"]).index
+    assert len(result) == (index["dataset"] != "").sum()
+    for _, rows in result.groupby("step"):
+        assert rows["seq"].is_monotonic_increasing
+
+
+def test_forward_error_origin_is_the_planted_module(runs):
+    result = compare_dumps(runs["ref"], runs["fwd"])
+    first = summarize(result).first
+    assert (first.row["module"], first.row["kind"], first.row["step"]) == ("mid", "output", 0)
+    assert first.verdict == ORIGIN and first.direction == "forward"
+    assert (first.upstream["status"] == "equal").all() and len(first.upstream) >= 1
+    assert "the error starts in this module" in first.describe()
+    downstream = result[(result["step"] == 0) & (result["module"] == "out") & (result["kind"] == "output")]
+    assert downstream["status"].item() == "DIFF"
+
+
+def test_backward_error_origin_is_the_planted_module(runs):
+    result = compare_dumps(runs["ref"], runs["bwd"])
+    step0 = result[result["step"] == 0]
+    assert (step0[step0["kind"].isin(["input", "output", "param"])]["status"] == "equal").all()
+    first = summarize(result).first
+    assert (first.row["module"], first.row["kind"]) == ("mid", "grad_input")
+    assert first.verdict == ORIGIN and first.direction == "backward"
+    assert set(first.upstream["kind"]) >= {"grad_output", "input"}
+
+
+def test_error_between_modules(runs, tmp_path):
+    # B's input differs from A's: the first divergence is an input, produced outside any module
+    other = dump_run(tmp_path / "other_data", seed=5)
+    first = summarize(compare_dumps(runs["ref"], other, kinds=["input", "output"])).first
+    assert first.verdict == BETWEEN_MODULES and first.row["kind"] == "input"
+
+
+def test_missing_and_extra_records_are_rows(runs):
+    result = compare_dumps(runs["ref"], runs["extra"])
+    extra = result[result["module"] == "extra"]
+    assert len(extra) and (extra["status"] == "missing_in_a").all()
+    assert ((result["module"] != "extra") == result["status"].isin(["equal"])).all()
+    reverse = compare_dumps(runs["extra"], runs["ref"])
+    assert (reverse[reverse["module"] == "extra"]["status"] == "missing_in_b").all()
+    assert not summarize(reverse).ok and summarize(reverse).first is None
+
+
+def test_shape_mismatch(tmp_path):
+    from dumper import HookerAndDumper
+    for name, width in (("a", 4), ("b", 5)):
+        d = HookerAndDumper(tmp_path / name)
+        with d.hooks(torch.nn.Identity(), 0, 0):
+            torch.nn.Identity()(torch.zeros(width))
+        m = torch.nn.Identity()
+        with d.hooks(m, 0, 1):
+            m(torch.zeros(width))
+    result = compare_dumps(tmp_path / "a", tmp_path / "b")
+    assert set(result["status"]) == {"shape_mismatch"}
+    assert summarize(result).first.row["status"] == "shape_mismatch"
+
+
+def test_mixed_precision_pair_is_compared_in_the_wider_type(tmp_path):
+    from dumper import HookerAndDumper
+    x = torch.randn(64, 8)
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        model = torch.nn.Identity()
+        d = HookerAndDumper(tmp_path / name)
+        with d.hooks(model, 0, 0):
+            model(x.to(dtype))
+    result = compare_dumps(tmp_path / "fp32", tmp_path / "bf16")
+    assert set(result["status"]) == {"close"}
+    assert result["rtol"].iloc[0] == pytest.approx(1.6e-2)
+    assert (result["dtype_b"] == "bfloat16").all()
+
+
+def test_filters(runs):
+    result = compare_dumps(runs["ref"], runs["fwd"], steps=["1"], modules=["mid*", "*.ReLU"],
+                           kinds=["output"])
+    assert set(result["step"]) == {1} and set(result["module"]) == {"mid", "relu"}
+    assert set(result["kind"]) == {"output"}
+
+
+def test_jobs_and_chunks_do_not_change_results(runs):
+    base = compare_dumps(runs["ref"], runs["fwd"])
+    parallel = compare_dumps(runs["ref"], runs["fwd"], jobs=2)
+    chunked = compare_dumps(runs["ref"], runs["fwd"], chunk_elements=16)
+    pd.testing.assert_frame_equal(base, parallel)
+    pd.testing.assert_frame_equal(base, chunked, rtol=1e-12)
+
+
+def test_overrides_tolerance(runs):
+    loose = compare_dumps(runs["ref"], runs["fwd"], rtol=1e-2, atol=1e-2)
+    assert summarize(loose).ok
+    assert set(loose["status"]) <= {"equal", "close"}
+
+
+def test_compare_side_never_imports_torch(runs):
+    code = ("import sys; from compare import compare_dumps, summarize, format_tree; "
+            f"r = compare_dumps({str(runs['ref'])!r}, {str(runs['fwd'])!r}); summarize(r); "
+            f"format_tree({str(runs['ref'])!r}); assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

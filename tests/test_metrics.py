@@ -1,0 +1,120 @@
+"""Metrics against independent numpy references; tolerances; chunking."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from compare.metrics import ErrorAccumulator, compare_chunks
+from compare.tolerance import Tolerance, pair_tolerance
+
+TOL = Tolerance(1e-3, 1e-5)
+
+
+def reference(a: np.ndarray, b: np.ndarray, tol: Tolerance) -> dict:
+    """Plain one-shot numpy definitions (see compare/metrics.py's docstring)."""
+    a64, b64 = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    fin = np.isfinite(a64) & np.isfinite(b64)
+    fa, fb = a64[fin], b64[fin]
+    d = np.abs(fb - fa)
+    same_nonfinite = (np.isnan(a64) & np.isnan(b64)) | (a64 == b64)
+    bad_nonfinite = np.sum(~fin & ~same_nonfinite)
+    denom = np.maximum(np.abs(fa), tol.atol)
+    rel = [x / y if y > 0 else (math.inf if x > 0 else 0.0) for x, y in zip(d, denom)]
+    na, nb = np.linalg.norm(fa), np.linalg.norm(fb)
+    return dict(
+        numel=a64.size,
+        max_abs_err=d.max() if d.size else 0.0,
+        mean_abs_err=d.mean() if d.size else 0.0,
+        max_rel_err=max(rel) if rel else 0.0,
+        rel_l2_err=(np.linalg.norm(fb - fa) / na) if na else (0.0 if not d.any() else math.inf),
+        cosine=(fa @ fb / (na * nb)) if na and nb else (1.0 if na == nb else 0.0),
+        rmse=math.sqrt(np.mean(d ** 2)) if d.size else 0.0,
+        mismatches=int(np.sum(d > tol.atol + tol.rtol * np.abs(fb)) + bad_nonfinite),
+        nan_a=int(np.isnan(a64).sum()), nan_b=int(np.isnan(b64).sum()),
+        inf_a=int(np.isinf(a64).sum()), inf_b=int(np.isinf(b64).sum()),
+    )
+
+
+def _check(a, b, tol=TOL):
+    got = compare_chunks([(a.ravel(), b.ravel())], tol)
+    ref = reference(a, b, tol)
+    for key, value in ref.items():
+        assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-300), key
+    return got
+
+
+def test_random_data_with_zeros():
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(5000).astype(np.float32)
+    a[::7] = 0
+    b = a + rng.standard_normal(5000).astype(np.float32) * 1e-4
+    got = _check(a, b)
+    assert got["status"] == "DIFF"
+
+
+def test_nan_and_inf_positions():
+    a = np.array([1.0, np.nan, np.inf, -np.inf, 2.0, 0.0], dtype=np.float32)
+    same = _check(a, a.copy())
+    assert same["status"] == "equal" and same["nan_a"] == 1 and same["inf_a"] == 2
+    b = a.copy()
+    b[1], b[4] = 3.0, np.nan
+    moved = _check(a, b)
+    assert moved["status"] == "nan_mismatch" and moved["mismatches"] == 2
+
+
+def test_empty_and_scalar():
+    empty = _check(np.zeros((0, 3), np.float32), np.zeros((0, 3), np.float32))
+    assert empty["status"] == "equal" and empty["numel"] == 0
+    scalar = _check(np.array(2.0), np.array(2.0 + 1e-9))
+    assert scalar["status"] == "close"
+
+
+def test_all_zero_sides():
+    zeros = np.zeros(4)
+    assert _check(zeros, zeros)["cosine"] == 1.0
+    one_side = _check(zeros, np.ones(4))
+    assert one_side["rel_l2_err"] == math.inf and one_side["cosine"] == 0.0
+
+
+def test_chunked_equals_one_shot():
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal(100_003)
+    b = a * (1 + rng.standard_normal(a.size) * 1e-6)
+    b[17] = np.nan
+    one = compare_chunks([(a, b)], TOL)
+    acc = ErrorAccumulator(TOL)
+    for start in range(0, a.size, 4096):
+        acc.update(a[start:start + 4096], b[start:start + 4096])
+    chunked = acc.result()
+    for key in one:
+        if isinstance(one[key], float):
+            assert chunked[key] == pytest.approx(one[key], rel=1e-12), key
+        else:
+            assert chunked[key] == one[key], key
+
+
+def test_float64_accumulation_does_not_stall():
+    a = np.full(20_000_000, 0.5, dtype=np.float32)
+    got = compare_chunks([(a, a + np.float32(0.25))], Tolerance(0, 0))
+    assert got["mean_abs_err"] == 0.25 and got["rmse"] == 0.25
+
+
+def test_bf16_vs_fp32_pair_uses_looser_tolerance_and_wide_compare():
+    tol = pair_tolerance("bfloat16", "float32")
+    assert tol == Tolerance(1.6e-2, 1e-5)
+    rng = np.random.default_rng(2)
+    fp32 = rng.standard_normal(1000).astype(np.float32)
+    bf16 = (fp32.view(np.uint32) & 0xFFFF0000).view(np.float32)  # truncated to bfloat16 values
+    got = _check(bf16, fp32, tol)
+    assert got["status"] == "close"
+
+
+@pytest.mark.parametrize("dtype, expected", [
+    ("float16", (1e-3, 1e-5)), ("float32", (1.3e-6, 1e-5)), ("float64", (1e-7, 1e-7)),
+    ("int64", (0, 0)), ("bool", (0, 0)), ("float8_e4m3fn", (0, 0)), ("complex64", (1.3e-6, 1e-5)),
+])
+def test_default_tolerances(dtype, expected):
+    assert tuple(pair_tolerance(dtype, dtype)) == expected
+    assert tuple(pair_tolerance(dtype, dtype, rtol=0.5)) == (0.5, expected[1])
