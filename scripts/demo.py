@@ -1,0 +1,84 @@
+"""Demo: dump steps 2-3 of three training runs of a small CNN and compare them with h5cmp.
+
+    python scripts/demo.py [--out demo_out]
+
+1. float64 vs float32: the same model in two precisions. Every tensor differs by rounding, and
+   h5cmp judges each pair in the wider type with the looser tolerance: all within tolerance.
+2. float32 vs float32 with one "kernel change" (GELU swapped for its tanh approximation): h5cmp
+   names the GELU as the first divergence, forward, and shows that its inputs still matched.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from compare.cli import main as h5cmp
+from dumper import HookerAndDumper
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, gelu_approximate: str = "none"):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+            nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+            nn.AdaptiveAvgPool2d(2))
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(64, 32),
+                                  nn.GELU(approximate=gelu_approximate), nn.Linear(32, 10))
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+def train(directory: Path, dtype: torch.dtype, gelu_approximate: str = "none",
+          steps: int = 4) -> None:
+    torch.manual_seed(0)
+    model = SmallCNN(gelu_approximate).to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    data = torch.Generator().manual_seed(1)
+    dumper = HookerAndDumper(directory, epochs=[0], steps=range(2, 4))
+    losses = []
+    for step in range(steps):
+        images = torch.randn(16, 3, 12, 12, generator=data).to(dtype)
+        labels = torch.randint(0, 10, (16,), generator=data)
+        dumper.register_hooks(model, 0, step)
+        loss = nn.functional.cross_entropy(model(images), labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        dumper.remove_hooks()
+        losses.append(f"{loss.item():.7f}")
+    print(f"  {directory.name}: losses {' '.join(losses)}; dumped {len(dumper.written_files)} steps")
+
+
+def run_h5cmp(*args: str) -> int:
+    print(f"\n$ h5cmp {' '.join(args)}\n", flush=True)
+    try:
+        h5cmp(list(args), standalone_mode=False)
+    except SystemExit as exit:
+        return int(exit.code or 0)
+    return 0
+
+
+def run(out: Path) -> int:
+    shutil.rmtree(out, ignore_errors=True)
+    print(f"training 3 runs, dumping steps 2-3 of each into {out}/")
+    train(out / "float64", torch.float64)
+    train(out / "float32", torch.float32)
+    train(out / "float32_tanh_gelu", torch.float32, gelu_approximate="tanh")
+    codes = [run_h5cmp(str(out / "float64"), str(out / "float32"), "--top", "5"),
+             run_h5cmp(str(out / "float32"), str(out / "float32_tanh_gelu"), "--step", "0:2",
+                       "--top", "8")]
+    # Exit code 1 means "differences found", which is what the second comparison shows.
+    return 0 if codes == [0, 1] else 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("demo_out"))
+    sys.exit(run(parser.parse_args().out))
