@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
-from typing import Callable, Iterable, NamedTuple, Optional, Union
+import queue
+import threading
+from typing import Callable, Iterable, Iterator, NamedTuple, Optional, Union
 
 import numpy as np
 import pandas as pd
@@ -11,11 +13,11 @@ import pandas as pd
 from .dump import Dump, PathLike, load_dump, open_h5, read_chunks
 from .errors import DumpError
 from .metrics import (METRIC_COLUMNS, MISSING_IN_A, MISSING_IN_B, SHAPE_MISMATCH,
-                      compare_chunks)
+                      ErrorAccumulator)
 from .pairing import pair_records, tensor_rows
 from .tolerance import pair_tolerance
 
-DEFAULT_CHUNK_ELEMENTS = 1 << 22  # 4 Mi elements: 32 MiB of float64 per side and chunk
+DEFAULT_CHUNK_ELEMENTS = 1 << 20  # elements read per dataset slice (4 MiB of float32)
 
 RESULT_COLUMNS = [
     "epoch", "step", "rank", "seq", "module", "cls", "call_idx", "kind", "index", "occurrence",
@@ -100,24 +102,71 @@ def _tasks(pairs: pd.DataFrame, files_a: dict, files_b: dict, jobs: int, chunk_e
 
 def _run_task(task: tuple) -> dict[int, dict]:
     path_a, path_b, group_a, group_b, records, chunk_elements, rtol, atol = task
-    out = {}
+    out: dict[int, dict] = {}
+    acc: Optional[ErrorAccumulator] = None
     with open_h5(path_a) as fa, open_h5(path_b) as fb:
-        for r in records:
-            tol = pair_tolerance(r.dtype_a, r.dtype_b, rtol, atol)
-            if tuple(r.shape_a) != tuple(r.shape_b):
-                out[r.row] = {"status": SHAPE_MISMATCH, "rtol": tol.rtol, "atol": tol.atol}
-                continue
-            try:
-                ds_a = fa[group_a][r.group_a][r.dataset_a]
-                ds_b = fb[group_b][r.group_b][r.dataset_b]
-                chunks = zip(read_chunks(ds_a, r.dtype_a, r.encoding_a, chunk_elements),
-                             read_chunks(ds_b, r.dtype_b, r.encoding_b, chunk_elements))
-                result = compare_chunks(chunks, tol)
-            except (KeyError, OSError) as exc:
-                raise DumpError(f"{path_a} / {path_b}: cannot read {r.group_a}/{r.dataset_a} "
-                                f"({exc}); the file is damaged") from exc
-            out[r.row] = {**result, "rtol": tol.rtol, "atol": tol.atol}
+        pieces = _pair_pieces(fa[group_a], fb[group_b], records, chunk_elements)
+        try:
+            for ref, a, b in _prefetched(pieces):
+                tol = pair_tolerance(ref.dtype_a, ref.dtype_b, rtol, atol)
+                if tuple(ref.shape_a) != tuple(ref.shape_b):
+                    out[ref.row] = {"status": SHAPE_MISMATCH, "rtol": tol.rtol, "atol": tol.atol}
+                elif a is not None:
+                    acc = acc or ErrorAccumulator(tol)
+                    acc.update(a, b)
+                else:
+                    out[ref.row] = {**(acc or ErrorAccumulator(tol)).result(),
+                                    "rtol": tol.rtol, "atol": tol.atol}
+                    acc = None
+        except (KeyError, OSError) as exc:
+            raise DumpError(f"{path_a} / {path_b}: cannot read a tensor ({exc}); the file is "
+                            f"damaged") from exc
     return out
+
+
+def _pair_pieces(step_a, step_b, records: list[_PairRef], chunk_elements: int):
+    """``(ref, a, b)`` for each aligned chunk pair of each record, then ``(ref, None, None)``."""
+    for r in records:
+        if tuple(r.shape_a) == tuple(r.shape_b):
+            ds_a, ds_b = step_a[r.group_a][r.dataset_a], step_b[r.group_b][r.dataset_b]
+            for a, b in zip(read_chunks(ds_a, r.dtype_a, r.encoding_a, chunk_elements),
+                            read_chunks(ds_b, r.dtype_b, r.encoding_b, chunk_elements)):
+                yield r, a, b
+        yield r, None, None
+
+
+def _prefetched(items: Iterator, depth: int = 2) -> Iterator:
+    """Iterate ``items`` produced by a background thread, ``depth`` ahead: reading the next chunk
+    (h5py, GIL released) overlaps with computing on this one (numpy, GIL released)."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    end = object()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put(end)
+        except BaseException as exc:  # handed to the consumer
+            q.put(exc)
+
+    thread = threading.Thread(target=produce, name="h5cmp-prefetch", daemon=True)
+    thread.start()
+    try:
+        while (item := q.get()) is not end:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _result_frame(pairs: pd.DataFrame, metrics: dict[int, dict], rtol, atol) -> pd.DataFrame:

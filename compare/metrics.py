@@ -30,8 +30,41 @@ METRIC_COLUMNS = ("numel", "max_abs_err", "mean_abs_err", "max_rel_err", "rel_l2
                   "rmse", "mismatches", "mismatch_frac", "nan_a", "nan_b", "inf_a", "inf_b")
 
 
-def _wide(x: np.ndarray) -> np.ndarray:
-    return x.astype(np.complex128 if np.iscomplexobj(x) else np.float64, copy=False)
+BLOCK = 1 << 16  # elements per computation block: every pass over a block stays in cache
+
+
+def _dot(x: np.ndarray, y: np.ndarray) -> float:
+    """Re <x, y> in float64. einsum, not BLAS: BLAS threads on small blocks cost more than they
+    save (and fight with the prefetch thread and with --jobs processes)."""
+    if np.iscomplexobj(x):
+        return float(np.einsum("i,i->", np.conj(x), y).real)
+    return float(np.einsum("i,i->", x, y))
+
+
+def _wide_dtype(x: np.ndarray) -> np.dtype:
+    return np.dtype(np.complex128 if np.iscomplexobj(x) else np.float64)
+
+
+class _Workspace:
+    """Block buffers reused by every accumulator of the process (one per wide dtype): fresh
+    arrays per block would cost a page fault per 4 KiB."""
+
+    _cache: dict = {}
+
+    @classmethod
+    def of(cls, dtype: np.dtype) -> "_Workspace":
+        ws = cls._cache.get(dtype)
+        if ws is None:
+            ws = cls._cache[dtype] = cls(dtype)
+        return ws
+
+    def __init__(self, dtype: np.dtype):
+        self.a = np.empty(BLOCK, dtype)
+        self.b = np.empty(BLOCK, dtype)
+        self.d = np.empty(BLOCK, dtype)        # b - a
+        self.absd = np.empty(BLOCK, np.float64)
+        self.tmp = np.empty(BLOCK, np.float64)
+        self.mask = np.empty(BLOCK, bool)
 
 
 @dataclass
@@ -54,36 +87,73 @@ class ErrorAccumulator:
     counts: dict = field(default_factory=lambda: dict(nan_a=0, nan_b=0, inf_a=0, inf_b=0))
 
     def update(self, a: np.ndarray, b: np.ndarray) -> None:
-        a, b = _wide(a), _wide(b)
-        self.numel += a.size
-        nan_a, nan_b = np.isnan(a), np.isnan(b)
-        inf_a, inf_b = np.isinf(a), np.isinf(b)
-        for key, mask in (("nan_a", nan_a), ("nan_b", nan_b), ("inf_a", inf_a), ("inf_b", inf_b)):
-            self.counts[key] += int(np.count_nonzero(mask))
-        finite = ~(nan_a | nan_b | inf_a | inf_b)
-        if not finite.all():
-            same = (nan_a & nan_b) | (~nan_a & ~nan_b & (a == b))
-            bad = int(np.count_nonzero(~finite & ~same))
-            self.nonfinite_mismatches += bad
-            self.mismatches += bad
-            a, b = a[finite], b[finite]
-        if a.size == 0:
+        """Add aligned flat chunks ``a`` and ``b`` (any numeric dtypes, same size)."""
+        for start in range(0, a.size, BLOCK):
+            self._update_block(a[start:start + BLOCK], b[start:start + BLOCK])
+
+    def _update_block(self, a: np.ndarray, b: np.ndarray) -> None:
+        n = a.size
+        self.numel += n
+        if n == 0:
             return
-        self.all_equal = self.all_equal and self.nonfinite_mismatches == 0 and bool(np.all(a == b))
-        diff = np.abs(b - a)
-        abs_a, abs_b = np.abs(a), np.abs(b)
-        self.n_finite += a.size
-        self.max_abs = max(self.max_abs, float(diff.max()))
-        self.sum_abs += float(diff.sum())
-        denom = np.maximum(abs_a, self.tol.atol)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            rel = np.where(denom > 0, diff / np.where(denom > 0, denom, 1), np.where(diff > 0, np.inf, 0))
-        self.max_rel = max(self.max_rel, float(rel.max()))
-        self.ssd += float(np.sum(diff * diff))
-        self.ssa += float(np.sum(abs_a * abs_a))
-        self.ssb += float(np.sum(abs_b * abs_b))
-        self.dot += float(np.sum((a * np.conj(b)).real))
-        self.mismatches += int(np.count_nonzero(diff > self.tol.atol + self.tol.rtol * abs_b))
+        ws = _Workspace.of(np.result_type(_wide_dtype(a), _wide_dtype(b)))
+        wa, wb = ws.a[:n], ws.b[:n]
+        np.copyto(wa, a)
+        np.copyto(wb, b)
+        sums = (_dot(wa, wa), _dot(wb, wb), _dot(wb, wa))
+        if not all(map(math.isfinite, sums)):  # a NaN/Inf somewhere (or an overflow): exact path
+            wa, wb = self._split_nonfinite(wa, wb)
+            n = wa.size
+            if n == 0:
+                return
+            sums = (_dot(wa, wa), _dot(wb, wb), _dot(wb, wa))
+        self._add_finite(wa, wb, ws, n, sums)
+
+    def _split_nonfinite(self, a: np.ndarray, b: np.ndarray):
+        """Count NaN/Inf per side and non-finite positions that differ; return the finite rest."""
+        nan_a, nan_b = np.isnan(a), np.isnan(b)
+        self.counts["nan_a"] += int(np.count_nonzero(nan_a))
+        self.counts["nan_b"] += int(np.count_nonzero(nan_b))
+        self.counts["inf_a"] += int(np.count_nonzero(np.isinf(a)))
+        self.counts["inf_b"] += int(np.count_nonzero(np.isinf(b)))
+        finite = np.isfinite(a) & np.isfinite(b)
+        same = (nan_a & nan_b) | (~nan_a & ~nan_b & (a == b))
+        bad = int(np.count_nonzero(~finite & ~same))
+        self.nonfinite_mismatches += bad
+        self.mismatches += bad
+        return a[finite], b[finite]
+
+    def _add_finite(self, a: np.ndarray, b: np.ndarray, ws: _Workspace, n: int,
+                    sums: tuple[float, float, float]) -> None:
+        d, absd, tmp, mask = ws.d[:n], ws.absd[:n], ws.tmp[:n], ws.mask[:n]
+        self.n_finite += n
+        self.ssa += sums[0]
+        self.ssb += sums[1]
+        self.dot += sums[2]
+        np.subtract(b, a, out=d)
+        np.abs(d, out=absd)
+        max_abs = float(absd.max())
+        if max_abs == 0:
+            return  # identical block: nothing else to add
+        self.all_equal = False
+        self.max_abs = max(self.max_abs, max_abs)
+        self.sum_abs += float(absd.sum())
+        self.ssd += _dot(absd, absd)
+        if max_abs > self.tol.atol:                             # mismatch: |d| > atol + rtol |b|
+            np.abs(b, out=tmp)
+            np.multiply(tmp, self.tol.rtol, out=tmp)
+            np.add(tmp, self.tol.atol, out=tmp)
+            self.mismatches += int(np.count_nonzero(np.greater(absd, tmp, out=mask)))
+        np.abs(a, out=tmp)                                      # relative: |d| / max(|a|, atol)
+        np.maximum(tmp, self.tol.atol, out=tmp)
+        if tmp.all():
+            self.max_rel = max(self.max_rel, float(np.divide(absd, tmp, out=tmp).max()))
+        else:  # exact dtypes (atol 0): 0/0 counts as 0, x/0 as inf
+            zero = tmp == 0
+            if np.any(absd[zero] > 0):
+                self.max_rel = math.inf
+            tmp[zero] = 1.0
+            self.max_rel = max(self.max_rel, float(np.divide(absd, tmp, out=tmp).max()))
 
     def result(self) -> dict:
         """Metric columns (``METRIC_COLUMNS``) and the pair's status."""
