@@ -92,10 +92,6 @@ class StepReader:
         """The stored array as it is on disk (bits for types numpy lacks)."""
         return np.asarray(self.dataset(row)[()])
 
-    def chunks(self, row, max_elements: int) -> Iterator[np.ndarray]:
-        """Decoded values in flat C-order pieces (see :func:`read_chunks`)."""
-        return read_chunks(self.dataset(row), row.dtype, row.encoding, max_elements)
-
     def close(self) -> None:
         self._h5.close()
 
@@ -135,12 +131,6 @@ class Dump:
         if not frames:
             index = index.assign(epoch=0, step=0, rank=None)
         self.index = index[list(STEP_COLUMNS) + list(fmt.INDEX_COLUMN_NAMES)]
-
-    def step_file(self, epoch: int, step: int, rank: Optional[int] = None) -> StepFile:
-        for s in self.steps:
-            if (s.epoch, s.step, s.rank) == (epoch, step, rank):
-                return s
-        raise KeyError((epoch, step, rank))
 
     def __repr__(self) -> str:
         return f"Dump({str(self.path)!r}, {len(self.steps)} steps, {len(self.index)} records)"

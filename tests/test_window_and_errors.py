@@ -140,3 +140,22 @@ def test_write_error_can_warn_and_continue(tmp_path, monkeypatch):
     with dumper.hooks(model, 0, 1):
         model(torch.randn(1, 2)).sum().backward()
     assert os.listdir(tmp_path) == [fmt.step_file_name(0, 1)]
+
+
+def test_distributed_rank_is_in_the_file_name(tmp_path):
+    import torch.distributed as dist
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        dumper = HookerAndDumper(tmp_path / "dumps")
+        model = nn.Linear(2, 2)
+        with dumper.hooks(model, 1, 2):
+            model(torch.randn(1, 2)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    assert os.listdir(tmp_path / "dumps") == [fmt.step_file_name(1, 2, rank=0)]
+    from compare.dump import load_dump
+    step = load_dump(tmp_path / "dumps").steps[0]
+    assert step.rank == 0 and step.attrs["world_size"] == 1
+    assert fmt.parse_step_file_name(fmt.step_file_name(1, 2, rank=0)) == (1, 2, 0)
