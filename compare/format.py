@@ -104,14 +104,25 @@ INDEX_COLUMNS: tuple[tuple[str, str], ...] = (
     ("requires_grad", "int8"),
     ("status", "str"),        # ST_OK / ST_DROPPED / ST_UNSUPPORTED
     ("value", "str"),         # short repr of a non-tensor leaf, or why a tensor was not stored
+    # Statistics (statistics mode; NaN where not computed). Counts are exact below 2**53.
+    ("stat_min", "float64"),
+    ("stat_max", "float64"),
+    ("stat_mean", "float64"),
+    ("stat_std", "float64"),  # population standard deviation
+    ("stat_norm", "float64"),  # L2 norm
+    ("stat_nan", "float64"),  # number of NaN elements
+    ("stat_inf", "float64"),  # number of +-Inf elements
+    ("stat_zero", "float64"),  # number of zero elements
 )
+STAT_COLUMNS = tuple(name for name, _ in INDEX_COLUMNS if name.startswith("stat_"))
 INDEX_COLUMN_NAMES = tuple(name for name, _ in INDEX_COLUMNS)
 
 # Root attributes of every step file.
 ATTR_FORMAT_NAME = "format_name"
 ATTR_FORMAT_VERSION = "format_version"
+MODE_TENSORS, MODE_STATS = "tensors", "stats"
 RUN_ATTRS = (
-    "epoch", "step", "rank", "world_size", "torch_version", "device", "default_dtype",
+    "mode", "epoch", "step", "rank", "world_size", "torch_version", "device", "default_dtype",
     "tf32_matmul", "tf32_cudnn", "float32_matmul_precision", "deterministic_algorithms",
     "cudnn_deterministic", "created",
 )

@@ -18,7 +18,7 @@ from compare import format as fmt
 
 from .flatten import leaves
 from .grads import GradInputCollector, current_sequence_nr, gradient_edge
-from .record import CallInfo, Record, leaf_record, tensor_record
+from .record import CallInfo, Record, RecordMaker, leaf_record
 from .selection import Selection
 
 Sink = Callable[[Record], None]
@@ -41,8 +41,10 @@ class _OpenCall:
 class StepCapture:
     """Hooks ``model`` for one step and sends a :class:`Record` per captured leaf to ``sink``."""
 
-    def __init__(self, model: nn.Module, sink: Sink, selection: Selection, params: bool):
+    def __init__(self, model: nn.Module, sink: Sink, maker: RecordMaker, selection: Selection,
+                 params: bool):
         self._sink = sink
+        self._maker = maker
         self._sel = selection
         self._params = params
         self._seq = itertools.count()
@@ -62,8 +64,10 @@ class StepCapture:
     # -- lifetime ----------------------------------------------------------------------
     def _install(self, path: str, module: nn.Module) -> None:
         cls = type(module).__name__
+        stats_only = not self._sel.wants_values(path, module)
         self.handles.append(module.register_forward_pre_hook(
-            lambda m, args, kwargs: self._pre_hook(m, path, cls, args, kwargs), with_kwargs=True))
+            lambda m, args, kwargs: self._pre_hook(m, path, cls, stats_only, args, kwargs),
+            with_kwargs=True))
         self.handles.append(module.register_forward_hook(
             lambda m, args, kwargs, out: self._post_hook(m, out), with_kwargs=True))
         if self._params and self._sel.wants_kind(fmt.PARAM_GRAD):
@@ -78,6 +82,7 @@ class StepCapture:
             collector.flush()
         for record in sorted(self._param_grads.values(), key=lambda r: r.seq):
             self._sink(record)
+        self._param_grads.clear()
 
     def remove(self) -> None:
         """Remove every hook this capture registered (module, tensor, node and parameter hooks)."""
@@ -85,6 +90,8 @@ class StepCapture:
             handle.remove()
         self.handles.clear()
         self._collectors.clear()
+        for record in self._param_grads.values():  # a step discarded before finish()
+            self._maker.release(record)
         self._param_grads.clear()
 
     # -- forward -----------------------------------------------------------------------
@@ -92,12 +99,13 @@ class StepCapture:
         with self._lock:
             return next(self._seq)
 
-    def _pre_hook(self, module: nn.Module, path: str, cls: str, args: tuple, kwargs: dict) -> None:
+    def _pre_hook(self, module: nn.Module, path: str, cls: str, stats_only: bool, args: tuple,
+                  kwargs: dict) -> None:
         stack = self._open[id(module)]
         if in_backward():  # activation-checkpoint recomputation: already recorded
             stack.append(None)
             return
-        info = CallInfo(next(self._calls), path, cls, self._call_counts[id(module)])
+        info = CallInfo(next(self._calls), path, cls, self._call_counts[id(module)], stats_only)
         self._call_counts[id(module)] += 1
         self._first_call.setdefault(id(module), info)
         seq = self._next_seq()
@@ -107,7 +115,7 @@ class StepCapture:
         for leaf_path, leaf in itertools.chain(leaves(args, "args"), leaves(kwargs, "kwargs")):
             if isinstance(leaf, torch.Tensor):
                 if want_input:
-                    self._sink(tensor_record(seq, info, fmt.INPUT, index, leaf_path, leaf))
+                    self._sink(self._maker.tensor(seq, info, fmt.INPUT, index, leaf_path, leaf))
                 if want_grad and leaf.requires_grad:
                     node, nr = gradient_edge(leaf)
                     edges.setdefault((id(node), nr), index)
@@ -118,7 +126,7 @@ class StepCapture:
                 self._sink(leaf_record(seq, info, fmt.INPUT, leaf_path, leaf))
         if self._params and self._sel.wants_kind(fmt.PARAM):
             for i, (name, p) in enumerate(module.named_parameters(recurse=False)):
-                self._sink(tensor_record(seq, info, fmt.PARAM, i, name, p))
+                self._sink(self._maker.tensor(seq, info, fmt.PARAM, i, name, p))
         grads = None
         if edges:
             grads = GradInputCollector(edges, keep_alive, self._grad_input_emitter(info, paths))
@@ -138,7 +146,8 @@ class StepCapture:
         for leaf_path, leaf in leaves(output, "output"):
             if isinstance(leaf, torch.Tensor):
                 if want_output:
-                    self._sink(tensor_record(seq, call.info, fmt.OUTPUT, index, leaf_path, leaf))
+                    self._sink(self._maker.tensor(seq, call.info, fmt.OUTPUT, index, leaf_path,
+                                                  leaf))
                 if leaf.requires_grad:
                     grad_outputs.append((index, leaf_path, leaf))
                 index += 1
@@ -160,7 +169,7 @@ class StepCapture:
                           passthrough_input: Optional[int]):
         def hook(grad: torch.Tensor) -> None:
             if record:
-                self._emit_gradient(tensor_record(self._next_seq(), call.info, fmt.GRAD_OUTPUT,
+                self._emit_gradient(self._maker.tensor(self._next_seq(), call.info, fmt.GRAD_OUTPUT,
                                                   index, path, grad))
             if passthrough_input is not None:
                 call.grads.add_passthrough(passthrough_input, grad)
@@ -169,7 +178,7 @@ class StepCapture:
     def _grad_input_emitter(self, info: CallInfo, paths: dict[int, str]
                             ) -> Callable[[int, torch.Tensor], None]:
         def emit(index: int, grad: torch.Tensor) -> None:
-            self._emit_gradient(tensor_record(self._next_seq(), info, fmt.GRAD_INPUT, index,
+            self._emit_gradient(self._maker.tensor(self._next_seq(), info, fmt.GRAD_INPUT, index,
                                               paths[index], grad))
         return emit
 
@@ -186,6 +195,10 @@ class StepCapture:
         def hook(p: torch.Tensor) -> None:
             call = self._first_call.get(module_id)
             if p.grad is not None and call is not None:
-                self._param_grads[(module_id, index)] = tensor_record(
-                    self._next_seq(), call, fmt.PARAM_GRAD, index, name, p.grad)
+                latest = self._maker.tensor(self._next_seq(), call, fmt.PARAM_GRAD, index, name,
+                                            p.grad)
+                previous = self._param_grads.get((module_id, index))
+                self._param_grads[(module_id, index)] = latest
+                if previous is not None:
+                    self._maker.release(previous)
         return hook

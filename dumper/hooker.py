@@ -12,8 +12,10 @@ from torch import nn
 from compare import format as fmt
 
 from .capture import StepCapture
+from .record import ByteBudget, RecordMaker
 from .run_info import distributed_rank, run_attrs
 from .selection import Patterns, Selection, Types
+from .snapshot import SnapshotPool
 from .window import Window, WindowSpec
 from .writer import DumpWriteError, StepWriter
 
@@ -29,6 +31,13 @@ class HookerAndDumper:
     ``docs/format.md``), published atomically by ``remove_hooks``. The model's numerics are not
     changed: hooks only read.
 
+    ``mode="stats"`` stores statistics (min, max, mean, std, norm, NaN/Inf/zero counts) in the
+    index instead of values, except for modules matching a ``full_tensors`` glob.
+
+    Hooks only take snapshots; one writer thread does all HDF5 work. At most
+    ``max_bytes_in_flight`` bytes of snapshots wait for it: past that a hook waits
+    (``when_full="wait"``) or the tensor is dropped and the drop recorded (``"drop"``).
+
     ``on_error="raise"`` (default) makes ``remove_hooks`` raise :class:`DumpWriteError` when the
     step could not be written; ``"warn"`` warns and lets training go on. Either way earlier step
     files are untouched.
@@ -37,19 +46,25 @@ class HookerAndDumper:
     def __init__(self, file_path: Union[str, os.PathLike] = "dumps/", epochs: WindowSpec = None,
                  steps: WindowSpec = None, *, include: Patterns = None, exclude: Patterns = None,
                  module_types: Types = None, kinds: Optional[Iterable[str]] = None,
-                 params: bool = False, on_error: str = "raise",
-                 max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT, fsync: bool = False):
+                 params: bool = False, mode: str = fmt.MODE_TENSORS,
+                 full_tensors: Patterns = None, on_error: str = "raise",
+                 max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT,
+                 when_full: str = "wait", fsync: bool = False):
         self.directory = _prepare_directory(file_path)
         self.epochs = Window(epochs, "epochs")
         self.steps = Window(steps, "steps")
-        self.selection = Selection(include, exclude, module_types, kinds)
+        self.selection = Selection(include, exclude, module_types, kinds, mode, full_tensors)
         self.params = bool(params)
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         self.on_error = on_error
         if max_bytes_in_flight <= 0:
             raise ValueError(f"max_bytes_in_flight must be positive, got {max_bytes_in_flight}")
+        if when_full not in ("wait", "drop"):
+            raise ValueError(f"when_full must be 'wait' or 'drop', got {when_full!r}")
         self.max_bytes_in_flight = max_bytes_in_flight
+        self._maker = RecordMaker(SnapshotPool(max_bytes_in_flight), ByteBudget(max_bytes_in_flight),
+                                  drop_when_full=when_full == "drop")
         self.fsync = fsync
         self.written_files: list[Path] = []
         self._registered = False
@@ -75,9 +90,10 @@ class HookerAndDumper:
         rank, _ = distributed_rank()
         path = self.directory / fmt.step_file_name(epoch, step, rank)
         self._writer = StepWriter(path, fmt.step_group_name(epoch, step),
-                                  run_attrs(model, epoch, step), self.max_bytes_in_flight,
-                                  self.fsync)
-        self._capture = StepCapture(model, self._writer.submit, self.selection, self.params)
+                                  run_attrs(model, epoch, step, self.selection.mode),
+                                  self._maker.release, self.fsync)
+        self._capture = StepCapture(model, self._writer.submit, self._maker, self.selection,
+                                    self.params)
         return True
 
     def remove_hooks(self) -> Optional[Path]:

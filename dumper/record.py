@@ -1,7 +1,8 @@
-"""One row of a step's index table, as produced by the hooks and consumed by the writer."""
+"""Records: one row of a step's index table each, made by the hooks and consumed by the writer."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Optional
 
 import torch
@@ -10,6 +11,8 @@ from compare import format as fmt
 
 from .encoding import dtype_name
 from .flatten import short_repr
+from .snapshot import Snapshot, SnapshotPool
+from .stats import tensor_stats
 
 
 @dataclasses.dataclass
@@ -20,6 +23,7 @@ class CallInfo:
     module: str
     cls: str
     call_idx: int
+    stats_only: bool = False   # statistics instead of values for this call's tensors
 
     @property
     def group(self) -> str:
@@ -28,7 +32,7 @@ class CallInfo:
 
 @dataclasses.dataclass
 class Record:
-    """A leaf seen by a hook: an index row, and the tensor snapshot to store (if any)."""
+    """A leaf seen by a hook: its index row, and the snapshot (values) or statistics to store."""
 
     seq: int
     call: CallInfo
@@ -41,7 +45,8 @@ class Record:
     requires_grad: bool
     status: str
     value: str = ""
-    snapshot: Optional[torch.Tensor] = None
+    snapshot: Optional[Snapshot] = None
+    stats: Optional[Snapshot] = None
     occurrence: int = 0
 
     @property
@@ -52,16 +57,34 @@ class Record:
 
     @property
     def nbytes(self) -> int:
-        s = self.snapshot
-        return 0 if s is None else s.numel() * s.element_size()
+        return 0 if self.snapshot is None else self.snapshot.nbytes
 
 
-def snapshot(t: torch.Tensor) -> torch.Tensor:
-    """A private dense CPU copy of ``t``'s current values (later in-place ops cannot touch it)."""
-    detached = t.detach()
-    if detached.device.type == "cpu":
-        return detached.clone(memory_format=torch.contiguous_format)
-    return detached.to("cpu", copy=True)
+class ByteBudget:
+    """Bounds the bytes of snapshots taken but not yet written (shared by hooks and writer)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._used = 0
+        self._cond = threading.Condition()
+
+    def try_acquire(self, n: int) -> bool:
+        with self._cond:
+            if self._used == 0 or self._used + n <= self.limit:
+                self._used += n
+                return True
+            return False
+
+    def acquire(self, n: int) -> None:
+        """Wait until ``n`` more bytes fit (a snapshot larger than the limit waits to go alone)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._used == 0 or self._used + n <= self.limit)
+            self._used += n
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self._used -= n
+            self._cond.notify_all()
 
 
 def _unsupported_reason(t: torch.Tensor) -> str:
@@ -74,16 +97,44 @@ def _unsupported_reason(t: torch.Tensor) -> str:
     return ""
 
 
-def tensor_record(seq: int, call: CallInfo, kind: str, index: int, path: str,
-                  t: torch.Tensor) -> Record:
-    """Record for tensor leaf ``t``, with a snapshot of its values taken now."""
-    reason = _unsupported_reason(t)
-    shape = "" if reason and t.layout != torch.strided else fmt.format_shape(tuple(t.shape))
-    rec = Record(seq, call, kind, index, path, dtype_name(t.dtype), shape, str(t.device),
-                 bool(t.requires_grad), fmt.ST_UNSUPPORTED if reason else fmt.ST_OK, reason)
-    if not reason:
-        rec.snapshot = snapshot(t)
-    return rec
+class RecordMaker:
+    """Turns hooked leaves into records: snapshots within the byte budget, or statistics.
+
+    When the budget is full a snapshot waits for the writer (``drop_when_full=False``) or is
+    dropped, leaving a ``dropped`` row that readers report.
+    """
+
+    def __init__(self, pool: SnapshotPool, budget: ByteBudget, drop_when_full: bool):
+        self._pool, self._budget, self._drop = pool, budget, drop_when_full
+
+    def tensor(self, seq: int, call: CallInfo, kind: str, index: int, path: str,
+               t: torch.Tensor) -> Record:
+        """Record for tensor leaf ``t``, whose values (or statistics) are taken now."""
+        reason = _unsupported_reason(t)
+        shape = "" if reason and t.layout != torch.strided else fmt.format_shape(tuple(t.shape))
+        rec = Record(seq, call, kind, index, path, dtype_name(t.dtype), shape, str(t.device),
+                     bool(t.requires_grad), fmt.ST_UNSUPPORTED if reason else fmt.ST_OK, reason)
+        if reason:
+            return rec
+        if call.stats_only:
+            rec.stats = self._pool.take(tensor_stats(t))
+            return rec
+        nbytes = t.numel() * t.element_size()
+        if not self._budget.try_acquire(nbytes):
+            if self._drop:
+                rec.status, rec.value = fmt.ST_DROPPED, "dropped: bytes in flight at the limit"
+                return rec
+            self._budget.acquire(nbytes)
+        rec.snapshot = self._pool.take(t)
+        return rec
+
+    def release(self, record: Record) -> None:
+        """Return a written (or discarded) record's buffers and budget."""
+        if record.snapshot is not None:
+            self._budget.release(record.nbytes)
+            record.snapshot.release()
+        if record.stats is not None:
+            record.stats.release()
 
 
 def leaf_record(seq: int, call: CallInfo, kind: str, path: str, leaf: Any) -> Record:

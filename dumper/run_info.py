@@ -28,12 +28,13 @@ def model_device(model: nn.Module) -> str:
     return "cpu"
 
 
-def run_attrs(model: nn.Module, epoch: int, step: int) -> dict:
+def run_attrs(model: nn.Module, epoch: int, step: int, mode: str) -> dict:
     """The root attributes of a step file (names in ``compare.format``)."""
     rank, world_size = distributed_rank()
     attrs = {
         fmt.ATTR_FORMAT_NAME: fmt.FORMAT_NAME,
         fmt.ATTR_FORMAT_VERSION: fmt.FORMAT_VERSION,
+        "mode": mode,
         "epoch": epoch,
         "step": step,
         "rank": -1 if rank is None else rank,

@@ -21,15 +21,24 @@ def _as_tuple(value) -> tuple:
 
 
 class Selection:
-    """Module and kind filters.
+    """Module and kind filters, and which modules keep full values.
 
     A module is kept when its path or key (``path.Class``) matches an ``include`` glob (all are
     included when none is given), matches no ``exclude`` glob, and, if ``module_types`` is given,
-    is an instance of one of them (classes, or class names).
+    is an instance of one of them (classes, or class names). In ``mode="stats"`` only modules
+    matching a ``full_tensors`` glob store values; the others store statistics.
     """
 
     def __init__(self, include: Patterns = None, exclude: Patterns = None,
-                 module_types: Types = None, kinds: Optional[Iterable[str]] = None):
+                 module_types: Types = None, kinds: Optional[Iterable[str]] = None,
+                 mode: str = fmt.MODE_TENSORS, full_tensors: Patterns = None):
+        if mode not in (fmt.MODE_TENSORS, fmt.MODE_STATS):
+            raise ValueError(f"mode must be {fmt.MODE_TENSORS!r} or {fmt.MODE_STATS!r}, got {mode!r}")
+        if full_tensors is not None and mode != fmt.MODE_STATS:
+            raise ValueError("full_tensors selects the modules that keep values in mode='stats'; "
+                             "in mode='tensors' every module keeps values")
+        self.mode = mode
+        self.full_tensors = _as_tuple(full_tensors)
         self.include = _as_tuple(include)
         self.exclude = _as_tuple(exclude)
         self.module_types = _as_tuple(module_types)
@@ -44,13 +53,21 @@ class Selection:
     def wants_kind(self, kind: str) -> bool:
         return kind in self.kinds
 
+    def wants_values(self, path: str, module: nn.Module) -> bool:
+        """Whether ``module``'s tensors are stored whole (else as statistics)."""
+        return self.mode == fmt.MODE_TENSORS or _matches(path, module, self.full_tensors)
+
     def wants_module(self, path: str, module: nn.Module) -> bool:
-        names = (path, fmt.module_key(path, type(module).__name__))
-        if self.include and not any(fnmatch.fnmatchcase(n, p) for n in names for p in self.include):
+        if self.include and not _matches(path, module, self.include):
             return False
-        if any(fnmatch.fnmatchcase(n, p) for n in names for p in self.exclude):
+        if _matches(path, module, self.exclude):
             return False
         if self.module_types:
             return any(isinstance(module, t) if isinstance(t, type) else type(module).__name__ == t
                        for t in self.module_types)
         return True
+
+
+def _matches(path: str, module: nn.Module, patterns: tuple) -> bool:
+    names = (path, fmt.module_key(path, type(module).__name__))
+    return any(fnmatch.fnmatchcase(n, p) for n in names for p in patterns)

@@ -107,11 +107,11 @@ def test_context_manager_discards_a_failed_step(tmp_path):
 
 
 def _fail_writes(monkeypatch):
-    import h5py
+    from dumper import writer
 
     def broken(self, *args, **kwargs):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(h5py.Group, "create_dataset", broken)
+    monkeypatch.setattr(writer._LowLevelGroup, "write", broken)
 
 
 def test_write_error_raises_at_step_end_and_keeps_earlier_steps(tmp_path, monkeypatch):

@@ -1,0 +1,92 @@
+"""Snapshots: private host copies of tensors taken at hook time, in reused buffers.
+
+A fresh allocation per tensor costs a page fault per 4 KiB on first touch; buffers are therefore
+taken from a pool and given back once written. Accelerator tensors are copied into pinned host
+buffers with ``non_blocking=True`` after the producing stream; the writer waits on an event
+before reading them, so the training stream is never synchronised per tensor.
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Optional
+
+import torch
+
+MIN_POOLED = 1 << 12   # smaller snapshots are plain clones (malloc serves them without faults)
+
+
+def _size_class(nbytes: int) -> int:
+    return 1 << max(nbytes - 1, 1).bit_length()
+
+
+class Snapshot:
+    """The values of a tensor at hook time, as a dense CPU tensor (see :meth:`wait`)."""
+
+    __slots__ = ("tensor", "_buffer", "_pool", "_ready", "_pinned")
+
+    def __init__(self, tensor: torch.Tensor, buffer: Optional[torch.Tensor] = None,
+                 pool: Optional["SnapshotPool"] = None, ready=None, pinned: bool = False):
+        self.tensor, self._buffer, self._pool, self._ready = tensor, buffer, pool, ready
+        self._pinned = pinned
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def wait(self) -> torch.Tensor:
+        """The tensor, once its (possibly asynchronous) copy has landed."""
+        if self._ready is not None:
+            self._ready.synchronize()
+            self._ready = None
+        return self.tensor
+
+    def release(self) -> None:
+        """Give the buffer back to the pool; the tensor must not be used afterwards."""
+        if self._pool is not None and self._buffer is not None:
+            self._pool.give(self._buffer, self._pinned)
+        self._buffer = self._pool = None
+
+
+class SnapshotPool:
+    """Reusable host buffers by power-of-two size class, caching at most ``max_cached_bytes``."""
+
+    def __init__(self, max_cached_bytes: int):
+        self.max_cached_bytes = max_cached_bytes
+        self._free: dict[tuple[int, bool], list[torch.Tensor]] = defaultdict(list)
+        self._cached = 0
+        self._lock = threading.Lock()
+
+    def take(self, t: torch.Tensor) -> Snapshot:
+        """Copy ``t``'s current values into a private buffer."""
+        src = t.detach()
+        nbytes = src.numel() * src.element_size()
+        on_host = src.device.type == "cpu"
+        if on_host and nbytes < MIN_POOLED:
+            return Snapshot(src.clone(memory_format=torch.contiguous_format))
+        if not on_host and src.device.type != "cuda":  # other accelerators: plain synchronous copy
+            return Snapshot(src.to("cpu", copy=True))
+        buffer = self._take_buffer(_size_class(nbytes), pinned=not on_host)
+        view = buffer[:nbytes].view(src.dtype).view(src.shape)
+        if on_host:
+            view.copy_(src)
+            return Snapshot(view, buffer, self)
+        view.copy_(src, non_blocking=True)  # ordered after the producing (current) stream
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(src.device))
+        return Snapshot(view, buffer, self, ready, pinned=True)
+
+    def _take_buffer(self, size: int, pinned: bool) -> torch.Tensor:
+        with self._lock:
+            free = self._free[(size, pinned)]
+            if free:
+                self._cached -= size
+                return free.pop()
+        return torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+
+    def give(self, buffer: torch.Tensor, pinned: bool) -> None:
+        size = buffer.numel()
+        with self._lock:
+            if self._cached + size <= self.max_cached_bytes:
+                self._free[(size, pinned)].append(buffer)
+                self._cached += size
