@@ -63,7 +63,8 @@ class HookerAndDumper:
         if when_full not in ("wait", "drop"):
             raise ValueError(f"when_full must be 'wait' or 'drop', got {when_full!r}")
         self.max_bytes_in_flight = max_bytes_in_flight
-        self._maker = RecordMaker(SnapshotPool(max_bytes_in_flight), ByteBudget(max_bytes_in_flight),
+        self._budget = ByteBudget(max_bytes_in_flight)
+        self._maker = RecordMaker(SnapshotPool(max_bytes_in_flight), self._budget,
                                   drop_when_full=when_full == "drop")
         self.fsync = fsync
         self.written_files: list[Path] = []
@@ -92,6 +93,7 @@ class HookerAndDumper:
         self._writer = StepWriter(path, fmt.step_group_name(epoch, step),
                                   run_attrs(model, epoch, step, self.selection.mode),
                                   self._maker.release, self.fsync)
+        self._budget.on_pressure = self._writer.flush
         self._capture = StepCapture(model, self._writer.submit, self._maker, self.selection,
                                     self.params)
         return True

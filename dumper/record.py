@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from compare import format as fmt
 
-from .encoding import dtype_name
 from .flatten import short_repr
 from .snapshot import Snapshot, SnapshotPool
 from .stats import tensor_stats
@@ -32,16 +31,20 @@ class CallInfo:
 
 @dataclasses.dataclass
 class Record:
-    """A leaf seen by a hook: its index row, and the snapshot (values) or statistics to store."""
+    """A leaf seen by a hook: its index row, and the snapshot (values) or statistics to store.
+
+    ``dtype``, ``shape`` and ``device`` are kept as torch objects (or a Python type name) and
+    turned into index strings by the writer thread, off the training thread.
+    """
 
     seq: int
     call: CallInfo
     kind: str
     index: int
     path: str
-    dtype: str
-    shape: str
-    device: str
+    dtype: Any
+    shape: Any
+    device: Any
     requires_grad: bool
     status: str
     value: str = ""
@@ -67,6 +70,7 @@ class ByteBudget:
         self.limit = limit
         self._used = 0
         self._cond = threading.Condition()
+        self.on_pressure: Optional[Callable[[], None]] = None  # called before a producer waits
 
     def try_acquire(self, n: int) -> bool:
         with self._cond:
@@ -77,6 +81,10 @@ class ByteBudget:
 
     def acquire(self, n: int) -> None:
         """Wait until ``n`` more bytes fit (a snapshot larger than the limit waits to go alone)."""
+        if self.try_acquire(n):
+            return
+        if self.on_pressure is not None:
+            self.on_pressure()
         with self._cond:
             self._cond.wait_for(lambda: self._used == 0 or self._used + n <= self.limit)
             self._used += n
@@ -88,11 +96,11 @@ class ByteBudget:
 
 
 def _unsupported_reason(t: torch.Tensor) -> str:
-    if t.layout != torch.strided:
+    if t.layout is not torch.strided:
         return f"layout {t.layout} is not stored"
     if t.is_quantized:
         return "quantized tensors are not stored"
-    if t.device.type == "meta":
+    if t.is_meta:
         return "meta tensors have no data"
     return ""
 
@@ -111,9 +119,9 @@ class RecordMaker:
                t: torch.Tensor) -> Record:
         """Record for tensor leaf ``t``, whose values (or statistics) are taken now."""
         reason = _unsupported_reason(t)
-        shape = "" if reason and t.layout != torch.strided else fmt.format_shape(tuple(t.shape))
-        rec = Record(seq, call, kind, index, path, dtype_name(t.dtype), shape, str(t.device),
-                     bool(t.requires_grad), fmt.ST_UNSUPPORTED if reason else fmt.ST_OK, reason)
+        shape = () if reason and t.layout is not torch.strided else t.shape
+        rec = Record(seq, call, kind, index, path, t.dtype, shape, t.device, t.requires_grad,
+                     fmt.ST_UNSUPPORTED if reason else fmt.ST_OK, reason)
         if reason:
             return rec
         if call.stats_only:
@@ -139,5 +147,5 @@ class RecordMaker:
 
 def leaf_record(seq: int, call: CallInfo, kind: str, path: str, leaf: Any) -> Record:
     """Record for a non-tensor leaf: its type and a short repr, no data."""
-    return Record(seq, call, kind, -1, path, type(leaf).__name__, "", "", False, fmt.ST_OK,
+    return Record(seq, call, kind, -1, path, type(leaf).__name__, (), "", False, fmt.ST_OK,
                   short_repr(leaf))

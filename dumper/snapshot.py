@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-MIN_POOLED = 1 << 12   # smaller snapshots are plain clones (malloc serves them without faults)
+MIN_POOLED = 1 << 17  # smaller snapshots are plain clones (malloc reuses its heap for them)
 
 
 def _size_class(nbytes: int) -> int:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import queue
+from collections import deque
 import threading
 import warnings
 from pathlib import Path
@@ -14,11 +15,12 @@ from h5py import h5d, h5g, h5p, h5s, h5t
 
 from compare import format as fmt
 
-from .encoding import encode
+from .encoding import dtype_name, encode
 from .record import Record
 
 _FINISH = object()
 _ABORT = object()
+_FLUSH = object()
 _NO_STATS = (float("nan"),) * len(fmt.STAT_COLUMNS)
 
 
@@ -33,9 +35,10 @@ def _index_dtype() -> np.dtype:
 
 def _index_row(r: Record, encoding: str, stats: tuple) -> tuple:
     c = r.call
+    dtype = r.dtype if isinstance(r.dtype, str) else dtype_name(r.dtype)
     return (r.seq, c.number, c.module, c.cls, c.call_idx, c.group, r.kind, r.index, r.occurrence,
-            r.path, r.dataset, r.dtype, r.shape, encoding, r.device, int(r.requires_grad),
-            r.status, r.value, *stats)
+            r.path, r.dataset, dtype, fmt.format_shape(tuple(r.shape)), encoding, str(r.device),
+            int(r.requires_grad), r.status, r.value, *stats)
 
 
 class _LowLevelGroup:
@@ -74,6 +77,10 @@ class StepWriter:
     the step happen there) and renamed to ``final_path`` by :meth:`finish`. :meth:`abort`, or an
     error, removes the temporary file; a file under the final name is always complete.
     ``release(record)`` is called for every record once the writer is done with it.
+
+    Records are held back until the step ends or :meth:`flush` is called (by a producer about
+    to wait for bytes): h5py holds the GIL, and writing while the training thread runs makes
+    both wait on it (measured: 176 ms instead of 145 ms for a step of 600 small tensors).
     """
 
     def __init__(self, final_path: Path, step_group: str, attrs: dict,
@@ -85,6 +92,8 @@ class StepWriter:
         self._release = release
         self._fsync = fsync
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._held: list[Record] = []     # submitted, not yet handed to the thread
+        self._held_lock = threading.Lock()
         self._rows: list[tuple] = []
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name=f"h5cmp-writer:{final_path.name}",
@@ -98,10 +107,24 @@ class StepWriter:
         if self.error is not None:
             self._release(record)
             return
-        self._queue.put(record)
+        with self._held_lock:
+            self._held.append(record)
+
+    def flush(self) -> None:
+        """Hand what is held to the thread and have it written now (frees bytes for waiting
+        producers)."""
+        self._hand_over()
+        self._queue.put(_FLUSH)
+
+    def _hand_over(self) -> None:
+        with self._held_lock:
+            batch, self._held = self._held, []
+        if batch:
+            self._queue.put(batch)
 
     def finish(self) -> Path:
         """Write the index, close and publish the file; raises :class:`DumpWriteError` on failure."""
+        self._hand_over()
         self._queue.put(_FINISH)
         self._thread.join()
         if self.error is not None:
@@ -110,6 +133,7 @@ class StepWriter:
 
     def abort(self) -> None:
         """Stop writing and remove the temporary file; nothing is published."""
+        self._hand_over()
         self._queue.put(_ABORT)
         self._thread.join()
 
@@ -124,14 +148,21 @@ class StepWriter:
             with h5py.File(self.temp_path, "w") as f:
                 step_group = f.create_group(self._step_group)
                 datasets = _LowLevelGroup(step_group)
+                pending: deque[Record] = deque()
                 try:
                     while (item := self._queue.get()) is not _FINISH:
                         if item is _ABORT:
                             ended = True
                             raise _Aborted
-                        self._write(datasets, item)
+                        if item is _FLUSH:
+                            self._write_all(datasets, pending)
+                        else:
+                            pending.extend(item)
                     ended = True
+                    self._write_all(datasets, pending)
                 finally:
+                    for record in pending:  # left by an error or an abort
+                        self._release(record)
                     datasets.close()
                 self._write_index(step_group)
                 for key, value in self._attrs.items():
@@ -147,6 +178,10 @@ class StepWriter:
             self._discard()
             if not ended:
                 self._drain()
+
+    def _write_all(self, datasets: _LowLevelGroup, records: deque) -> None:
+        while records:
+            self._write(datasets, records.popleft())
 
     def _write(self, datasets: _LowLevelGroup, record: Record) -> None:
         try:
@@ -171,7 +206,9 @@ class StepWriter:
             item = self._queue.get()
             if item is _FINISH or item is _ABORT:
                 return
-            self._release(item)
+            if item is not _FLUSH:
+                for record in item:
+                    self._release(record)
 
     def _discard(self) -> None:
         try:
