@@ -12,8 +12,9 @@ import pandas as pd
 
 from .dump import Dump, PathLike, load_dump, open_h5, read_chunks
 from .errors import DumpError
-from .metrics import (METRIC_COLUMNS, MISSING_IN_A, MISSING_IN_B, SHAPE_MISMATCH,
-                      ErrorAccumulator)
+from . import format as fmt
+from .metrics import (DROPPED, METRIC_COLUMNS, MISSING_IN_A, MISSING_IN_B, SHAPE_MISMATCH,
+                      ErrorAccumulator, compare_stats, stats_of_chunks)
 from .pairing import pair_records, tensor_rows
 from .tolerance import pair_tolerance
 
@@ -62,7 +63,7 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
 
 
 class _PairRef(NamedTuple):
-    """What a worker needs to read one pair (picklable)."""
+    """What a worker needs to compare one pair (picklable)."""
 
     row: int
     dataset_a: str
@@ -75,6 +76,18 @@ class _PairRef(NamedTuple):
     encoding_b: str
     shape_a: tuple
     shape_b: tuple
+    status_a: str
+    status_b: str
+    stats_a: tuple
+    stats_b: tuple
+
+    @property
+    def both_values(self) -> bool:
+        return bool(self.dataset_a) and bool(self.dataset_b)
+
+    @property
+    def dropped(self) -> bool:
+        return fmt.ST_DROPPED in (self.status_a, self.status_b)
 
 
 def _check_distinct(a: Dump, b: Dump) -> None:
@@ -92,7 +105,11 @@ def _tasks(pairs: pd.DataFrame, files_a: dict, files_b: dict, jobs: int, chunk_e
     pieces = max(1, -(-jobs * 2 // max(1, len(groups)))) if jobs > 1 else 1
     tasks = []
     for key, rows in groups:
-        records = [_PairRef(*t) for t in rows[list(_PairRef._fields[1:])].itertuples(name=None)]
+        stats_a = rows[[c + "_a" for c in fmt.STAT_COLUMNS]].itertuples(index=False, name=None)
+        stats_b = rows[[c + "_b" for c in fmt.STAT_COLUMNS]].itertuples(index=False, name=None)
+        columns = list(_PairRef._fields[1:-2])
+        records = [_PairRef(*t, sa, sb) for t, sa, sb in
+                   zip(rows[columns].itertuples(name=None), stats_a, stats_b)]
         for part in np.array_split(np.arange(len(records)), min(pieces, len(records))):
             tasks.append((files_a[key].path, files_b[key].path, files_a[key].group_name,
                           files_b[key].group_name, [records[i] for i in part], chunk_elements,
@@ -105,8 +122,13 @@ def _run_task(task: tuple) -> dict[int, dict]:
     out: dict[int, dict] = {}
     acc: Optional[ErrorAccumulator] = None
     with open_h5(path_a) as fa, open_h5(path_b) as fb:
-        pieces = _pair_pieces(fa[group_a], fb[group_b], records, chunk_elements)
+        values = [r for r in records if r.both_values and not r.dropped]
+        pieces = _pair_pieces(fa[group_a], fb[group_b], values, chunk_elements)
         try:
+            for r in records:
+                if r.dropped or not r.both_values:
+                    out[r.row] = _compare_described(fa[group_a], fb[group_b], r, chunk_elements,
+                                                    rtol, atol)
             for ref, a, b in _prefetched(pieces):
                 tol = pair_tolerance(ref.dtype_a, ref.dtype_b, rtol, atol)
                 if tuple(ref.shape_a) != tuple(ref.shape_b):
@@ -122,6 +144,26 @@ def _run_task(task: tuple) -> dict[int, dict]:
             raise DumpError(f"{path_a} / {path_b}: cannot read a tensor ({exc}); the file is "
                             f"damaged") from exc
     return out
+
+
+def _compare_described(step_a, step_b, r: _PairRef, chunk_elements: int, rtol, atol) -> dict:
+    """A pair where a side was dropped or holds statistics only: compare what is known."""
+    tol = pair_tolerance(r.dtype_a, r.dtype_b, rtol, atol)
+    if r.dropped:
+        return {"status": DROPPED, "rtol": tol.rtol, "atol": tol.atol}
+    if tuple(r.shape_a) != tuple(r.shape_b):
+        return {"status": SHAPE_MISMATCH, "rtol": tol.rtol, "atol": tol.atol}
+    sides = []
+    for step, dataset, group, dtype, encoding, stats in (
+            (step_a, r.dataset_a, r.group_a, r.dtype_a, r.encoding_a, r.stats_a),
+            (step_b, r.dataset_b, r.group_b, r.dtype_b, r.encoding_b, r.stats_b)):
+        if dataset:
+            stats = stats_of_chunks(read_chunks(step[group][dataset], dtype, encoding,
+                                                chunk_elements))
+        sides.append(stats)
+    result = compare_stats(sides[0], sides[1], tol)
+    result["numel"] = int(np.prod(r.shape_a))
+    return {**result, "rtol": tol.rtol, "atol": tol.atol}
 
 
 def _pair_pieces(step_a, step_b, records: list[_PairRef], chunk_elements: int):

@@ -30,9 +30,12 @@ def format_tree(dump: Union[PathLike, Dump]) -> str:
         for group, rows in idx.sort_values(["call", "seq"]).groupby("call", sort=True):
             lines.append(f"    {rows['group'].iloc[0]}")
             for r in rows.itertuples():
-                name = r.dataset or f"({r.kind})"
+                name = r.dataset or f"({r.kind}_{r.index})" if r.index >= 0 else f"({r.kind})"
                 shape = "[" + ", ".join(map(str, r.shape)) + "]"
                 detail = r.value if not r.dataset else ""
+                if r.stat_nan == r.stat_nan:  # statistics row (NaN = not computed)
+                    detail = (f"min={r.stat_min:.4g} max={r.stat_max:.4g} mean={r.stat_mean:.4g} "
+                              f"std={r.stat_std:.4g} nan={r.stat_nan:.0f} inf={r.stat_inf:.0f}")
                 status = "" if r.status == "ok" else f"  [{r.status}]"
                 lines.append(f"      {name:<16} {r.dtype:<14} {shape:<18} {r.path}"
                              f"{'  ' + detail if detail else ''}{status}")

@@ -22,12 +22,15 @@ from .tolerance import Tolerance
 EQUAL, CLOSE, DIFF = "equal", "close", "DIFF"
 NAN_MISMATCH, SHAPE_MISMATCH = "nan_mismatch", "shape_mismatch"
 MISSING_IN_A, MISSING_IN_B = "missing_in_a", "missing_in_b"
-STATUSES = (EQUAL, CLOSE, DIFF, NAN_MISMATCH, SHAPE_MISMATCH, MISSING_IN_A, MISSING_IN_B)
+DROPPED = "dropped"  # a side's dumper dropped the tensor (memory limit): nothing to compare
+STATUSES = (EQUAL, CLOSE, DIFF, NAN_MISMATCH, SHAPE_MISMATCH, MISSING_IN_A, MISSING_IN_B, DROPPED)
 PASSING = frozenset({EQUAL, CLOSE})
 VALUE_FAILURES = frozenset({DIFF, NAN_MISMATCH, SHAPE_MISMATCH})
 
 METRIC_COLUMNS = ("numel", "max_abs_err", "mean_abs_err", "max_rel_err", "rel_l2_err", "cosine",
-                  "rmse", "mismatches", "mismatch_frac", "nan_a", "nan_b", "inf_a", "inf_b")
+                  "rmse", "mismatches", "mismatch_frac", "nan_a", "nan_b", "inf_a", "inf_b",
+                  "stat_rel_diff")
+STAT_NAMES = ("min", "max", "mean", "std", "norm", "nan", "inf", "zero")
 
 
 BLOCK = 1 << 16  # elements per computation block: every pass over a block stays in cache
@@ -168,6 +171,7 @@ class ErrorAccumulator:
         else:
             cosine = self.dot / (norm_a * norm_b)
         out = dict(
+            stat_rel_diff=math.nan,
             numel=self.numel,
             max_abs_err=self.max_abs,
             mean_abs_err=self.sum_abs / n if n else 0.0,
@@ -197,3 +201,59 @@ def compare_chunks(pairs: Iterable[tuple[np.ndarray, np.ndarray]], tol: Toleranc
     for a, b in pairs:
         acc.update(a, b)
     return acc.result()
+
+
+# ---- statistics (statistics-mode dumps) ---------------------------------------------------
+def stats_of_chunks(chunks: Iterable[np.ndarray]) -> tuple[float, ...]:
+    """``STAT_NAMES`` of a tensor given as flat chunks, the dumper's definitions, in float64."""
+    n, total, sumsq = 0, 0.0, 0.0
+    lo, hi, nan, inf, zero = math.inf, -math.inf, 0, 0, 0
+    for chunk in chunks:
+        x = np.abs(chunk) if np.iscomplexobj(chunk) else chunk
+        x = x.astype(np.float64, copy=False)
+        n += x.size
+        if x.size == 0:
+            continue
+        nan += int(np.count_nonzero(np.isnan(x)))
+        inf += int(np.count_nonzero(np.isinf(x)))
+        zero += int(np.count_nonzero(x == 0))
+        lo, hi = min(lo, float(np.min(x))), max(hi, float(np.max(x)))  # NaN propagates
+        total += float(np.sum(x))
+        sumsq += float(np.dot(x, x))
+    if n == 0:
+        return (math.nan,) * 4 + (0.0, 0.0, 0.0, 0.0)
+    mean = total / n
+    return lo, hi, mean, math.sqrt(max(sumsq / n - mean * mean, 0.0)), math.sqrt(sumsq), \
+        float(nan), float(inf), float(zero)
+
+
+def compare_stats(a: tuple, b: tuple, tol: Tolerance) -> dict:
+    """Compare two tensors known by their statistics (``STAT_NAMES`` order).
+
+    ``nan_mismatch`` when NaN/Inf counts differ; else each of min, max, mean, std and norm must
+    satisfy ``|b - a| <= atol + rtol |b|`` for ``close`` (all identical: ``equal``). The
+    largest ``|b - a| / max(|a|, atol)`` over those five is ``stat_rel_diff``; ``rel_l2_err``
+    is ``| ||b|| - ||a|| | / ||a||``, a lower bound of the true relative L2 error.
+    """
+    sa, sb = dict(zip(STAT_NAMES, a)), dict(zip(STAT_NAMES, b))
+    values = ("min", "max", "mean", "std", "norm")
+    rel, within, equal = 0.0, True, True
+    for name in values:
+        x, y = sa[name], sb[name]
+        if math.isnan(x) and math.isnan(y):
+            continue
+        diff = abs(y - x)
+        equal = equal and x == y
+        within = within and diff <= tol.atol + tol.rtol * abs(y)
+        denom = max(abs(x), tol.atol)
+        rel = max(rel, diff / denom if denom > 0 else (math.inf if diff > 0 else 0.0))
+    norm_a = sa["norm"]
+    out = {name: math.nan for name in METRIC_COLUMNS}
+    out.update(nan_a=sa["nan"], nan_b=sb["nan"], inf_a=sa["inf"], inf_b=sb["inf"],
+               stat_rel_diff=rel,
+               rel_l2_err=abs(sb["norm"] - norm_a) / norm_a if norm_a else math.nan)
+    if (sa["nan"], sa["inf"]) != (sb["nan"], sb["inf"]):
+        out["status"] = NAN_MISMATCH
+    else:
+        out["status"] = EQUAL if equal else CLOSE if within else DIFF
+    return out

@@ -6,17 +6,22 @@ from typing import Iterable, Optional
 
 import pandas as pd
 
+from . import format as fmt
 from .dump import Dump
 
 KEY = ["epoch", "step", "rank", "module", "call_idx", "kind", "index", "occurrence"]
-SIDE_COLUMNS = ["seq", "call", "cls", "group", "path", "dtype", "shape", "encoding", "dataset"]
+SIDE_COLUMNS = ["seq", "call", "cls", "group", "path", "dtype", "shape", "encoding", "dataset",
+                "status", *fmt.STAT_COLUMNS]
 
 
 def tensor_rows(dump: Dump, steps: Optional[Iterable[str]] = None,
                 modules: Optional[Iterable[str]] = None,
                 kinds: Optional[Iterable[str]] = None) -> pd.DataFrame:
-    """Index rows of stored tensors, filtered by step (``"S"`` or ``"E:S"``), module glob and kind."""
-    rows = dump.index[dump.index["dataset"] != ""]
+    """Index rows of tensors (stored, described by statistics, or dropped), filtered by step
+    (``"S"`` or ``"E:S"``), module glob and kind."""
+    index = dump.index
+    rows = index[(index["dataset"] != "") | index["stat_nan"].notna()
+                 | (index["status"] == fmt.ST_DROPPED)]
     if steps:
         wanted = list(steps)
         rows = rows[[_step_matches(e, s, wanted) for e, s in zip(rows["epoch"], rows["step"])]]

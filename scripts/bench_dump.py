@@ -1,0 +1,234 @@
+"""Benchmark: the cost of dumping a training step, per model and mode, measured side by side.
+
+    python scripts/bench_dump.py [--repeat 7] [--models mlp,cnn,deep,transformer] [--device cpu]
+
+For each model, one run interleaves (so all see the same machine load) a plain step, a step with
+the dumper attached outside its window, a full-tensor dump, a statistics dump, and a naive
+reference written here after the original design (synchronous .cpu().numpy() and an HDF5 file
+open/create_dataset/close per tensor inside module hooks). Medians over --repeat rounds.
+
+Columns: step time; ratio to plain; bytes dumped per step; extra µs per captured tensor; the
+I/O limit = a plain step followed by writing the same bytes (same pieces) to a new file with
+plain buffered writes, timed in the same interleaved rounds (so it meets the same page-cache
+writeback as the dumps); and the full-tensor step over that limit. The last line times
+HDF5's own floor on this machine: creating and writing the same datasets with h5py's low-level
+API and nothing else.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from compare.dump import load_dump  # noqa: E402
+from dumper import HookerAndDumper  # noqa: E402
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.act = nn.GELU()
+
+    def forward(self, x):
+        return x + self.act(self.lin(x))
+
+
+def models(device: str) -> dict:
+    def mlp():
+        return (nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                              nn.LayerNorm(1024), nn.Linear(1024, 10)), torch.randn(256, 512))
+
+    def cnn():
+        return (nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                              nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                              nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(512, 10)),
+                torch.randn(64, 3, 32, 32))
+
+    def deep():
+        return nn.Sequential(*[Residual() for _ in range(50)]), torch.randn(32, 64)
+
+    def transformer():
+        layer = nn.TransformerEncoderLayer(128, 4, 256, dropout=0.0, batch_first=True)
+        return (nn.TransformerEncoder(layer, 3, enable_nested_tensor=False),
+                torch.randn(16, 32, 128))
+
+    return {"mlp": mlp, "cnn": cnn, "deep": deep, "transformer": transformer}
+
+
+class NaiveDumper:
+    """The original design: synchronous copies, one HDF5 open/create/close per tensor, full
+    backward hooks."""
+
+    def __init__(self, path: Path):
+        self.path, self.handles, self.counter = path, [], 0
+
+    def _save(self, name: str, tensors) -> None:
+        for i, t in enumerate(tensors):
+            if isinstance(t, torch.Tensor):
+                with h5py.File(self.path, "a") as f:
+                    f.create_dataset(f"{self.counter:05d}_{name}_{i}", data=t.detach().cpu().numpy())
+                self.counter += 1
+
+    def register(self, model: nn.Module) -> None:
+        self.path.unlink(missing_ok=True)
+        for name, m in model.named_modules():
+            def fwd(mod, args, out, name=name):
+                self._save(name + ".input", args)
+                self._save(name + ".output", out if isinstance(out, tuple) else (out,))
+
+            def bwd(mod, grad_input, grad_output, name=name):
+                self._save(name + ".grad_input", grad_input)
+                self._save(name + ".grad_output", grad_output)
+            self.handles.append(m.register_forward_hook(fwd))
+            self.handles.append(m.register_full_backward_hook(bwd))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def step_fn(model, batch, opt):
+    def step():
+        out = model(batch)
+        out.float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def plain_writer(pieces: list[int], path: Path):
+    """A function writing pieces of these sizes to ``path`` with plain buffered writes (a new
+    file each time, as a dump step is)."""
+    blobs = [np.random.bytes(n) for n in pieces]
+
+    def write() -> None:
+        with open(path, "wb") as f:
+            for blob in blobs:
+                f.write(blob)
+    return write
+
+
+def hdf5_floor_seconds(shapes: list[tuple], directory: Path) -> float:
+    from h5py import h5d, h5g, h5s, h5t
+    arrays = [np.zeros(s, np.float32) for s in shapes]
+    tid = h5t.py_create(np.dtype(np.float32))
+    start = time.perf_counter()
+    with h5py.File(directory / "floor.hdf5", "w") as f:
+        for i, a in enumerate(arrays):
+            if i % 4 == 0:
+                gid = h5g.create(f.id, f"{i // 4:05d}".encode())
+            space = h5s.create_simple(a.shape) if a.ndim else h5s.create(h5s.SCALAR)
+            ds = h5d.create(gid, f"d{i % 4}".encode(), tid, space)
+            if a.size:
+                ds.write(h5s.ALL, h5s.ALL, a)
+            ds.close()
+    return time.perf_counter() - start
+
+
+def bench_model(name: str, factory, repeat: int, device: str, tmp: Path) -> list[dict]:
+    torch.manual_seed(0)
+    model, batch = factory()
+    model, batch = model.to(device), batch.to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    step = step_fn(model, batch, opt)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    dumpers = {
+        "outside window": HookerAndDumper(tmp / "outside", steps=[10 ** 9]),
+        "full tensors": HookerAndDumper(tmp / "full"),
+        "statistics": HookerAndDumper(tmp / "stats", mode="stats"),
+    }
+    naive = NaiveDumper(tmp / "naive.hdf5")
+
+    def timed(run) -> float:
+        sync()
+        start = time.perf_counter()
+        run()
+        sync()
+        return time.perf_counter() - start
+
+    def with_dumper(d):
+        def run():
+            d.register_hooks(model, 0, 0)
+            step()
+            d.remove_hooks()
+        return run
+
+    def with_naive():
+        naive.register(model)
+        step()
+        naive.remove()
+
+    runs = {"plain": step, **{k: with_dumper(d) for k, d in dumpers.items()},
+            "naive reference": with_naive}
+    for run in runs.values():  # warm-up (allocator, pools, files)
+        timed(run)
+    full = load_dump(tmp / "full").index
+    stored = full[full["dataset"] != ""]
+    sizes = [int(np.prod(s)) * 4 for s in stored["shape"]]  # float32 models
+    n_tensors = len(stored)
+    n_stats = int((load_dump(tmp / "stats").index["dtype"] != "").sum())
+    write_plain = plain_writer(sizes, tmp / "plain.bin")
+    runs["I/O limit"] = lambda: (step(), write_plain())
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(repeat):  # interleaved: every mode sees the same load and page-cache state
+        for key, run in runs.items():
+            times[key].append(timed(run))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    floor = statistics.median(hdf5_floor_seconds(list(stored["shape"]), tmp) for _ in range(3))
+    limit = med["I/O limit"]
+    rows = []
+    for key in [k for k in runs if k != "I/O limit"]:
+        n = {"full tensors": n_tensors, "naive reference": n_tensors,
+             "statistics": n_stats}.get(key)
+        rows.append({
+            "model": name, "mode": key, "ms": med[key] * 1e3, "ratio": med[key] / med["plain"],
+            "bytes": {"full tensors": sum(sizes), "naive reference": sum(sizes)}.get(key, 0),
+            "us_per_tensor": (med[key] - med["plain"]) / n * 1e6 if n else float("nan"),
+            "vs_io_limit": med[key] / limit if key == "full tensors" else float("nan"),
+        })
+    rows.append({"model": name, "mode": f"I/O limit ({n_tensors} tensors)", "ms": limit * 1e3,
+                 "ratio": limit / med["plain"], "bytes": sum(sizes),
+                 "us_per_tensor": (limit - med["plain"]) / n_tensors * 1e6, "vs_io_limit": 1.0})
+    rows.append({"model": name, "mode": "HDF5 floor (datasets only)", "ms": floor * 1e3,
+                 "ratio": float("nan"), "bytes": sum(sizes),
+                 "us_per_tensor": floor / n_tensors * 1e6, "vs_io_limit": float("nan")})
+    speedup = med["naive reference"] / med["full tensors"]
+    rows.append({"model": name, "mode": f"full vs naive: {speedup:.1f}x faster", "ms": float("nan"),
+                 "ratio": float("nan"), "bytes": 0, "us_per_tensor": float("nan"),
+                 "vs_io_limit": float("nan")})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--models", default="mlp,cnn,deep,transformer")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    factories = models(args.device)
+    print(f"device {args.device}, torch {torch.__version__}, median of {args.repeat} rounds")
+    print(f"{'model':<12} {'mode':<30} {'step ms':>9} {'x plain':>8} {'MB/step':>8} "
+          f"{'us/tensor':>10} {'x I/O limit':>12}")
+    for name in args.models.split(","):
+        with tempfile.TemporaryDirectory(prefix=f"bench_dump_{name}_") as tmp:
+            for r in bench_model(name, factories[name], args.repeat, args.device, Path(tmp)):
+                fmt = lambda v, spec: "-" if v != v else format(v, spec)  # noqa: E731
+                print(f"{r['model']:<12} {r['mode']:<30} {fmt(r['ms'], '9.1f')} "
+                      f"{fmt(r['ratio'], '8.2f')} {r['bytes'] / 1e6:8.1f} "
+                      f"{fmt(r['us_per_tensor'], '10.1f')} {fmt(r['vs_io_limit'], '12.2f')}",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
