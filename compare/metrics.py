@@ -217,7 +217,8 @@ def stats_of_chunks(chunks: Iterable[np.ndarray]) -> tuple[float, ...]:
         nan += int(np.count_nonzero(np.isnan(x)))
         inf += int(np.count_nonzero(np.isinf(x)))
         zero += int(np.count_nonzero(x == 0))
-        lo, hi = min(lo, float(np.min(x))), max(hi, float(np.max(x)))  # NaN propagates
+        lo = _nan_propagating(min, lo, float(np.min(x)))
+        hi = _nan_propagating(max, hi, float(np.max(x)))
         total += float(np.sum(x))
         sumsq += float(np.dot(x, x))
     if n == 0:
@@ -225,6 +226,10 @@ def stats_of_chunks(chunks: Iterable[np.ndarray]) -> tuple[float, ...]:
     mean = total / n
     return lo, hi, mean, math.sqrt(max(sumsq / n - mean * mean, 0.0)), math.sqrt(sumsq), \
         float(nan), float(inf), float(zero)
+
+
+def _nan_propagating(pick, x: float, y: float) -> float:
+    return math.nan if math.isnan(x) or math.isnan(y) else pick(x, y)
 
 
 def compare_stats(a: tuple, b: tuple, tol: Tolerance) -> dict:

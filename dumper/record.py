@@ -79,12 +79,16 @@ class ByteBudget:
                 return True
             return False
 
+    def request_room(self) -> None:
+        """Ask the consumer to free bytes (write what it holds)."""
+        if self.on_pressure is not None:
+            self.on_pressure()
+
     def acquire(self, n: int) -> None:
         """Wait until ``n`` more bytes fit (a snapshot larger than the limit waits to go alone)."""
         if self.try_acquire(n):
             return
-        if self.on_pressure is not None:
-            self.on_pressure()
+        self.request_room()
         with self._cond:
             self._cond.wait_for(lambda: self._used == 0 or self._used + n <= self.limit)
             self._used += n
@@ -130,6 +134,7 @@ class RecordMaker:
         nbytes = t.numel() * t.element_size()
         if not self._budget.try_acquire(nbytes):
             if self._drop:
+                self._budget.request_room()
                 rec.status, rec.value = fmt.ST_DROPPED, "dropped: bytes in flight at the limit"
                 return rec
             self._budget.acquire(nbytes)

@@ -16,8 +16,11 @@ import torch
 MIN_POOLED = 1 << 17  # smaller snapshots are plain clones (malloc reuses its heap for them)
 
 
+GRANULE = 1 << 16  # buffer sizes are rounded up to this: training repeats shapes, so reuse is exact
+
+
 def _size_class(nbytes: int) -> int:
-    return 1 << max(nbytes - 1, 1).bit_length()
+    return (nbytes + GRANULE - 1) // GRANULE * GRANULE
 
 
 class Snapshot:
@@ -49,12 +52,14 @@ class Snapshot:
 
 
 class SnapshotPool:
-    """Reusable host buffers by power-of-two size class, caching at most ``max_cached_bytes``."""
+    """Reusable host buffers by size class. Buffers in use plus buffers kept for reuse stay
+    within ``max_bytes`` (beyond it, given-back buffers are freed)."""
 
-    def __init__(self, max_cached_bytes: int):
-        self.max_cached_bytes = max_cached_bytes
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
         self._free: dict[tuple[int, bool], list[torch.Tensor]] = defaultdict(list)
         self._cached = 0
+        self._in_use = 0
         self._lock = threading.Lock()
 
     def take(self, t: torch.Tensor) -> Snapshot:
@@ -78,15 +83,24 @@ class SnapshotPool:
 
     def _take_buffer(self, size: int, pinned: bool) -> torch.Tensor:
         with self._lock:
+            self._in_use += size
             free = self._free[(size, pinned)]
             if free:
                 self._cached -= size
                 return free.pop()
+            while self._cached and self._cached + self._in_use > self.max_bytes:
+                self._evict_one()
         return torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+
+    def _evict_one(self) -> None:
+        key = next(k for k, v in self._free.items() if v)
+        self._free[key].pop()
+        self._cached -= key[0]
 
     def give(self, buffer: torch.Tensor, pinned: bool) -> None:
         size = buffer.numel()
         with self._lock:
-            if self._cached + size <= self.max_cached_bytes:
+            self._in_use -= size
+            if self._cached + self._in_use + size <= self.max_bytes:
                 self._free[(size, pinned)].append(buffer)
                 self._cached += size

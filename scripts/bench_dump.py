@@ -157,12 +157,25 @@ def bench_model(name: str, factory, repeat: int, device: str, tmp: Path) -> list
         sync()
         return time.perf_counter() - start
 
+    steps = iter(range(10 ** 9))
+
     def with_dumper(d):
         def run():
-            d.register_hooks(model, 0, 0)
+            d.register_hooks(model, 0, next(steps))
             step()
             d.remove_hooks()
         return run
+
+    def clean() -> None:
+        """Between timed runs: remove earlier step files. A step file is always a new name in
+        real use; replacing an existing one makes ext4 flush it (auto_da_alloc), which a
+        benchmark reusing names would measure instead of the dumper."""
+        for d in dumpers.values():
+            for path in d.written_files:
+                path.unlink(missing_ok=True)
+            d.written_files.clear()
+        for path in (tmp / "naive.hdf5", tmp / "plain.bin"):
+            path.unlink(missing_ok=True)
 
     def with_naive():
         naive.register(model)
@@ -173,17 +186,19 @@ def bench_model(name: str, factory, repeat: int, device: str, tmp: Path) -> list
             "naive reference": with_naive}
     for run in runs.values():  # warm-up (allocator, pools, files)
         timed(run)
-    full = load_dump(tmp / "full").index
+    full = load_dump(dumpers["full tensors"].written_files[-1]).index
     stored = full[full["dataset"] != ""]
     sizes = [int(np.prod(s)) * 4 for s in stored["shape"]]  # float32 models
     n_tensors = len(stored)
-    n_stats = int((load_dump(tmp / "stats").index["dtype"] != "").sum())
+    n_stats = int(load_dump(dumpers["statistics"].written_files[-1]).index["stat_nan"].notna().sum())
+    clean()
     write_plain = plain_writer(sizes, tmp / "plain.bin")
     runs["I/O limit"] = lambda: (step(), write_plain())
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(repeat):  # interleaved: every mode sees the same load and page-cache state
         for key, run in runs.items():
             times[key].append(timed(run))
+            clean()
     med = {k: statistics.median(v) for k, v in times.items()}
     floor = statistics.median(hdf5_floor_seconds(list(stored["shape"]), tmp) for _ in range(3))
     limit = med["I/O limit"]

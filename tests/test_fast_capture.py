@@ -1,0 +1,173 @@
+"""The asynchronous pipeline: bounded memory (wait / drop), statistics mode, and their compare."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from compare import compare_dumps, load_dump, summarize
+from compare.metrics import stats_of_chunks
+from dumper import HookerAndDumper
+from dumper.record import ByteBudget
+
+from helpers import Planted, read_tensors
+
+
+def _wide_model():
+    torch.manual_seed(0)
+    # 128 x 512 float32 activations: 256 KiB each, large enough for the pooled snapshot path
+    return nn.Sequential(nn.Linear(512, 512), nn.ReLU(inplace=True), nn.Linear(512, 512),
+                         nn.Tanh(), nn.Linear(512, 4))
+
+
+def _dump(directory, model, batch, **kwargs) -> HookerAndDumper:
+    dumper = HookerAndDumper(directory, **kwargs)
+    with dumper.hooks(model, 0, 0):
+        model(batch).pow(2).mean().backward()
+    return dumper
+
+
+def test_one_record_at_a_time_gives_the_same_dump(tmp_path):
+    """A 1-byte budget makes every snapshot wait until the previous one is written: the
+    synchronous path. Its dump must equal the default asynchronous one, row for row."""
+    batch = torch.randn(128, 512)
+    _dump(tmp_path / "async", _wide_model(), batch)
+    _dump(tmp_path / "sync", _wide_model(), batch, max_bytes_in_flight=1)
+    a, b = load_dump(tmp_path / "async").index, load_dump(tmp_path / "sync").index
+    pd.testing.assert_frame_equal(a, b)
+    ta, tb = read_tensors(tmp_path / "async"), read_tensors(tmp_path / "sync")
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_pooled_snapshots_are_taken_before_in_place_ops(tmp_path):
+    model, batch = _wide_model(), torch.randn(128, 512)
+    expected = model[0](batch).detach().clone()
+    assert expected.numel() * 4 >= 1 << 17 and (expected < 0).any()
+    for _ in range(2):  # the second step reuses the pool's buffers
+        _dump(tmp_path, model, batch)
+        rec = read_tensors(tmp_path)
+        assert torch.equal(rec[("0", 0, "output", 0)], expected)
+        assert torch.equal(rec[("1", 0, "input", 0)], expected)
+
+
+def test_backpressure_bounds_bytes_in_flight(tmp_path, monkeypatch):
+    peak = []
+    acquire = ByteBudget.acquire
+
+    def tracked(self, n):
+        acquire(self, n)
+        peak.append(self._used)
+    monkeypatch.setattr(ByteBudget, "acquire", tracked)
+    limit = 600 * 1024  # about two snapshots
+    dumper = _dump(tmp_path, _wide_model(), torch.randn(128, 512), max_bytes_in_flight=limit)
+    assert peak and max(peak) <= limit  # hooks waited for the writer instead of exceeding it
+    index = load_dump(tmp_path).index
+    assert (index["status"] == "ok").all() and len(dumper.written_files) == 1
+    _dump(tmp_path / "ref", _wide_model(), torch.randn(128, 512))
+    assert len(index) == len(load_dump(tmp_path / "ref").index)
+
+
+def test_drop_mode_records_drops_and_compare_reports_them(tmp_path):
+    torch.manual_seed(1)
+    batch = torch.randn(128, 512)
+    _dump(tmp_path / "full", _wide_model(), batch)
+    _dump(tmp_path / "dropping", _wide_model(), batch, max_bytes_in_flight=300 * 1024,
+          when_full="drop")
+    index = load_dump(tmp_path / "dropping").index
+    dropped = index[index["status"] == "dropped"]
+    assert len(dropped) > 0 and (dropped["dataset"] == "").all()
+    assert dropped["value"].str.contains("bytes in flight").all()
+    kept = read_tensors(tmp_path / "dropping")
+    full = read_tensors(tmp_path / "full")
+    assert kept and all(torch.equal(kept[k], full[k]) for k in kept)
+    result = compare_dumps(tmp_path / "full", tmp_path / "dropping")
+    assert (result["status"] == "dropped").sum() == len(dropped)
+    summary = summarize(result)
+    assert summary.counts["dropped"] == len(dropped) and not summary.ok
+    assert summary.first is None  # a drop is not a divergence
+
+
+def test_statistics_equal_numpy_references(tmp_path):
+    model = Planted()
+    batch = torch.randn(64, 6)
+    batch[0, 0] = float("nan")  # NaN propagates: counts must say where
+    torch.manual_seed(0)
+    _dump(tmp_path / "tensors", Planted(), batch)
+    torch.manual_seed(0)
+    _dump(tmp_path / "stats", Planted(), batch, mode="stats")
+    values = read_tensors(tmp_path / "tensors")
+    stats = load_dump(tmp_path / "stats").index
+    stats = stats[stats["stat_nan"].notna()]
+    assert len(stats) == len(values) and (stats["dataset"] == "").all()
+    for row in stats.itertuples():
+        ref = stats_of_chunks([values[(row.module, row.call_idx, row.kind, row.index)]
+                               .double().numpy().ravel()])
+        got = (row.stat_min, row.stat_max, row.stat_mean, row.stat_std, row.stat_norm,
+               row.stat_nan, row.stat_inf, row.stat_zero)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert (stats["stat_nan"] > 0).any()
+    del model
+
+
+def test_mixed_mode_keeps_values_for_selected_modules(tmp_path):
+    _dump(tmp_path, Planted(), torch.randn(8, 6), mode="stats", full_tensors=["mid*"])
+    index = load_dump(tmp_path).index
+    tensors = index[index["index"] >= 0]
+    with_values = set(tensors[tensors["dataset"] != ""]["module"])
+    assert with_values == {"mid"}
+    assert tensors[tensors["module"] != "mid"]["stat_norm"].notna().all()
+    assert load_dump(tmp_path).steps[0].attrs["mode"] == "stats"
+
+
+@pytest.mark.parametrize("b_mode", ["stats", "tensors"])
+def test_statistics_compare_finds_the_planted_module(tmp_path, b_mode):
+    batch = torch.randn(16, 6)
+
+    def run(name, mode, plant):
+        torch.manual_seed(0)
+        model = Planted()
+        if plant:
+            model.mid.register_forward_hook(lambda m, args, out: out * 1.01)
+        _dump(tmp_path / name, model, batch, mode=mode)
+        return tmp_path / name
+
+    ref = run("ref", "stats", False)
+    same = compare_dumps(ref, run("same", b_mode, False))
+    assert set(same["status"]) <= {"equal", "close"}
+    assert same["stat_rel_diff"].notna().all()
+    first = summarize(compare_dumps(ref, run("planted", b_mode, True))).first
+    assert (first.row["module"], first.row["kind"]) == ("mid", "output")
+    assert first.verdict == "origin"
+
+
+def test_nan_appearing_is_reported_by_statistics(tmp_path):
+    batch = torch.randn(16, 6)
+    torch.manual_seed(0)
+    _dump(tmp_path / "a", Planted(), batch, mode="stats")
+    torch.manual_seed(0)
+    model = Planted()
+    model.relu.register_forward_hook(lambda m, args, out: out.masked_fill(out > 0.5, float("nan")))
+    _dump(tmp_path / "b", model, batch, mode="stats")
+    first = summarize(compare_dumps(tmp_path / "a", tmp_path / "b")).first
+    assert (first.row["module"], first.row["kind"], first.row["status"]) == \
+        ("relu", "output", "nan_mismatch")
+    assert first.row["nan_b"] > 0 == first.row["nan_a"]
+
+
+@pytest.mark.cuda
+def test_cuda_snapshots_are_exact_and_asynchronous(tmp_path):
+    model = _wide_model().cuda()
+    batch = torch.randn(128, 512, device="cuda")
+    expected = model[0](batch).detach().cpu()
+    for mode in ("tensors", "stats"):
+        _dump(tmp_path / mode, model, batch, mode=mode)
+    rec = read_tensors(tmp_path / "tensors")
+    assert torch.equal(rec[("0", 0, "output", 0)], expected)
+    step = load_dump(tmp_path / "tensors").steps[0]
+    assert step.index["device"].str.startswith("cuda").all()
+    stats = load_dump(tmp_path / "stats").index
+    assert stats["stat_norm"].notna().any()
+    result = compare_dumps(tmp_path / "stats", tmp_path / "tensors")
+    assert set(result["status"]) <= {"equal", "close"}
