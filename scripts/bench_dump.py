@@ -121,7 +121,7 @@ def plain_writer(pieces: list[int], path: Path):
 
 def hdf5_floor_seconds(shapes: list[tuple], directory: Path) -> float:
     from h5py import h5d, h5g, h5s, h5t
-    arrays = [np.zeros(s, np.float32) for s in shapes]
+    arrays = [np.ones(s, np.float32) for s in shapes]  # touched pages: zeros would fault lazily
     tid = h5t.py_create(np.dtype(np.float32))
     start = time.perf_counter()
     with h5py.File(directory / "floor.hdf5", "w") as f:
@@ -133,6 +133,16 @@ def hdf5_floor_seconds(shapes: list[tuple], directory: Path) -> float:
             if a.size:
                 ds.write(h5s.ALL, h5s.ALL, a)
             ds.close()
+    return time.perf_counter() - start
+
+
+def stats_floor_seconds(shapes: list[tuple]) -> float:
+    """Three plain reductions (aminmax, sum, norm) over tensors of these shapes: the least any
+    min/max/mean/std/norm statistic needs with eager torch ops."""
+    tensors = [torch.randn(s) for s in shapes]
+    start = time.perf_counter()
+    for t in tensors:
+        torch.aminmax(t), t.sum(), torch.linalg.vector_norm(t)
     return time.perf_counter() - start
 
 
@@ -201,6 +211,7 @@ def bench_model(name: str, factory, repeat: int, device: str, tmp: Path) -> list
             clean()
     med = {k: statistics.median(v) for k, v in times.items()}
     floor = statistics.median(hdf5_floor_seconds(list(stored["shape"]), tmp) for _ in range(3))
+    stats_floor = statistics.median(stats_floor_seconds(list(stored["shape"])) for _ in range(3))
     limit = med["I/O limit"]
     rows = []
     for key in [k for k in runs if k != "I/O limit"]:
@@ -218,6 +229,9 @@ def bench_model(name: str, factory, repeat: int, device: str, tmp: Path) -> list
     rows.append({"model": name, "mode": "HDF5 floor (datasets only)", "ms": floor * 1e3,
                  "ratio": float("nan"), "bytes": sum(sizes),
                  "us_per_tensor": floor / n_tensors * 1e6, "vs_io_limit": float("nan")})
+    rows.append({"model": name, "mode": "stats floor (3 reductions)", "ms": stats_floor * 1e3,
+                 "ratio": (med["plain"] + stats_floor) / med["plain"], "bytes": 0,
+                 "us_per_tensor": stats_floor / n_tensors * 1e6, "vs_io_limit": float("nan")})
     speedup = med["naive reference"] / med["full tensors"]
     rows.append({"model": name, "mode": f"full vs naive: {speedup:.1f}x faster", "ms": float("nan"),
                  "ratio": float("nan"), "bytes": 0, "us_per_tensor": float("nan"),
@@ -225,12 +239,55 @@ def bench_model(name: str, factory, repeat: int, device: str, tmp: Path) -> list
     return rows
 
 
+def rss_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def memory_child(limit_mb: int, steps: int) -> None:
+    """One long CNN dump; prints the peak RSS growth over a plain step's peak."""
+    import json
+    torch.manual_seed(0)
+    model, batch = models("cpu")["cnn"]()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    step = step_fn(model, batch, opt)
+    step()
+    base = rss_mb("VmHWM")
+    with tempfile.TemporaryDirectory(prefix="bench_dump_mem_") as tmp:
+        dumper = HookerAndDumper(tmp, max_bytes_in_flight=limit_mb << 20)
+        for i in range(steps):
+            dumper.register_hooks(model, 0, i)
+            step()
+            dumper.remove_hooks()
+            dumper.written_files.pop().unlink()
+    print(json.dumps({"limit_mb": limit_mb, "growth_mb": rss_mb("VmHWM") - base}))
+
+
+def memory_table(steps: int) -> None:
+    import json
+    import subprocess
+    print(f"\npeak RSS growth during a {steps}-step CNN dump (~154 MB per step) over a plain step:")
+    for limit in (32, 128, 512):
+        out = subprocess.run([sys.executable, __file__, "--memory-child", str(limit), str(steps)],
+                             check=True, capture_output=True, text=True).stdout
+        r = json.loads(out.strip().splitlines()[-1])
+        print(f"  max_bytes_in_flight {r['limit_mb']:>4} MiB: peak RSS +{r['growth_mb']:.0f} MB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--models", default="mlp,cnn,deep,transformer")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--memory-steps", type=int, default=20)
+    parser.add_argument("--memory-child", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.memory_child:
+        memory_child(*args.memory_child)
+        return
     factories = models(args.device)
     print(f"device {args.device}, torch {torch.__version__}, median of {args.repeat} rounds")
     print(f"{'model':<12} {'mode':<30} {'step ms':>9} {'x plain':>8} {'MB/step':>8} "
@@ -243,6 +300,8 @@ def main() -> None:
                       f"{fmt(r['ratio'], '8.2f')} {r['bytes'] / 1e6:8.1f} "
                       f"{fmt(r['us_per_tensor'], '10.1f')} {fmt(r['vs_io_limit'], '12.2f')}",
                       flush=True)
+    if args.memory_steps:
+        memory_table(args.memory_steps)
 
 
 if __name__ == "__main__":
