@@ -26,14 +26,22 @@ EXIT_SAME, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
               help="Write every row to FILE: .csv, .json, .html or .xlsx (needs h5cmp[xlsx]).")
 @click.option("--plot", type=click.Path(path_type=Path),
               help="Draw errors in execution order to FILE.png (needs h5cmp[plot]).")
+@click.option("--heatmap", type=click.Path(path_type=Path),
+              help="Draw a modules x steps heat map of rel_l2_err to FILE.png (needs h5cmp[plot]).")
+@click.option("--dot", type=click.Path(path_type=Path),
+              help="Write the first compared step's call graph, coloured by status, to FILE.dot "
+                   "(.png/.svg rendered with Graphviz).")
+@click.option("--injected", type=click.Path(path_type=Path),
+              help="A dump of run B with reference inputs injected (dumper.Injector): report each "
+                   "module's local error and whether it is the origin or inherits the error.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
               help="Compare in N processes.")
 @click.option("--all", "show_all", is_flag=True, help="Show every row, not only failing ones.")
 @click.option("--top", type=click.IntRange(min=1), default=20, show_default=True,
               help="Show at most N rows.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing; only the exit code tells.")
-def main(a: Path, b: Optional[Path], rtol, atol, steps, modules, kinds, output, plot, jobs,
-         show_all, top, quiet) -> None:
+def main(a: Path, b: Optional[Path], rtol, atol, steps, modules, kinds, output, plot, heatmap,
+         dot, injected, jobs, show_all, top, quiet) -> None:
     """Compare dumps A and B (files or directories of step files) tensor by tensor and report
     the first divergence. With only A, list its steps, module calls and tensors.
 
@@ -45,27 +53,28 @@ def main(a: Path, b: Optional[Path], rtol, atol, steps, modules, kinds, output, 
             from .inspect import format_tree
             click.echo(format_tree(a))
             sys.exit(EXIT_SAME)
-        sys.exit(_compare(a, b, rtol, atol, steps, modules, kinds, output, plot, jobs,
-                          show_all, top, quiet))
+        sys.exit(_compare(a, b, rtol, atol, steps, modules, kinds, output, plot, heatmap, dot,
+                          injected, jobs, show_all, top, quiet))
     except DumpError as exc:
         click.echo(f"h5cmp: error: {exc}", err=True)
         sys.exit(EXIT_ERROR)
 
 
-def _compare(a, b, rtol, atol, steps, modules, kinds, output, plot, jobs, show_all, top,
-             quiet) -> int:
+def _compare(a, b, rtol, atol, steps, modules, kinds, output, plot, heatmap, dot, injected, jobs,
+             show_all, top, quiet) -> int:
     from .comparison import compare_dumps
     from .dump import load_dump
     from .report import export, render_text
     from .summary import summarize
 
-    from .plot import check_plot_path, plot_errors
+    from .plot import check_plot_path, plot_errors, plot_heatmap
     from .report import check_output_path
 
     if output is not None:
         check_output_path(output)
-    if plot is not None:
-        check_plot_path(plot)
+    for picture in (plot, heatmap):
+        if picture is not None:
+            check_plot_path(picture)
     dump_a, dump_b = load_dump(a), load_dump(b)
     _report_unpaired_steps(dump_a, dump_b, quiet)
     show_progress = not quiet and sys.stderr.isatty()
@@ -79,8 +88,21 @@ def _compare(a, b, rtol, atol, steps, modules, kinds, output, plot, jobs, show_a
         export(result, summary, output)
     if plot is not None:
         plot_errors(result, summary, plot)
+    if heatmap is not None:
+        plot_heatmap(result, heatmap)
+    if dot is not None:
+        from .dataflow import to_dot, write_dot
+        first = result.iloc[0] if len(result) else None
+        write_dot(to_dot(dump_a, *(() if first is None else (first["epoch"], first["step"])),
+                         result=result), dot)
     if not quiet:
         click.echo(render_text(result, summary, show_all, top))
+    if injected is not None:
+        from .localize import describe_origins, localize
+        origins = localize(dump_a, dump_b, load_dump(injected), rtol, atol)
+        if not quiet:
+            click.echo("\nlocal vs accumulated error (with reference inputs injected):")
+            click.echo(describe_origins(origins))
     return EXIT_SAME if summary.ok else EXIT_DIFFERENT
 
 

@@ -21,8 +21,9 @@ from .tolerance import pair_tolerance
 DEFAULT_CHUNK_ELEMENTS = 1 << 20  # elements read per dataset slice (4 MiB of float32)
 
 RESULT_COLUMNS = [
-    "epoch", "step", "rank", "seq", "module", "cls", "call_idx", "kind", "index", "occurrence",
-    "path", "dtype_a", "dtype_b", "shape_a", "shape_b", "status", *METRIC_COLUMNS, "rtol", "atol",
+    "epoch", "step", "rank", "seq", "call", "module", "cls", "call_idx", "kind", "index",
+    "occurrence", "path", "producer", "dtype_a", "dtype_b", "shape_a", "shape_b", "status",
+    *METRIC_COLUMNS, "rtol", "atol",
 ]
 
 
@@ -214,6 +215,8 @@ def _prefetched(items: Iterator, depth: int = 2) -> Iterator:
 def _result_frame(pairs: pd.DataFrame, metrics: dict[int, dict], rtol, atol) -> pd.DataFrame:
     frame = pairs.copy()
     frame["seq"] = frame["seq_a"].fillna(frame["seq_b"]).astype("int64")
+    frame["call"] = frame["call_a"].fillna(frame["call_b"]).astype("int64")
+    frame["producer"] = frame["producer_a"].fillna(frame["producer_b"]).astype("int64")
     frame["cls"] = frame["cls_a"].fillna(frame["cls_b"])
     frame["path"] = frame["path_a"].fillna(frame["path_b"])
     computed = pd.DataFrame.from_dict(metrics, orient="index")

@@ -104,6 +104,7 @@ INDEX_COLUMNS: tuple[tuple[str, str], ...] = (
     ("requires_grad", "int8"),
     ("status", "str"),        # ST_OK / ST_DROPPED / ST_UNSUPPORTED
     ("value", "str"),         # short repr of a non-tensor leaf, or why a tensor was not stored
+    ("producer", "int32"),    # input rows: `call` of the module call that output this tensor, else -1
     # Statistics (statistics mode; NaN where not computed). Counts are exact below 2**53.
     ("stat_min", "float64"),
     ("stat_max", "float64"),

@@ -11,7 +11,7 @@ from .dump import Dump
 
 KEY = ["epoch", "step", "rank", "module", "call_idx", "kind", "index", "occurrence"]
 SIDE_COLUMNS = ["seq", "call", "cls", "group", "path", "dtype", "shape", "encoding", "dataset",
-                "status", *fmt.STAT_COLUMNS]
+                "status", "producer", *fmt.STAT_COLUMNS]
 
 
 def tensor_rows(dump: Dump, steps: Optional[Iterable[str]] = None,

@@ -56,3 +56,35 @@ def plot_errors(result: pd.DataFrame, summary: Summary, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plot_heatmap(result: pd.DataFrame, path: Path, metric: str = "rel_l2_err") -> None:
+    """Save a PNG heat map: modules (rows, execution order) x steps, forward and backward
+    (columns), of the largest ``metric`` over the module's records there (log colour scale)."""
+    check_plot_path(path)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+
+    from . import format as fmt
+    direction = result["kind"].map(lambda k: " bwd" if k in fmt.BACKWARD_KINDS else " fwd")
+    rows = result.assign(key=[fmt.module_key(m, c) for m, c in zip(result["module"], result["cls"])],
+                         when=result["epoch"].astype(str) + ":" + result["step"].astype(str)
+                         + direction)
+    order = list(dict.fromkeys(rows.sort_values(["epoch", "step", "seq"])["key"]))
+    table = rows.pivot_table(index="key", columns="when", values=metric, aggfunc="max")
+    columns = rows.drop_duplicates("when").sort_values(["epoch", "step", "kind"], key=lambda c: (
+        c.isin(fmt.BACKWARD_KINDS) if c.name == "kind" else c))["when"]
+    table = table.reindex(index=order, columns=list(columns)).clip(lower=1e-12)
+    fig, ax = plt.subplots(figsize=(2 + 0.6 * table.shape[1], 1.5 + 0.22 * len(table)))
+    image = ax.imshow(table.to_numpy(dtype=float), aspect="auto", cmap="magma_r",
+                      norm=LogNorm(vmin=1e-12, vmax=max(1.0, float(np.nanmax(table.to_numpy())))))
+    ax.set_yticks(range(len(table)), table.index, fontsize=7)
+    ax.set_xticks(range(table.shape[1]), table.columns, rotation=90, fontsize=7)
+    ax.set_xlabel("epoch:step, direction")
+    fig.colorbar(image, ax=ax, label=f"max {metric}")
+    ax.set_title(f"{metric} per module and step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

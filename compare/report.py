@@ -83,6 +83,40 @@ def check_output_path(path: Path) -> None:
             raise DumpError(f"{path}: writing XLSX needs openpyxl; pip install 'h5cmp[xlsx]'") from exc
 
 
+def _png_data_uri(draw) -> str:
+    """Draw into a temporary PNG with ``draw(path)`` and return it as a data: URI."""
+    import base64
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        png = Path(tmp) / "figure.png"
+        draw(png)
+        return "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
+
+
+def html_report(result: pd.DataFrame, summary: Summary, flat: pd.DataFrame) -> str:
+    """A self-contained HTML page: the summary, the plots (when matplotlib is installed, as
+    embedded PNGs) and the table of every pair, failing rows highlighted."""
+    figures = ""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        figures = "<p>(plots need matplotlib: pip install 'h5cmp[plot]')</p>"
+    else:
+        from .plot import plot_errors, plot_heatmap
+        for title, draw in (("Error per record", lambda p: plot_errors(result, summary, p)),
+                            ("Error per module and step", lambda p: plot_heatmap(result, p))):
+            figures += f"<h2>{title}</h2><img alt='{title}' src='{_png_data_uri(draw)}'>"
+    failing = ~flat["status"].isin(PASSING)
+    table = flat.style.apply(
+        lambda row: ["background:#fbdada" if failing[row.name] else "" for _ in row], axis=1
+    ).format(precision=4, na_rep="-").hide(axis="index").to_html()
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>h5cmp report</title>"
+            f"<style>body{{font-family:sans-serif}} table{{border-collapse:collapse;font-size:12px}}"
+            f" td,th{{border:1px solid #ccc;padding:2px 4px}}</style></head><body>"
+            f"<h1>h5cmp report</h1><pre>{html.escape(str(summary))}</pre>{figures}"
+            f"<h2>Tensor pairs</h2>{table}</body></html>")
+
+
 def export(result: pd.DataFrame, summary: Summary, path: Path) -> None:
     """Write ``result`` to ``path`` in the format its extension names."""
     suffix = path.suffix.lower()
@@ -96,10 +130,7 @@ def export(result: pd.DataFrame, summary: Summary, path: Path) -> None:
                    "rows": json.loads(flat.to_json(orient="records"))}
         path.write_text(json.dumps(payload, indent=1))
     elif suffix == ".html":
-        body = flat.to_html(index=False, na_rep="-", float_format=lambda v: f"{v:.4g}")
-        path.write_text(f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>h5cmp report"
-                        f"</title></head><body><h1>h5cmp report</h1><pre>{html.escape(str(summary))}"
-                        f"</pre>{body}</body></html>")
+        path.write_text(html_report(result, summary, flat))
     else:
         check_output_path(path)
         flat.to_excel(path, index=False)

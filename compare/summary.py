@@ -32,6 +32,7 @@ class Divergence:
     row: pd.Series
     verdict: str
     upstream: pd.DataFrame
+    producer: Optional[pd.DataFrame] = None  # output rows of the call that made this input
 
     @property
     def direction(self) -> str:
@@ -62,6 +63,13 @@ class Divergence:
         else:
             because = (f"the difference is already in this {r['kind']}: it arose outside any hooked "
                        f"submodule (in {self.parent}'s own code, the loss, or the data)")
+            if self.producer is not None and len(self.producer):
+                p = self.producer.iloc[0]
+                state = ("which matched" if self.producer["status"].isin(PASSING).all()
+                         else "which already differed")
+                because += (f"\n  {r['kind']}[{r['index']}] came from "
+                            f"{fmt.module_key(p['module'], p['cls'])} (call {p['call']}), "
+                            f"{state}: the change happened between the two modules")
         return f"first divergence: {where}\n  {errors}\n  {because}"
 
 
@@ -102,7 +110,12 @@ def _diagnose(result: pd.DataFrame, row: pd.Series) -> Divergence:
                        & (result["module"] == row["module"]) & (result["call_idx"] == row["call_idx"])]
     kinds = _UPSTREAM.get(row["kind"])
     if kinds is None:
-        return Divergence(row, BETWEEN_MODULES, same_call.iloc[0:0])
+        producer = None
+        if row["kind"] == fmt.INPUT and row["producer"] >= 0:
+            same_step = result[(result["epoch"] == row["epoch"]) & (result["step"] == row["step"])]
+            producer = same_step[(same_step["call"] == row["producer"])
+                                 & (same_step["kind"] == fmt.OUTPUT)]
+        return Divergence(row, BETWEEN_MODULES, same_call.iloc[0:0], producer)
     same_pass = (same_call["occurrence"] == row["occurrence"]) | same_call["kind"].isin(
         fmt.FORWARD_KINDS)
     upstream = same_call[same_call["kind"].isin(kinds) & same_pass]

@@ -1,6 +1,9 @@
 """Capture side of h5cmp: hook a model and dump its tensors per step into HDF5."""
 from .hooker import HookerAndDumper
+from .inspection import io_shapes, module_keys
+from .intervene import Injector, Perturbation, perturb
 from .window import every
 from .writer import DumpWriteError
 
-__all__ = ["HookerAndDumper", "DumpWriteError", "every"]
+__all__ = ["HookerAndDumper", "DumpWriteError", "every", "module_keys", "io_shapes", "Injector",
+           "Perturbation", "perturb"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from collections import defaultdict
 from typing import Any, Callable, Optional
 
@@ -16,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from compare import format as fmt
 
-from .flatten import leaves
+from .flatten import call_leaves, leaves
 from .grads import GradInputCollector, current_sequence_nr, gradient_edge
 from .record import CallInfo, Record, RecordMaker, leaf_record
 from .selection import Selection
@@ -56,6 +57,8 @@ class StepCapture:
         self._first_call: dict[int, CallInfo] = {}
         self._param_grads: dict[tuple[int, int], Record] = {}
         self._occurrences: dict[tuple[int, str, int], int] = defaultdict(int)
+        # dataflow: id(tensor) -> (weak reference, call that output it, tensor version then)
+        self._producers: dict[int, tuple[weakref.ref, int, int]] = {}
         self.handles: list[RemovableHandle] = []
         for path, module in model.named_modules():
             if selection.wants_module(path, module):
@@ -93,6 +96,7 @@ class StepCapture:
         for record in self._param_grads.values():  # a step discarded before finish()
             self._maker.release(record)
         self._param_grads.clear()
+        self._producers.clear()
 
     # -- forward -----------------------------------------------------------------------
     def _next_seq(self) -> int:
@@ -112,10 +116,12 @@ class StepCapture:
         want_input = self._sel.wants_kind(fmt.INPUT)
         want_grad = self._sel.wants_kind(fmt.GRAD_INPUT) and torch.is_grad_enabled()
         edges, keep_alive, paths, index = {}, [], {}, 0
-        for leaf_path, leaf in itertools.chain(leaves(args, "args"), leaves(kwargs, "kwargs")):
+        for leaf_path, leaf in call_leaves(args, kwargs):
             if isinstance(leaf, torch.Tensor):
                 if want_input:
-                    self._sink(self._maker.tensor(seq, info, fmt.INPUT, index, leaf_path, leaf))
+                    record = self._maker.tensor(seq, info, fmt.INPUT, index, leaf_path, leaf)
+                    record.producer = self._producer_of(leaf)
+                    self._sink(record)
                 if want_grad and leaf.requires_grad:
                     node, nr = gradient_edge(leaf)
                     edges.setdefault((id(node), nr), index)
@@ -145,6 +151,7 @@ class StepCapture:
         index = 0
         for leaf_path, leaf in leaves(output, "output"):
             if isinstance(leaf, torch.Tensor):
+                self._note_producer(leaf, call.info.number)
                 if want_output:
                     self._sink(self._maker.tensor(seq, call.info, fmt.OUTPUT, index, leaf_path,
                                                   leaf))
@@ -163,6 +170,22 @@ class StepCapture:
             if want_grad or i in passthrough:
                 self.handles.append(t.register_hook(self._grad_output_hook(
                     call, i, leaf_path, want_grad, passthrough.get(i))))
+
+    def _note_producer(self, t: torch.Tensor, call: int) -> None:
+        """Remember, weakly, the innermost call that output ``t``'s current value: the first
+        call to return it at this version (a parent returning its child's output keeps the
+        child; an in-place module returning a modified tensor takes over)."""
+        known = self._producers.get(id(t))
+        if known is None or known[0]() is not t or known[2] != t._version:
+            self._producers[id(t)] = (weakref.ref(t), call, t._version)
+
+    def _producer_of(self, t: torch.Tensor) -> int:
+        """Call that output ``t``'s current value, or -1 (made, or modified since, outside any
+        hooked module)."""
+        known = self._producers.get(id(t))
+        if known is None or known[0]() is not t or known[2] != t._version:
+            return -1
+        return known[1]
 
     # -- backward ----------------------------------------------------------------------
     def _grad_output_hook(self, call: _OpenCall, index: int, path: str, record: bool,

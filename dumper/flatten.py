@@ -38,3 +38,30 @@ def short_repr(obj: Any, limit: int = 80) -> str:
     except Exception as exc:  # a user object with a broken __repr__ must not stop training
         text = f"<{type(obj).__name__}: repr failed: {type(exc).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def map_tensors(obj: Any, fn, depth: int = 0) -> Any:
+    """``obj`` rebuilt with every leaf ``fn(leaf)`` in :func:`leaves` order (same containers).
+
+    Leaves are visited in exactly the order :func:`leaves` yields them, so a counter in ``fn``
+    numbers them the way the dump does.
+    """
+    if depth >= MAX_DEPTH:
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(map_tensors(getattr(obj, n), fn, depth + 1) for n in obj._fields))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(map_tensors(item, fn, depth + 1) for item in obj)
+    if isinstance(obj, dict):
+        return type(obj)((key, map_tensors(item, fn, depth + 1)) for key, item in obj.items())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: map_tensors(getattr(obj, f.name), fn, depth + 1)
+                   for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    return fn(obj)
+
+
+def call_leaves(args: tuple, kwargs: dict) -> Iterator[tuple[str, Any]]:
+    """Leaves of a call's arguments: positional ``args[i]...`` then ``kwargs['name']...``."""
+    yield from leaves(args, "args")
+    yield from leaves(kwargs, "kwargs")

@@ -51,6 +51,7 @@ class Record:
     snapshot: Optional[Snapshot] = None
     stats: Optional[Snapshot] = None
     occurrence: int = 0
+    producer: int = -1
 
     @property
     def dataset(self) -> str:

@@ -38,7 +38,7 @@ def _index_row(r: Record, encoding: str, stats: tuple) -> tuple:
     dtype = r.dtype if isinstance(r.dtype, str) else dtype_name(r.dtype)
     return (r.seq, c.number, c.module, c.cls, c.call_idx, c.group, r.kind, r.index, r.occurrence,
             r.path, r.dataset, dtype, fmt.format_shape(tuple(r.shape)), encoding, str(r.device),
-            int(r.requires_grad), r.status, r.value, *stats)
+            int(r.requires_grad), r.status, r.value, r.producer, *stats)
 
 
 class _LowLevelGroup:

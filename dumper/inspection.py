@@ -1,0 +1,66 @@
+"""Looking at a model without dumping: its module keys, and each call's input/output shapes."""
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pandas as pd
+import torch
+from torch import nn
+
+from compare import format as fmt
+
+from .encoding import dtype_name
+from .flatten import call_leaves, leaves
+
+
+def module_keys(model: nn.Module) -> list[str]:
+    """Every module's key (``path.Class``, the root's class alone), in definition order: the
+    names dump groups and ``h5cmp --module`` globs use."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"module_keys needs a torch.nn.Module, got {type(model).__name__}")
+    return [fmt.module_key(path, type(m).__name__) for path, m in model.named_modules()]
+
+
+def io_shapes(model: nn.Module, *args, **kwargs) -> pd.DataFrame:
+    """Run one forward pass (no grad, nothing written) and return, per module call and tensor,
+    its shape and dtype: columns ``call, module, cls, call_idx, key, kind, index, path, dtype,
+    shape``. ``print(io_shapes(...).to_string())`` prints the table."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"io_shapes needs a torch.nn.Module, got {type(model).__name__}")
+    rows: list[dict] = []
+    calls = itertools.count()
+    counts: Counter = Counter()
+    open_calls: dict[int, list[dict]] = {}
+
+    def record(info: dict, kind: str, items) -> None:
+        tensors = [(path, leaf) for path, leaf in items if isinstance(leaf, torch.Tensor)]
+        for index, (path, t) in enumerate(tensors):
+            rows.append({**info, "kind": kind, "index": index, "path": path,
+                         "dtype": dtype_name(t.dtype), "shape": tuple(t.shape)})
+
+    def pre(path, cls):
+        def hook(module, a, kw):
+            info = {"call": next(calls), "module": path, "cls": cls,
+                    "call_idx": counts[path], "key": fmt.module_key(path, cls)}
+            counts[path] += 1
+            open_calls.setdefault(id(module), []).append(info)
+            record(info, fmt.INPUT, call_leaves(a, kw))
+        return hook
+
+    def post(module, a, kw, out):
+        record(open_calls[id(module)].pop(), fmt.OUTPUT, leaves(out, "output"))
+
+    handles = []
+    try:
+        for path, m in model.named_modules():
+            handles.append(m.register_forward_pre_hook(pre(path, type(m).__name__), with_kwargs=True))
+            handles.append(m.register_forward_hook(post, with_kwargs=True))
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    frame = pd.DataFrame(rows, columns=["call", "module", "cls", "call_idx", "key", "kind", "index",
+                                        "path", "dtype", "shape"])
+    return frame.sort_values(["call", "kind"], kind="stable", ignore_index=True)

@@ -1,0 +1,195 @@
+"""Finding the origin: module keys and shapes, reference injection, localization, perturbation,
+dataflow, the call graph, and the pictures."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from compare import compare_dumps, load_dump, summarize
+from compare.cli import main as h5cmp
+from compare.dataflow import edges, to_dot
+from compare.localize import INHERITED, ORIGIN, localize
+from dumper import HookerAndDumper, Injector, io_shapes, module_keys, perturb
+
+from helpers import Planted, plant_error, read_tensors
+from zoo import OuterResidual, SharedTwice
+
+
+def test_module_keys_in_definition_order_with_shared_modules_once():
+    model = nn.Sequential(SharedTwice(), nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    assert module_keys(model) == ["Sequential", "0.SharedTwice", "0.shared.Linear",
+                                  "0.out.Linear", "1.Sequential", "1.0.Linear", "1.1.ReLU"]
+    with pytest.raises(TypeError, match="nn.Module"):
+        module_keys(object())
+
+
+def test_io_shapes_per_call_without_grad_or_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = SharedTwice()
+    table = io_shapes(model, torch.randn(3, 8, requires_grad=True))
+    shared = table[table["module"] == "shared"]
+    assert shared["call_idx"].tolist() == [0, 0, 1, 1]
+    assert shared["kind"].tolist() == ["input", "output", "input", "output"]
+    assert set(shared["shape"]) == {(3, 8)} and set(table["dtype"]) == {"float32"}
+    assert table[table["module"] == "out"]["shape"].tolist() == [(3, 8), (3, 2)]
+    assert os.listdir(tmp_path) == [] and all(p.grad is None for p in model.parameters())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert "shared.Linear" in table.to_string()
+
+
+def _run(directory, *, plant="", injector=None, dtype=torch.float32, batch=None):
+    torch.manual_seed(0)
+    model = Planted().to(dtype)
+    if plant:
+        plant_error(model, plant)
+    dumper = HookerAndDumper(directory)
+    x = (batch if batch is not None else torch.randn(8, 6)).to(dtype).requires_grad_()
+    hooks_before = [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()]
+    if injector is not None:
+        injector.register(model, 0, 0)
+    with dumper.hooks(model, 0, 0):
+        model(x).float().pow(2).mean().backward()
+    if injector is not None:
+        injector.remove()
+    assert [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()] \
+        == hooks_before
+    return directory
+
+
+def test_injected_inputs_are_the_reference_bit_for_bit_after_the_cast(tmp_path):
+    batch = torch.randn(8, 6)
+    ref = _run(tmp_path / "ref", batch=batch)
+    injector = Injector(ref, kinds=["input"], include=["mid", "out"])
+    _run(tmp_path / "bf16", injector=injector, dtype=torch.bfloat16, batch=batch)
+    assert injector.injected == 2
+    ref_t, got = read_tensors(ref), read_tensors(tmp_path / "bf16")
+    for module in ("mid", "out"):
+        injected = got[(module, 0, "input", 0)]
+        assert injected.dtype == torch.bfloat16
+        assert torch.equal(injected, ref_t[(module, 0, "input", 0)].to(torch.bfloat16))
+    # a module not selected keeps its own (bf16-computed) input
+    assert not torch.equal(got[("relu", 0, "input", 0)].float(), ref_t[("relu", 0, "input", 0)])
+
+
+@pytest.mark.parametrize("where, kinds, origin_kind, inheritors", [
+    ("forward", ["input"], "output", {"relu", "out", ""}),
+    ("backward", ["grad_output"], "grad_input", {"act", "inp", ""}),
+])
+def test_injection_names_the_origin_and_the_inheritors(tmp_path, where, kinds, origin_kind,
+                                                       inheritors):
+    batch = torch.randn(8, 6)
+    ref = _run(tmp_path / "ref", batch=batch)
+    free = _run(tmp_path / "free", plant=where, batch=batch)
+    injected = _run(tmp_path / "injected", plant=where, batch=batch,
+                    injector=Injector(ref, kinds=kinds))
+    table = localize(ref, free, injected)
+    origins = table[table["verdict"] == ORIGIN]
+    assert origins[["module", "kind"]].values.tolist() == [["mid", origin_kind]]
+    inherited = table[(table["verdict"] == INHERITED) & (table["kind"] == origin_kind)]
+    assert set(inherited["module"]) == inheritors
+    cli = CliRunner().invoke(h5cmp, [str(ref), str(free), "--injected", str(injected)])
+    assert cli.exit_code == 1
+    assert f"origin: step 0:0 {where} mid.Linear#0 {origin_kind}[0]" in cli.output
+
+
+def test_injection_errors_are_clear(tmp_path):
+    ref = _run(tmp_path / "ref")
+    with pytest.raises(ValueError, match="kinds must be"):
+        Injector(ref, kinds=["param"])
+    with pytest.raises(KeyError, match="no step 0:5"):
+        Injector(ref).register(Planted(), 0, 5)
+    wrong = nn.Sequential(nn.Linear(6, 16))
+    injector = Injector(ref, include=["0"])
+    injector._tensors = {}
+    injector.register(wrong, 0, 0)
+    injector._tensors = {("0", 0, "input", 0): next(load_dump(ref).index.itertuples())}
+    with pytest.raises(ValueError, match="reference shape"):
+        wrong(torch.randn(3, 6))
+    injector.remove()
+
+
+def test_perturbation_scales_outputs_and_gradients(tmp_path):
+    torch.manual_seed(0)
+    model = Planted()
+    x = torch.randn(4, 6)
+    clean = model(x).detach()
+    mid = model.mid(model.act(model.inp(x))).detach()
+    handle = perturb(model, "mid", scale=2.0)
+    assert torch.allclose(model(x), model.out(model.relu(2 * mid)))
+    handle.remove()
+    assert torch.equal(model(x), clean)
+    model(x).sum().backward()
+    clean_grad = model.inp.weight.grad.clone()
+    model.zero_grad()
+    handle = perturb(model, ["act"], where="grad_output", scale=3.0)
+    model(x).sum().backward()
+    handle.remove()
+    # the gradient reaching act's output is tripled, and so is everything upstream of it
+    assert torch.allclose(model.inp.weight.grad, 3 * clean_grad)
+    with pytest.raises(ValueError, match="no module matches"):
+        perturb(model, "nothing*")
+    noisy = perturb(model, "mid", noise=0.1, seed=1)
+    assert not torch.equal(model(x), clean)
+    noisy.remove()
+
+
+def test_dataflow_edges_on_a_residual_network(tmp_path):
+    model = OuterResidual()
+    dumper = HookerAndDumper(tmp_path)
+    with dumper.hooks(model, 0, 0):
+        model(torch.randn(4, 16)).sum().backward()
+    index = load_dump(tmp_path).index
+    calls = index.drop_duplicates("call").set_index("call")["module"].to_dict()
+    named = {(calls[e.producer], calls[e.call]) for e in edges(index).itertuples()}
+    # h = inner(x) + x; h = blocks(h) + h: the sums are functional, so `blocks` input comes
+    # from no module. In a block, y = lin(x); y += x; act_(y): act's input was modified by the
+    # functional += after lin output it (no producer), and the block's output is act's
+    # in-place result: the innermost call that output that value.
+    assert named == {("blocks.0.act", "blocks.1"), ("blocks.0.act", "blocks.1.lin")}
+    act_input = index[(index["kind"] == "input") & (index["module"] == "blocks.0.act")]
+    assert act_input["producer"].tolist() == [-1]
+    block_input = index[(index["kind"] == "input") & (index["module"] == "blocks.1")]
+    assert calls[int(block_input["producer"].iloc[0])] == "blocks.0.act"
+    dot = to_dot(load_dump(tmp_path))
+    assert dot.startswith('digraph "0-epoch_0-step"') and "blocks.0.ResidualBlock#0" in dot
+    assert dot.count("->") == len(edges(index))
+
+
+def test_first_divergence_names_the_producer_of_a_changed_input(tmp_path):
+    torch.manual_seed(0)
+    base = OuterResidual()
+    for name, scale in (("a", 1.0), ("b", 1.001)):
+        model = OuterResidual()
+        model.load_state_dict(base.state_dict())
+        if scale != 1.0:  # a functional change in the parent, between blocks.0 and blocks.1
+            model.blocks[1].register_forward_pre_hook(lambda m, args: (args[0] * 1.001,))
+        d = HookerAndDumper(tmp_path / name)
+        with d.hooks(model, 0, 0):
+            model(torch.ones(4, 16))
+    first = summarize(compare_dumps(tmp_path / "a", tmp_path / "b")).first
+    text = first.describe()
+    assert first.row["module"] == "blocks.1" and first.row["kind"] == "input"
+    assert "came from blocks.0.act.ReLU (call" in text and "which matched" in text
+
+
+def test_cli_pictures_graph_and_html_report(tmp_path):
+    pytest.importorskip("matplotlib")
+    ref = _run(tmp_path / "ref")
+    free = _run(tmp_path / "free", plant="forward")
+    heat, graph, page = tmp_path / "heat.png", tmp_path / "graph.dot", tmp_path / "report.html"
+    result = CliRunner().invoke(h5cmp, [str(ref), str(free), "-q", "--heatmap", str(heat),
+                                        "--dot", str(graph), "-o", str(page)])
+    assert result.exit_code == 1, result.output
+    assert heat.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "mid.Linear#0" in graph.read_text() and "#f4a6a6" in graph.read_text()
+    html = page.read_text()
+    assert html.count("data:image/png;base64,") == 2 and "first divergence" in html
+    if shutil.which("dot"):
+        png = tmp_path / "graph.png"
+        assert CliRunner().invoke(h5cmp, [str(ref), str(free), "-q", "--dot", str(png)]).exit_code == 1
+        assert png.read_bytes()[:4] == b"\x89PNG"
