@@ -34,6 +34,8 @@ EXIT_SAME, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
 @click.option("--injected", type=click.Path(path_type=Path),
               help="A dump of run B with reference inputs injected (dumper.Injector): report each "
                    "module's local error and whether it is the origin or inherits the error.")
+@click.option("--track", metavar="MODULE:KIND:INDEX[:CALL]",
+              help="With only A: plot this tensor over A's steps into the --plot file.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
               help="Compare in N processes.")
 @click.option("--all", "show_all", is_flag=True, help="Show every row, not only failing ones.")
@@ -41,7 +43,7 @@ EXIT_SAME, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
               help="Show at most N rows.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing; only the exit code tells.")
 def main(a: Path, b: Optional[Path], rtol, atol, steps, modules, kinds, output, plot, heatmap,
-         dot, injected, jobs, show_all, top, quiet) -> None:
+         dot, injected, track, jobs, show_all, top, quiet) -> None:
     """Compare dumps A and B (files or directories of step files) tensor by tensor and report
     the first divergence. With only A, list its steps, module calls and tensors.
 
@@ -50,8 +52,11 @@ def main(a: Path, b: Optional[Path], rtol, atol, steps, modules, kinds, output, 
     from .errors import DumpError
     try:
         if b is None:
-            from .inspect import format_tree
-            click.echo(format_tree(a))
+            if track:
+                _track(a, track, plot)
+            else:
+                from .inspect import format_tree
+                click.echo(format_tree(a))
             sys.exit(EXIT_SAME)
         sys.exit(_compare(a, b, rtol, atol, steps, modules, kinds, output, plot, heatmap, dot,
                           injected, jobs, show_all, top, quiet))
@@ -99,11 +104,24 @@ def _compare(a, b, rtol, atol, steps, modules, kinds, output, plot, heatmap, dot
         click.echo(render_text(result, summary, show_all, top))
     if injected is not None:
         from .localize import describe_origins, localize
-        origins = localize(dump_a, dump_b, load_dump(injected), rtol, atol)
+        origins = localize(dump_a, dump_b, load_dump(injected), rtol, atol, steps=steps,
+                           modules=modules)
         if not quiet:
             click.echo("\nlocal vs accumulated error (with reference inputs injected):")
             click.echo(describe_origins(origins))
     return EXIT_SAME if summary.ok else EXIT_DIFFERENT
+
+
+def _track(a: Path, spec: str, plot: Optional[Path]) -> None:
+    from .errors import DumpError
+    from .plot import plot_tensor_steps
+    parts = spec.split(":")
+    if plot is None or len(parts) not in (3, 4) or not all(p.isdigit() for p in parts[2:]):
+        raise DumpError(f"--track {spec}: give MODULE:KIND:INDEX[:CALL] (e.g. layer1.0:output:0) "
+                        f"and a --plot FILE.png")
+    module = "" if parts[0] in ("", "<root>") else parts[0]
+    plot_tensor_steps(a, module, parts[1], int(parts[2]), plot,
+                      call_idx=int(parts[3]) if len(parts) == 4 else 0)
 
 
 def _report_unpaired_steps(dump_a, dump_b, quiet: bool) -> None:

@@ -6,7 +6,7 @@ reference's (``dumper.Injector``). In the injected run a module can only be wron
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 import pandas as pd
 
@@ -22,14 +22,16 @@ KEY = ["epoch", "step", "rank", "module", "cls", "call_idx", "kind", "index"]
 
 
 def localize(reference: PathLike | Dump, free: PathLike | Dump, injected: PathLike | Dump,
-             rtol: Optional[float] = None, atol: Optional[float] = None) -> pd.DataFrame:
+             rtol: Optional[float] = None, atol: Optional[float] = None, *,
+             steps: Optional[Iterable[str]] = None,
+             modules: Optional[Iterable[str]] = None) -> pd.DataFrame:
     """One row per produced tensor (outputs and grad_inputs), in execution order, with
     ``accumulated_*`` (free vs reference), ``local_*`` (injected vs reference) errors and a
     ``verdict``: ``origin`` (wrong even from correct inputs), ``inherited`` (wrong only in the
     free run), ``fine``."""
     kinds = list(PRODUCED)
-    acc = compare_dumps(reference, free, rtol, atol, kinds=kinds)
-    loc = compare_dumps(reference, injected, rtol, atol, kinds=kinds)
+    acc = compare_dumps(reference, free, rtol, atol, kinds=kinds, steps=steps, modules=modules)
+    loc = compare_dumps(reference, injected, rtol, atol, kinds=kinds, steps=steps, modules=modules)
     cols = ["status", "rel_l2_err", "max_abs_err"]
     merged = acc[KEY + ["seq"] + cols].merge(loc[KEY + cols], on=KEY, how="left",
                                             suffixes=("_accumulated", "_local"))

@@ -6,6 +6,7 @@ Definitions (a = reference side A, b = side B; sums over elements finite on both
   rel_l2_err    ||b - a|| / ||a||               cosine        <a, b> / (||a|| ||b||)
   rmse          sqrt(mean |b - a|^2)
   mismatches    elements with |b - a| > atol + rtol |b|, plus non-finite positions that differ
+  max_tol_ratio max |b - a| / (atol + rtol |b|): above 1 is outside tolerance (inf if exact)
 Non-finite elements (NaN, ±Inf) are counted per side and matched by position.
 """
 from __future__ import annotations
@@ -28,8 +29,8 @@ PASSING = frozenset({EQUAL, CLOSE})
 VALUE_FAILURES = frozenset({DIFF, NAN_MISMATCH, SHAPE_MISMATCH})
 
 METRIC_COLUMNS = ("numel", "max_abs_err", "mean_abs_err", "max_rel_err", "rel_l2_err", "cosine",
-                  "rmse", "mismatches", "mismatch_frac", "nan_a", "nan_b", "inf_a", "inf_b",
-                  "stat_rel_diff")
+                  "rmse", "mismatches", "mismatch_frac", "max_tol_ratio", "nan_a", "nan_b",
+                  "inf_a", "inf_b", "stat_rel_diff")
 STAT_NAMES = ("min", "max", "mean", "std", "norm", "nan", "inf", "zero")
 
 
@@ -80,6 +81,7 @@ class ErrorAccumulator:
     max_abs: float = 0.0
     sum_abs: float = 0.0
     max_rel: float = 0.0
+    max_tol_ratio: float = 0.0
     ssd: float = 0.0
     ssa: float = 0.0
     ssb: float = 0.0
@@ -142,11 +144,14 @@ class ErrorAccumulator:
         self.max_abs = max(self.max_abs, max_abs)
         self.sum_abs += float(absd.sum())
         self.ssd += _dot(absd, absd)
-        if max_abs > self.tol.atol:                             # mismatch: |d| > atol + rtol |b|
-            np.abs(b, out=tmp)
-            np.multiply(tmp, self.tol.rtol, out=tmp)
-            np.add(tmp, self.tol.atol, out=tmp)
-            self.mismatches += int(np.count_nonzero(np.greater(absd, tmp, out=mask)))
+        np.abs(b, out=tmp)                                      # mismatch: |d| > atol + rtol |b|
+        np.multiply(tmp, self.tol.rtol, out=tmp)
+        np.add(tmp, self.tol.atol, out=tmp)
+        self.mismatches += int(np.count_nonzero(np.greater(absd, tmp, out=mask)))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.divide(absd, tmp, out=tmp)
+        ratio[np.isnan(ratio)] = 0.0  # 0/0: equal elements under an exact tolerance
+        self.max_tol_ratio = max(self.max_tol_ratio, float(ratio.max()))
         np.abs(a, out=tmp)                                      # relative: |d| / max(|a|, atol)
         np.maximum(tmp, self.tol.atol, out=tmp)
         if tmp.all():
@@ -181,6 +186,7 @@ class ErrorAccumulator:
             rmse=math.sqrt(self.ssd / n) if n else 0.0,
             mismatches=self.mismatches,
             mismatch_frac=self.mismatches / self.numel if self.numel else 0.0,
+            max_tol_ratio=math.inf if self.nonfinite_mismatches else self.max_tol_ratio,
             **self.counts,
         )
         if self.nonfinite_mismatches:
@@ -242,20 +248,22 @@ def compare_stats(a: tuple, b: tuple, tol: Tolerance) -> dict:
     """
     sa, sb = dict(zip(STAT_NAMES, a)), dict(zip(STAT_NAMES, b))
     values = ("min", "max", "mean", "std", "norm")
-    rel, within, equal = 0.0, True, True
+    rel, ratio, within, equal = 0.0, 0.0, True, True
     for name in values:
         x, y = sa[name], sb[name]
         if math.isnan(x) and math.isnan(y):
             continue
         diff = abs(y - x)
         equal = equal and x == y
-        within = within and diff <= tol.atol + tol.rtol * abs(y)
+        bound = tol.atol + tol.rtol * abs(y)
+        within = within and diff <= bound
+        ratio = max(ratio, diff / bound if bound > 0 else (math.inf if diff > 0 else 0.0))
         denom = max(abs(x), tol.atol)
         rel = max(rel, diff / denom if denom > 0 else (math.inf if diff > 0 else 0.0))
     norm_a = sa["norm"]
     out = {name: math.nan for name in METRIC_COLUMNS}
     out.update(nan_a=sa["nan"], nan_b=sb["nan"], inf_a=sa["inf"], inf_b=sb["inf"],
-               stat_rel_diff=rel,
+               stat_rel_diff=rel, max_tol_ratio=ratio,
                rel_l2_err=abs(sb["norm"] - norm_a) / norm_a if norm_a else math.nan)
     if (sa["nan"], sa["inf"]) != (sb["nan"], sb["inf"]):
         out["status"] = NAN_MISMATCH

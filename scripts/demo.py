@@ -1,4 +1,4 @@
-"""Demo: dump steps 2-3 of three training runs of a small CNN and compare them with h5cmp.
+"""Demo: dump steps 2-3 of training runs of a small CNN and compare them with h5cmp.
 
     python scripts/demo.py [--out demo_out]
 
@@ -6,19 +6,24 @@
    h5cmp judges each pair in the wider type with the looser tolerance: all within tolerance.
 2. float32 vs float32 with one "kernel change" (GELU swapped for its tanh approximation): h5cmp
    names the GELU as the first divergence, forward, and shows that its inputs still matched.
+3. The changed run again, with the float32 run's inputs injected into every module: each
+   module's local error separates the origin (the GELU) from the modules that only inherit its
+   error. Pictures, the call graph and an HTML report land in the output folder.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shutil
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
 
 from compare.cli import main as h5cmp
-from dumper import HookerAndDumper
+from dumper import HookerAndDumper, Injector
 
 
 class SmallCNN(nn.Module):
@@ -36,22 +41,28 @@ class SmallCNN(nn.Module):
 
 
 def train(directory: Path, dtype: torch.dtype, gelu_approximate: str = "none",
-          steps: int = 4) -> None:
+          steps: int = 4, inject_from: Optional[Path] = None) -> None:
     torch.manual_seed(0)
     model = SmallCNN(gelu_approximate).to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = torch.Generator().manual_seed(1)
     dumper = HookerAndDumper(directory, epochs=[0], steps=range(2, 4))
+    injector = Injector(inject_from, kinds=["input"]) if inject_from else None
     losses = []
     for step in range(steps):
         images = torch.randn(16, 3, 12, 12, generator=data).to(dtype)
         labels = torch.randint(0, 10, (16,), generator=data)
+        injecting = injector is not None and dumper.in_window(0, step)
+        if injecting:
+            injector.register(model, 0, step)
         dumper.register_hooks(model, 0, step)
         loss = nn.functional.cross_entropy(model(images), labels)
         loss.backward()
         opt.step()
         opt.zero_grad()
         dumper.remove_hooks()
+        if injecting:
+            injector.remove()
         losses.append(f"{loss.item():.7f}")
     print(f"  {directory.name}: losses {' '.join(losses)}; dumped {len(dumper.written_files)} steps")
 
@@ -67,13 +78,22 @@ def run_h5cmp(*args: str) -> int:
 
 def run(out: Path) -> int:
     shutil.rmtree(out, ignore_errors=True)
-    print(f"training 3 runs, dumping steps 2-3 of each into {out}/")
+    print(f"training 4 runs, dumping steps 2-3 of each into {out}/")
     train(out / "float64", torch.float64)
     train(out / "float32", torch.float32)
     train(out / "float32_tanh_gelu", torch.float32, gelu_approximate="tanh")
+    train(out / "float32_tanh_gelu_injected", torch.float32, gelu_approximate="tanh",
+          inject_from=out / "float32")
+    pictures = []
+    if importlib.util.find_spec("matplotlib"):
+        pictures = ["--plot", str(out / "errors.png"), "--heatmap", str(out / "heatmap.png"),
+                    "-o", str(out / "report.html")]
+    graph = out / ("graph.png" if shutil.which("dot") else "graph.dot")
     codes = [run_h5cmp(str(out / "float64"), str(out / "float32"), "--top", "5"),
              run_h5cmp(str(out / "float32"), str(out / "float32_tanh_gelu"), "--step", "0:2",
-                       "--top", "8")]
+                       "--top", "8", "--injected", str(out / "float32_tanh_gelu_injected"),
+                       "--dot", str(graph), *pictures)]
+    print(f"\npictures, call graph and report: {out}/")
     # Exit code 1 means "differences found", which is what the second comparison shows.
     return 0 if codes == [0, 1] else 1
 

@@ -3,5 +3,5 @@
 # dump a window of steps from both and compare them.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-source "$root/scripts/setup_env.sh"
+source "$root/scripts/setup_env.sh" plot
 exec "$PY" "$root/scripts/demo.py" "$@"

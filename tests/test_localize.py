@@ -193,3 +193,17 @@ def test_cli_pictures_graph_and_html_report(tmp_path):
         png = tmp_path / "graph.png"
         assert CliRunner().invoke(h5cmp, [str(ref), str(free), "-q", "--dot", str(png)]).exit_code == 1
         assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_tracks_one_tensor_over_steps(tmp_path):
+    pytest.importorskip("matplotlib")
+    from helpers import dump_run
+    run = dump_run(tmp_path / "run", steps=3)
+    target = tmp_path / "mid.png"
+    result = CliRunner().invoke(h5cmp, [str(run), "--track", "mid:output:0", "--plot", str(target)])
+    assert result.exit_code == 0, result.output
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = CliRunner().invoke(h5cmp, [str(run), "--track", "nothing:output:0", "--plot", str(target)])
+    assert bad.exit_code == 2 and "no output[0] of module 'nothing'" in bad.output
+    usage = CliRunner().invoke(h5cmp, [str(run), "--track", "mid"])
+    assert usage.exit_code == 2 and "MODULE:KIND:INDEX" in usage.output

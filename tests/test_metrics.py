@@ -32,6 +32,9 @@ def reference(a: np.ndarray, b: np.ndarray, tol: Tolerance) -> dict:
         cosine=(fa @ fb / (na * nb)) if na and nb else (1.0 if na == nb else 0.0),
         rmse=math.sqrt(np.mean(d ** 2)) if d.size else 0.0,
         mismatches=int(np.sum(d > tol.atol + tol.rtol * np.abs(fb)) + bad_nonfinite),
+        max_tol_ratio=math.inf if bad_nonfinite else max(
+            [0.0] + [x / y if y > 0 else (math.inf if x > 0 else 0.0)
+                     for x, y in zip(d, tol.atol + tol.rtol * np.abs(fb))]),
         nan_a=int(np.isnan(a64).sum()), nan_b=int(np.isnan(b64).sum()),
         inf_a=int(np.isinf(a64).sum()), inf_b=int(np.isinf(b64).sum()),
     )
