@@ -19,6 +19,7 @@ from torch.utils.hooks import RemovableHandle
 from compare import format as fmt
 from compare.dump import Dump, load_dump
 
+from .capture import in_backward
 from .encoding import decode_to_tensor
 from .flatten import map_tensors
 
@@ -140,7 +141,7 @@ class Injector:
 
     def _pre_hook(self, path: str):
         def hook(module, args, kwargs):
-            if torch._C._current_graph_task_id() != -1:  # checkpoint recomputation
+            if in_backward():  # activation-checkpoint recomputation
                 return None
             call_idx = self._hooks.calls[path]
             self._hooks.calls[path] += 1
@@ -154,7 +155,7 @@ class Injector:
 
     def _post_hook(self, path: str):
         def hook(module, args, kwargs, output):
-            if torch._C._current_graph_task_id() != -1:
+            if in_backward():
                 return None
             call_idx = self._open[id(module)].pop()
             if fmt.OUTPUT in self.kinds:

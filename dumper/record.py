@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -49,7 +49,7 @@ class Record:
     status: str
     value: str = ""
     snapshot: Optional[Snapshot] = None
-    stats: Optional[Snapshot] = None
+    stats: Union[tuple, Snapshot, None] = None  # a tuple (CPU) or a device copy in flight
     occurrence: int = 0
     producer: int = -1
 
@@ -130,7 +130,8 @@ class RecordMaker:
         if reason:
             return rec
         if call.stats_only:
-            rec.stats = self._pool.take(tensor_stats(t))
+            stats = tensor_stats(t)
+            rec.stats = stats if isinstance(stats, tuple) else self._pool.take(stats)
             return rec
         nbytes = t.numel() * t.element_size()
         if not self._budget.try_acquire(nbytes):
@@ -147,7 +148,7 @@ class RecordMaker:
         if record.snapshot is not None:
             self._budget.release(record.nbytes)
             record.snapshot.release()
-        if record.stats is not None:
+        if isinstance(record.stats, Snapshot):
             record.stats.release()
 
 

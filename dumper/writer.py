@@ -189,7 +189,9 @@ class StepWriter:
             if record.snapshot is not None:
                 array, encoding = encode(record.snapshot.wait())
                 datasets.write(record.call.group, record.dataset, array)
-            if record.stats is not None:
+            if isinstance(record.stats, tuple):
+                stats = record.stats
+            elif record.stats is not None:
                 stats = tuple(record.stats.wait().tolist())
             self._rows.append(_index_row(record, encoding, stats))
         finally:
