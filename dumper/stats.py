@@ -24,6 +24,8 @@ def tensor_stats(t: torch.Tensor) -> Stats:
     the sum and the norm, ``sqrt(max(norm²/n - mean², 0))``.
     """
     x = t.detach()
+    if x.dtype in _NUMPY_FLOATS and x.device.type == "cpu" and x.numel() <= SMALL:
+        return _small_cpu_stats(x.numpy().reshape(-1))  # the common case, kept short
     if x.is_complex():
         x = x.abs()
     if not x.is_floating_point():
@@ -46,34 +48,38 @@ def _combine(lo: float, hi: float, total: float, sumsq: float, n: int, nan: floa
             else math.nan, math.sqrt(sumsq), nan, inf, zero)
 
 
+_NUMPY_FLOATS = (torch.float32, torch.float64)
+
+
+def _small_cpu_stats(a: np.ndarray) -> tuple:
+    lo, hi = float(a.min()), float(a.max())
+    wide = a.astype(np.float64, copy=False)
+    total, sumsq = float(wide.sum()), float(np.einsum("i,i->", wide, wide))
+    nan = inf = 0.0
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        nan, inf = float(np.count_nonzero(np.isnan(a))), float(np.count_nonzero(np.isinf(a)))
+    return _combine(lo, hi, total, sumsq, a.size, nan, inf, float(a.size - np.count_nonzero(a)))
+
+
 def _cpu_stats(x: torch.Tensor) -> tuple:
     """Passes whose answer min and max already give are skipped: no NaN/Inf when both are
     finite, no zero outside [min, max]."""
     n = x.numel()
     if n <= SMALL:
-        a = x.resolve_conj().numpy()
-        lo, hi = float(a.min()), float(a.max())
-        wide = a.astype(np.float64)
-        total, sumsq = float(wide.sum()), float(np.einsum("i,i->", wide, wide))
-        nonzero = float(np.count_nonzero(a))
-    else:
-        low, high = torch.aminmax(x)
-        lo, hi = low.item(), high.item()
-        total = x.sum().item()
-        sumsq = torch.linalg.vector_norm(x).item() ** 2
-        nonzero = None
+        return _small_cpu_stats(x.numpy())
+    low, high = torch.aminmax(x)
+    lo, hi = low.item(), high.item()
+    total = x.sum().item()
+    sumsq = torch.linalg.vector_norm(x).item() ** 2
     finite = math.isfinite(lo) and math.isfinite(hi)
     nan = inf = 0.0
     if not finite:
         nan, inf = float(torch.isnan(x).sum()), float(torch.isinf(x).sum())
-    if nonzero is None:
-        if finite and (lo > 0 or hi < 0):
-            nonzero = float(n)
-        elif finite:  # |sign| sums the non-zeros, far faster than count_nonzero on ReLU output
-            nonzero = x.sign().abs_().sum(dtype=torch.float32 if n < 1 << 24
-                                          else torch.float64).item()
-        else:
-            nonzero = float(torch.count_nonzero(x))
+        nonzero = float(torch.count_nonzero(x))
+    elif lo > 0 or hi < 0:
+        nonzero = float(n)
+    else:  # |sign| sums the non-zeros, far faster than count_nonzero on ReLU output
+        nonzero = x.sign().abs_().sum(dtype=torch.float32 if n < 1 << 24 else torch.float64).item()
     return _combine(lo, hi, total, sumsq, n, nan, inf, n - nonzero)
 
 
