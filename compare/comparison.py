@@ -14,7 +14,8 @@ from .dump import Dump, PathLike, load_dump, open_h5, read_chunks
 from .errors import DumpError
 from . import format as fmt
 from .metrics import (DROPPED, METRIC_COLUMNS, MISSING_IN_A, MISSING_IN_B, SHAPE_MISMATCH,
-                      ErrorAccumulator, compare_stats, stats_of_chunks)
+                      ErrorAccumulator)
+from .statistics import compare_stats, stats_of_chunks
 from .pairing import pair_records, tensor_rows
 from .tolerance import pair_tolerance
 

@@ -1,6 +1,7 @@
 """Error per record in execution order, with the tolerance line and the first divergence."""
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -14,10 +15,8 @@ def check_plot_path(path: Path) -> None:
     """Raise :class:`DumpError` now if :func:`plot_errors` could not write ``path``."""
     if path.suffix.lower() != ".png":
         raise DumpError(f"{path}: the plot is written as PNG; name the file *.png")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as exc:
-        raise DumpError(f"{path}: plotting needs matplotlib; pip install 'h5cmp[plot]'") from exc
+    if importlib.util.find_spec("matplotlib") is None:
+        raise DumpError(f"{path}: plotting needs matplotlib; pip install 'h5cmp[plot]'")
 
 
 def plot_errors(result: pd.DataFrame, summary: Summary, path: Path) -> None:
@@ -101,7 +100,7 @@ def plot_tensor_steps(dump, module: str, kind: str, index: int, path: Path,
 
     from .dump import load_dump
     from .errors import DumpError
-    from .metrics import STAT_NAMES, stats_of_chunks
+    from .statistics import STAT_NAMES, stats_of_chunks
     dump = load_dump(dump)
     rows = dump.index[(dump.index["module"] == module) & (dump.index["kind"] == kind)
                       & (dump.index["index"] == index) & (dump.index["call_idx"] == call_idx)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import html
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -76,11 +77,8 @@ def check_output_path(path: Path) -> None:
     if suffix not in EXPORT_FORMATS:
         raise DumpError(f"{path}: unknown output format {suffix or '(none)'}; use one of "
                         f"{', '.join(EXPORT_FORMATS)}")
-    if suffix == ".xlsx":
-        try:
-            import openpyxl  # noqa: F401
-        except ImportError as exc:
-            raise DumpError(f"{path}: writing XLSX needs openpyxl; pip install 'h5cmp[xlsx]'") from exc
+    if suffix == ".xlsx" and importlib.util.find_spec("openpyxl") is None:
+        raise DumpError(f"{path}: writing XLSX needs openpyxl; pip install 'h5cmp[xlsx]'")
 
 
 def _png_data_uri(draw) -> str:
@@ -97,9 +95,7 @@ def html_report(result: pd.DataFrame, summary: Summary, flat: pd.DataFrame) -> s
     """A self-contained HTML page: the summary, the plots (when matplotlib is installed, as
     embedded PNGs) and the table of every pair, failing rows highlighted."""
     figures = ""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         figures = "<p>(plots need matplotlib: pip install 'h5cmp[plot]')</p>"
     else:
         from .plot import plot_errors, plot_heatmap

@@ -7,7 +7,6 @@ With --fsize-limit, the process may not write files larger than BYTES (a full di
 import argparse
 import resource
 import signal
-import sys
 import time
 
 import torch

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from compare import compare_dumps, load_dump, summarize
-from compare.metrics import stats_of_chunks
+from compare.statistics import stats_of_chunks
 from dumper import HookerAndDumper
 from dumper.record import ByteBudget
 

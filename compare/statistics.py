@@ -1,0 +1,74 @@
+"""Comparing tensors known by their statistics (statistics-mode dumps, see docs/format.md)."""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import numpy as np
+
+from .metrics import CLOSE, DIFF, EQUAL, METRIC_COLUMNS, NAN_MISMATCH
+from .tolerance import Tolerance
+
+STAT_NAMES = ("min", "max", "mean", "std", "norm", "nan", "inf", "zero")  # format.STAT_COLUMNS
+
+
+def stats_of_chunks(chunks: Iterable[np.ndarray]) -> tuple[float, ...]:
+    """``STAT_NAMES`` of a tensor given as flat chunks, the dumper's definitions, in float64."""
+    n, total, sumsq = 0, 0.0, 0.0
+    lo, hi, nan, inf, zero = math.inf, -math.inf, 0, 0, 0
+    for chunk in chunks:
+        x = np.abs(chunk) if np.iscomplexobj(chunk) else chunk
+        x = x.astype(np.float64, copy=False)
+        n += x.size
+        if x.size == 0:
+            continue
+        nan += int(np.count_nonzero(np.isnan(x)))
+        inf += int(np.count_nonzero(np.isinf(x)))
+        zero += int(np.count_nonzero(x == 0))
+        lo = _nan_propagating(min, lo, float(np.min(x)))
+        hi = _nan_propagating(max, hi, float(np.max(x)))
+        total += float(np.sum(x))
+        sumsq += float(np.dot(x, x))
+    if n == 0:
+        return (math.nan,) * 4 + (0.0, 0.0, 0.0, 0.0)
+    mean = total / n
+    return lo, hi, mean, math.sqrt(max(sumsq / n - mean * mean, 0.0)), math.sqrt(sumsq), \
+        float(nan), float(inf), float(zero)
+
+
+def _nan_propagating(pick, x: float, y: float) -> float:
+    return math.nan if math.isnan(x) or math.isnan(y) else pick(x, y)
+
+
+def compare_stats(a: tuple, b: tuple, tol: Tolerance) -> dict:
+    """Compare two tensors known by their statistics (``STAT_NAMES`` order).
+
+    ``nan_mismatch`` when NaN/Inf counts differ; else each of min, max, mean, std and norm must
+    satisfy ``|b - a| <= atol + rtol |b|`` for ``close`` (all identical: ``equal``). The
+    largest ``|b - a| / max(|a|, atol)`` over those five is ``stat_rel_diff``; ``rel_l2_err``
+    is ``| ||b|| - ||a|| | / ||a||``, a lower bound of the true relative L2 error.
+    """
+    sa, sb = dict(zip(STAT_NAMES, a)), dict(zip(STAT_NAMES, b))
+    values = ("min", "max", "mean", "std", "norm")
+    rel, ratio, within, equal = 0.0, 0.0, True, True
+    for name in values:
+        x, y = sa[name], sb[name]
+        if math.isnan(x) and math.isnan(y):
+            continue
+        diff = abs(y - x)
+        equal = equal and x == y
+        bound = tol.atol + tol.rtol * abs(y)
+        within = within and diff <= bound
+        ratio = max(ratio, diff / bound if bound > 0 else (math.inf if diff > 0 else 0.0))
+        denom = max(abs(x), tol.atol)
+        rel = max(rel, diff / denom if denom > 0 else (math.inf if diff > 0 else 0.0))
+    norm_a = sa["norm"]
+    out = {name: math.nan for name in METRIC_COLUMNS}
+    out.update(nan_a=sa["nan"], nan_b=sb["nan"], inf_a=sa["inf"], inf_b=sb["inf"],
+               stat_rel_diff=rel, max_tol_ratio=ratio,
+               rel_l2_err=abs(sb["norm"] - norm_a) / norm_a if norm_a else math.nan)
+    if (sa["nan"], sa["inf"]) != (sb["nan"], sb["inf"]):
+        out["status"] = NAN_MISMATCH
+    else:
+        out["status"] = EQUAL if equal else CLOSE if within else DIFF
+    return out
