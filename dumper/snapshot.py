@@ -20,6 +20,8 @@ GRANULE = 1 << 16  # buffer sizes are rounded up to this: training repeats shape
 
 
 def _size_class(nbytes: int) -> int:
+    if nbytes < GRANULE:  # small (e.g. statistics of accelerator tensors): powers of two
+        return 1 << max(nbytes - 1, 63).bit_length()
     return (nbytes + GRANULE - 1) // GRANULE * GRANULE
 
 

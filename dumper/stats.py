@@ -19,7 +19,7 @@ def tensor_stats(t: torch.Tensor) -> Stats:
     asynchronously). Order of ``compare.format.STAT_COLUMNS``.
 
     Complex tensors are described by their magnitudes; integers and bool as float64;
-    float16/bfloat16/float8 reduced in float32. NaNs propagate into min/max/mean/std/norm; the
+    float16/bfloat16/float8 reduced in float32; sums accumulate in float64. NaNs propagate into min/max/mean/std/norm; the
     counts say how many there are. ``std`` is the population standard deviation, derived from
     the sum and the norm, ``sqrt(max(norm²/n - mean², 0))``.
     """
@@ -69,8 +69,8 @@ def _cpu_stats(x: torch.Tensor) -> tuple:
         return _small_cpu_stats(x.numpy())
     low, high = torch.aminmax(x)
     lo, hi = low.item(), high.item()
-    total = x.sum().item()
-    sumsq = torch.linalg.vector_norm(x).item() ** 2
+    total = x.sum(dtype=torch.float64).item()  # float64 accumulation: statistics are compared
+    sumsq = torch.linalg.vector_norm(x, dtype=torch.float64).item() ** 2  # with tight tolerances
     finite = math.isfinite(lo) and math.isfinite(hi)
     nan = inf = 0.0
     if not finite:
@@ -86,8 +86,8 @@ def _cpu_stats(x: torch.Tensor) -> tuple:
 def _device_stats(x: torch.Tensor) -> torch.Tensor:
     n = x.numel()
     lo, hi = torch.aminmax(x)
-    mean = x.sum().double() / n
-    norm = torch.linalg.vector_norm(x).double()
+    mean = x.sum(dtype=torch.float64) / n
+    norm = torch.linalg.vector_norm(x, dtype=torch.float64)
     std = (norm * norm / n - mean * mean).clamp_min(0).sqrt()
     values = (lo, hi, mean, std, norm, torch.isnan(x).sum(), torch.isinf(x).sum(),
               n - torch.count_nonzero(x))
