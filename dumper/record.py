@@ -14,7 +14,7 @@ from .snapshot import Snapshot, SnapshotPool
 from .stats import tensor_stats
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class CallInfo:
     """Identity of one module call within a step."""
 
@@ -29,7 +29,7 @@ class CallInfo:
         return fmt.call_group_name(self.number, fmt.module_key(self.module, self.cls))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Record:
     """A leaf seen by a hook: its index row, and the snapshot (values) or statistics to store.
 
