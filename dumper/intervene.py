@@ -1,8 +1,11 @@
 """Interventions on a run: reference injection (teacher forcing) and perturbations.
 
-Both modify what flows through chosen modules, so their hooks run *before* any dumper hook
-(``prepend=True``): a dump taken while injecting records the injected values. Every hook
-registered here is returned in a handle list and removed by ``remove()``.
+Both modify what flows through chosen modules. Input replacement runs before every other
+forward pre-hook (``prepend=True``), so the module and any dumper see the injected inputs.
+Output replacement runs after the forward hooks registered before it (a user's hook that
+changes the output is part of the module), so register an :class:`Injector` *before* the
+dumper's hooks of the step for the dump to record what flowed downstream. Every hook registered
+here is kept in a handle list and removed by ``remove()``.
 """
 from __future__ import annotations
 
@@ -101,7 +104,7 @@ class Injector:
                 self._hooks.handles.append(module.register_forward_pre_hook(
                     self._pre_hook(path), with_kwargs=True, prepend=True))
                 self._hooks.handles.append(module.register_forward_hook(
-                    self._post_hook(path), with_kwargs=True, prepend=True))
+                    self._post_hook(path), with_kwargs=True))
 
     def remove(self) -> None:
         self._hooks.remove()

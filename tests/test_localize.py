@@ -207,3 +207,17 @@ def test_cli_tracks_one_tensor_over_steps(tmp_path):
     assert bad.exit_code == 2 and "no output[0] of module 'nothing'" in bad.output
     usage = CliRunner().invoke(h5cmp, [str(run), "--track", "mid"])
     assert usage.exit_code == 2 and "MODULE:KIND:INDEX" in usage.output
+
+
+def test_injected_outputs_replace_a_wrong_module(tmp_path):
+    """Injecting the reference output of the planted module repairs everything downstream."""
+    batch = torch.randn(8, 6)
+    ref = _run(tmp_path / "ref", batch=batch)
+    injector = Injector(ref, kinds="output", include="mid")
+    fixed = _run(tmp_path / "fixed", plant="forward", batch=batch, injector=injector)
+    assert injector.injected == 1
+    rec, ref_t = read_tensors(fixed), read_tensors(ref)
+    assert torch.equal(rec[("mid", 0, "output", 0)], ref_t[("mid", 0, "output", 0)])
+    result = compare_dumps(ref, fixed, kinds=["output"])
+    downstream = result[result["module"].isin(["relu", "out", ""])]
+    assert (downstream["status"] == "equal").all()
