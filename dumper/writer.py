@@ -18,6 +18,7 @@ from compare import format as fmt
 from .encoding import dtype_name, encode
 from .record import Record
 
+WRITE_AHEAD_BYTES = 16 << 20  # held bytes that make the thread write during the step
 _FINISH = object()
 _ABORT = object()
 _FLUSH = object()
@@ -78,9 +79,12 @@ class StepWriter:
     error, removes the temporary file; a file under the final name is always complete.
     ``release(record)`` is called for every record once the writer is done with it.
 
-    Records are held back until the step ends or :meth:`flush` is called (by a producer about
-    to wait for bytes): h5py holds the GIL, and writing while the training thread runs makes
-    both wait on it (measured: 176 ms instead of 145 ms for a step of 600 small tensors).
+    Records are held back until the step ends, until :meth:`flush` is called (by a producer
+    about to wait for bytes), or until ``WRITE_AHEAD_BYTES`` are held: h5py holds the GIL for
+    its per-dataset work, and writing many small tensors while the training thread runs makes
+    both wait on it (176 ms instead of 145 ms for a step of 600 small tensors), while large
+    tensors are written without the GIL and overlap the step (CNN step: ~111 ms with write-
+    ahead, 122-179 ms without, same run).
     """
 
     def __init__(self, final_path: Path, step_group: str, attrs: dict,
@@ -93,6 +97,7 @@ class StepWriter:
         self._fsync = fsync
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._held: list[Record] = []     # submitted, not yet handed to the thread
+        self._held_bytes = 0
         self._held_lock = threading.Lock()
         self._rows: list[tuple] = []
         self.error: Optional[BaseException] = None
@@ -109,6 +114,10 @@ class StepWriter:
             return
         with self._held_lock:
             self._held.append(record)
+            self._held_bytes += record.nbytes
+            large = self._held_bytes >= WRITE_AHEAD_BYTES
+        if large:  # big tensors: HDF5 writes them without the GIL, overlapping the step
+            self.flush()
 
     def flush(self) -> None:
         """Hand what is held to the thread and have it written now (frees bytes for waiting
@@ -118,7 +127,7 @@ class StepWriter:
 
     def _hand_over(self) -> None:
         with self._held_lock:
-            batch, self._held = self._held, []
+            batch, self._held, self._held_bytes = self._held, [], 0
         if batch:
             self._queue.put(batch)
 
