@@ -124,12 +124,12 @@ class Dump:
     """
 
     def __init__(self, path: PathLike, steps: list[StepFile]):
+        if not steps:
+            raise DumpError(f"{path}: no step files")
         self.path = Path(path)
         self.steps = sorted(steps, key=lambda s: (s.epoch, s.step, s.rank or 0))
         frames = [s.index.assign(epoch=s.epoch, step=s.step, rank=s.rank) for s in self.steps]
-        index = pd.concat(frames, ignore_index=True) if frames else _index_frame(None)
-        if not frames:
-            index = index.assign(epoch=0, step=0, rank=None)
+        index = pd.concat(frames, ignore_index=True)
         self.index = index[list(STEP_COLUMNS) + list(fmt.INDEX_COLUMN_NAMES)]
 
     def __repr__(self) -> str:
@@ -161,9 +161,9 @@ def _plain(value):
     return value
 
 
-def _index_frame(table: Optional[np.ndarray]) -> pd.DataFrame:
+def _index_frame(table: np.ndarray) -> pd.DataFrame:
     names = fmt.INDEX_COLUMN_NAMES
-    if table is None or len(table) == 0:
+    if len(table) == 0:  # a step in which no module ran
         return pd.DataFrame({n: pd.Series(dtype=object if k == "str" else k)
                              for n, k in fmt.INDEX_COLUMNS})
     cols = {}

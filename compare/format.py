@@ -6,6 +6,7 @@ This module is torch-free; the dumper writes with it and the compare side reads 
 """
 from __future__ import annotations
 
+import fnmatch
 import re
 from typing import Optional
 
@@ -58,6 +59,13 @@ def call_group_name(call: int, module_key: str) -> str:
 def module_key(path: str, cls: str) -> str:
     """Key of a module: its path in the model and its class; the root is its class alone."""
     return f"{path}.{cls}" if path else cls
+
+
+def module_matches(path: str, cls: str, patterns) -> bool:
+    """Whether a module's path or key (``path.Class``) matches any glob in ``patterns`` — the
+    one rule for every module selection (dumper filters, injection, ``h5cmp --module``)."""
+    names = (path, module_key(path, cls))
+    return any(fnmatch.fnmatchcase(n, p) for n in names for p in patterns)
 
 
 def dataset_name(kind: str, index: int, occurrence: int = 0) -> str:

@@ -1,7 +1,6 @@
 """Pairing: match the tensor records of two dumps by (step, module, call, kind, index)."""
 from __future__ import annotations
 
-import fnmatch
 from typing import Iterable, Optional
 
 import pandas as pd
@@ -27,9 +26,7 @@ def tensor_rows(dump: Dump, steps: Optional[Iterable[str]] = None,
         rows = rows[[_step_matches(e, s, wanted) for e, s in zip(rows["epoch"], rows["step"])]]
     if modules:
         patterns = list(modules)
-        keys = rows["module"].where(rows["module"] == "", rows["module"] + ".") + rows["cls"]
-        rows = rows[[any(fnmatch.fnmatchcase(m, p) or fnmatch.fnmatchcase(k, p) for p in patterns)
-                     for m, k in zip(rows["module"], keys)]]
+        rows = rows[[fmt.module_matches(m, c, patterns) for m, c in zip(rows["module"], rows["cls"])]]
     if kinds:
         rows = rows[rows["kind"].isin(list(kinds))]
     return rows.assign(rank=rows["rank"].fillna(-1).astype(int))

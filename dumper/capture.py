@@ -191,8 +191,7 @@ class StepCapture:
         """Remember, weakly, the innermost call that output ``t``'s current value: the first
         call to return it at this version (a parent returning its child's output keeps the
         child; an in-place module returning a modified tensor takes over)."""
-        known = self._producers.get(id(t))
-        if known is None or known[0]() is not t or known[2] != t._version:
+        if self._producer_of(t) < 0:
             self._producers[id(t)] = (weakref.ref(t), call, t._version)
 
     def _producer_of(self, t: torch.Tensor) -> int:
@@ -208,8 +207,8 @@ class StepCapture:
                           passthrough_input: Optional[int]):
         def hook(grad: torch.Tensor) -> None:
             if record:
-                self._emit_gradient(self._maker.tensor(self._next_seq(), call.info, fmt.GRAD_OUTPUT,
-                                                  index, path, grad))
+                self._emit_gradient(self._maker.tensor(self._next_seq(), call.info,
+                                                       fmt.GRAD_OUTPUT, index, path, grad))
             if passthrough_input is not None:
                 call.grads.add_passthrough(passthrough_input, grad)
         return hook
@@ -217,8 +216,8 @@ class StepCapture:
     def _grad_input_emitter(self, info: CallInfo, paths: dict[int, str]
                             ) -> Callable[[int, torch.Tensor], None]:
         def emit(index: int, grad: torch.Tensor) -> None:
-            self._emit_gradient(self._maker.tensor(self._next_seq(), info, fmt.GRAD_INPUT, index,
-                                              paths[index], grad))
+            self._emit_gradient(self._maker.tensor(self._next_seq(), info, fmt.GRAD_INPUT,
+                                                   index, paths[index], grad))
         return emit
 
     def _emit_gradient(self, record: Record) -> None:

@@ -10,7 +10,6 @@ here is kept in a handle list and removed by ``remove()``.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import os
 from collections import Counter
 from typing import Iterable, Iterator, Optional, Union
@@ -48,8 +47,8 @@ def _replace(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 def _selected(path: str, module: nn.Module, patterns: tuple[str, ...]) -> bool:
-    key = fmt.module_key(path, type(module).__name__)
-    return not patterns or any(fnmatch.fnmatchcase(n, p) for n in (path, key) for p in patterns)
+    """All modules when no pattern is given."""
+    return not patterns or fmt.module_matches(path, type(module).__name__, patterns)
 
 
 class _Hooks:

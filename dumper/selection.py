@@ -1,7 +1,6 @@
 """Which modules and which kinds of record a dump keeps."""
 from __future__ import annotations
 
-import fnmatch
 from typing import Iterable, Optional, Union
 
 from torch import nn
@@ -69,5 +68,4 @@ class Selection:
 
 
 def _matches(path: str, module: nn.Module, patterns: tuple) -> bool:
-    names = (path, fmt.module_key(path, type(module).__name__))
-    return any(fnmatch.fnmatchcase(n, p) for n in names for p in patterns)
+    return fmt.module_matches(path, type(module).__name__, patterns)
