@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
 import queue
 import threading
@@ -49,19 +50,15 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     files_b = {(s.epoch, s.step, s.rank if s.rank is not None else -1): s for s in dump_b.steps}
     tasks = _tasks(pairs, files_a, files_b, max(1, jobs), chunk_elements, rtol, atol)
     metrics: dict[int, dict] = {}
-    if jobs > 1 and len(tasks) > 1:
-        with cf.ProcessPoolExecutor(max_workers=jobs) as pool:
-            for result in pool.map(_run_task, tasks):
-                metrics.update(result)
-                if progress:
-                    progress(len(result))
-    else:
-        for task in tasks:
-            result = _run_task(task)
+    with contextlib.ExitStack() as stack:
+        runner = map
+        if jobs > 1 and len(tasks) > 1:
+            runner = stack.enter_context(cf.ProcessPoolExecutor(max_workers=jobs)).map
+        for result in runner(_run_task, tasks):
             metrics.update(result)
             if progress:
                 progress(len(result))
-    return _result_frame(pairs, metrics, rtol, atol)
+    return _result_frame(pairs, metrics)
 
 
 class _PairRef(NamedTuple):
@@ -213,13 +210,12 @@ def _prefetched(items: Iterator, depth: int = 2) -> Iterator:
         thread.join()
 
 
-def _result_frame(pairs: pd.DataFrame, metrics: dict[int, dict], rtol, atol) -> pd.DataFrame:
+def _result_frame(pairs: pd.DataFrame, metrics: dict[int, dict]) -> pd.DataFrame:
+    """Pairs plus their metrics; identity columns from side A, or B where A has no record."""
     frame = pairs.copy()
-    frame["seq"] = frame["seq_a"].fillna(frame["seq_b"]).astype("int64")
-    frame["call"] = frame["call_a"].fillna(frame["call_b"]).astype("int64")
-    frame["producer"] = frame["producer_a"].fillna(frame["producer_b"]).astype("int64")
-    frame["cls"] = frame["cls_a"].fillna(frame["cls_b"])
-    frame["path"] = frame["path_a"].fillna(frame["path_b"])
+    for col in ("seq", "call", "producer", "cls", "path"):
+        frame[col] = frame[f"{col}_a"].fillna(frame[f"{col}_b"])
+    frame[["seq", "call", "producer"]] = frame[["seq", "call", "producer"]].astype("int64")
     computed = pd.DataFrame.from_dict(metrics, orient="index")
     frame = frame.join(computed)
     frame.loc[frame["side"] == "a_only", "status"] = MISSING_IN_B
