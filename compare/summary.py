@@ -41,7 +41,9 @@ class Divergence:
     @property
     def parent(self) -> str:
         module = self.row["module"]
-        return module.rsplit(".", 1)[0] if "." in module else ("<root>" if module else "")
+        if not module:
+            return ""  # the root: its parent is whatever code calls the model
+        return module.rsplit(".", 1)[0] if "." in module else "<root>"
 
     def describe(self) -> str:
         r = self.row
@@ -53,23 +55,26 @@ class Divergence:
                   f"/{int(r['numel']) if pd.notna(r['numel']) else 'n/a'} status={r['status']}")
         if self.verdict == ORIGIN:
             exact = (self.upstream["status"] == "equal").all()
-            why = ("its inputs are bit-identical" if exact else
+            why = ("it has no recorded inputs" if self.upstream.empty else
+                   "its inputs are bit-identical" if exact else
                    f"its inputs agree within tolerance (largest rel_l2_err "
                    f"{self.upstream['rel_l2_err'].max():.3g})")
             because = f"the error starts in this module: {why}"
         elif self.verdict == INHERITED:
             bad = self.upstream[~self.upstream["status"].isin(PASSING)]
-            because = f"inherited: its {', '.join(bad['kind'] + '[' + bad['index'].astype(str) + ']')} already differ"
+            names = ", ".join(bad["kind"] + "[" + bad["index"].astype(str) + "]")
+            because = f"inherited: its {names} already differ"
         else:
+            origin = f"{self.parent}'s own code" if self.parent else "the code calling the model"
             because = (f"the difference is already in this {r['kind']}: it arose outside any hooked "
-                       f"submodule (in {self.parent}'s own code, the loss, or the data)")
+                       f"submodule (in {origin}, the loss, or the data)")
             if self.producer is not None and len(self.producer):
                 p = self.producer.iloc[0]
-                state = ("which matched" if self.producer["status"].isin(PASSING).all()
+                state = ("which matched: the change happened between the two modules"
+                         if self.producer["status"].isin(PASSING).all()
                          else "which already differed")
                 because += (f"\n  {r['kind']}[{r['index']}] came from "
-                            f"{fmt.module_key(p['module'], p['cls'])} (call {p['call']}), "
-                            f"{state}: the change happened between the two modules")
+                            f"{fmt.module_key(p['module'], p['cls'])} (call {p['call']}), {state}")
         return f"first divergence: {where}\n  {errors}\n  {because}"
 
 
