@@ -17,6 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from compare import format as fmt
 
+from .calls import CallTracker
 from .flatten import call_leaves, leaves
 from .grads import GradInputCollector, current_sequence_nr, gradient_edge
 from .record import CallInfo, Record, RecordMaker, leaf_record
@@ -67,8 +68,7 @@ class StepCapture:
         self._seq = itertools.count()
         self._calls = itertools.count()
         self._lock = threading.Lock()
-        self._call_counts: dict[int, int] = defaultdict(int)
-        self._open: dict[int, list[Optional[_OpenCall]]] = defaultdict(list)
+        self._tracker = CallTracker()
         self._collectors: list[GradInputCollector] = []
         self._first_call: dict[int, CallInfo] = {}
         self._param_grads: dict[tuple[int, int], Record] = {}
@@ -121,12 +121,10 @@ class StepCapture:
 
     def _pre_hook(self, module: nn.Module, path: str, cls: str, stats_only: bool, args: tuple,
                   kwargs: dict) -> None:
-        stack = self._open[id(module)]
         if in_backward():  # activation-checkpoint recomputation: already recorded
-            stack.append(None)
+            self._tracker.push(module, None)
             return
-        info = CallInfo(next(self._calls), path, cls, self._call_counts[id(module)], stats_only)
-        self._call_counts[id(module)] += 1
+        info = CallInfo(next(self._calls), path, cls, self._tracker.next_index(module), stats_only)
         self._first_call.setdefault(id(module), info)
         seq = self._next_seq()
         want_input = self._sel.wants_kind(fmt.INPUT)
@@ -153,11 +151,10 @@ class StepCapture:
         if edges:
             grads = GradInputCollector(edges, keep_alive, self._grad_input_emitter(info, paths))
             self._collectors.append(grads)
-        stack.append(_OpenCall(info, current_sequence_nr(), grads))
+        self._tracker.push(module, _OpenCall(info, current_sequence_nr(), grads))
 
     def _post_hook(self, module: nn.Module, output: Any) -> None:
-        stack = self._open[id(module)]
-        call = stack.pop() if stack else None
+        call = self._tracker.pop(module)
         if call is None:
             return
         seq = self._next_seq()

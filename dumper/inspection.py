@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 
 import pandas as pd
 import torch
@@ -11,6 +10,7 @@ from torch import nn
 from compare import format as fmt
 
 from .encoding import dtype_name
+from .calls import CallTracker
 from .flatten import call_leaves, leaves
 
 
@@ -30,8 +30,7 @@ def io_shapes(model: nn.Module, *args, **kwargs) -> pd.DataFrame:
         raise TypeError(f"io_shapes needs a torch.nn.Module, got {type(model).__name__}")
     rows: list[dict] = []
     calls = itertools.count()
-    counts: Counter = Counter()
-    open_calls: dict[int, list[dict]] = {}
+    tracker = CallTracker()
 
     def record(info: dict, kind: str, items) -> None:
         tensors = [(path, leaf) for path, leaf in items if isinstance(leaf, torch.Tensor)]
@@ -42,14 +41,13 @@ def io_shapes(model: nn.Module, *args, **kwargs) -> pd.DataFrame:
     def pre(path, cls):
         def hook(module, a, kw):
             info = {"call": next(calls), "module": path, "cls": cls,
-                    "call_idx": counts[path], "key": fmt.module_key(path, cls)}
-            counts[path] += 1
-            open_calls.setdefault(id(module), []).append(info)
+                    "call_idx": tracker.next_index(module), "key": fmt.module_key(path, cls)}
+            tracker.push(module, info)
             record(info, fmt.INPUT, call_leaves(a, kw))
         return hook
 
     def post(module, a, kw, out):
-        record(open_calls[id(module)].pop(), fmt.OUTPUT, leaves(out, "output"))
+        record(tracker.pop(module), fmt.OUTPUT, leaves(out, "output"))
 
     handles = []
     try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections import Counter
 from typing import Iterable, Iterator, Optional, Union
 
 import torch
@@ -21,6 +20,7 @@ from torch.utils.hooks import RemovableHandle
 from compare import format as fmt
 from compare.dump import Dump, load_dump
 
+from .calls import CallTracker
 from .capture import in_backward
 from .encoding import decode_to_tensor
 from .flatten import map_tensors
@@ -56,7 +56,7 @@ class _Hooks:
 
     def __init__(self):
         self.handles: list[RemovableHandle] = []
-        self.calls: Counter = Counter()
+        self.calls = CallTracker()
 
     def remove(self) -> None:
         for h in self.handles:
@@ -84,7 +84,6 @@ class Injector:
             raise ValueError(f"kinds must be a non-empty subset of {list(INJECTABLE)}, got {sorted(bad)}")
         self.include = (include,) if isinstance(include, str) else tuple(include or ())
         self._hooks = _Hooks()
-        self._open: dict[int, list[int]] = {}  # module id -> call_idx of its open calls
         self._tensors: dict[tuple, tuple] = {}
         self._reader = None
         self.injected = 0
@@ -107,7 +106,6 @@ class Injector:
 
     def remove(self) -> None:
         self._hooks.remove()
-        self._open.clear()
         if self._reader is not None:
             self._reader.close()
             self._reader = None
@@ -145,9 +143,8 @@ class Injector:
         def hook(module, args, kwargs):
             if in_backward():  # activation-checkpoint recomputation
                 return None
-            call_idx = self._hooks.calls[path]
-            self._hooks.calls[path] += 1
-            self._open.setdefault(id(module), []).append(call_idx)
+            call_idx = self._hooks.calls.next_index(module)
+            self._hooks.calls.push(module, call_idx)
             if fmt.INPUT not in self.kinds:
                 return None
             replace = self._replacer(path, call_idx, fmt.INPUT)
@@ -159,7 +156,7 @@ class Injector:
         def hook(module, args, kwargs, output):
             if in_backward():
                 return None
-            call_idx = self._open[id(module)].pop()
+            call_idx = self._hooks.calls.pop(module)
             if fmt.OUTPUT in self.kinds:
                 output = map_tensors(output, self._replacer(path, call_idx, fmt.OUTPUT))
             if fmt.GRAD_OUTPUT in self.kinds:
