@@ -30,7 +30,10 @@ def format_tree(dump: Union[PathLike, Dump]) -> str:
         for group, rows in idx.sort_values(["call", "seq"]).groupby("call", sort=True):
             lines.append(f"    {rows['group'].iloc[0]}")
             for r in rows.itertuples():
-                name = r.dataset or f"({r.kind}_{r.index})" if r.index >= 0 else f"({r.kind})"
+                if r.dataset:
+                    name = r.dataset
+                else:  # statistics, dropped or non-tensor: no dataset to name
+                    name = f"({r.kind}_{r.index})" if r.index >= 0 else f"({r.kind})"
                 shape = "[" + ", ".join(map(str, r.shape)) + "]"
                 detail = r.value if not r.dataset else ""
                 if r.stat_nan == r.stat_nan:  # statistics row (NaN = not computed)
