@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from typing import Union
 
 import numpy as np
@@ -19,8 +20,8 @@ def tensor_stats(t: torch.Tensor) -> Stats:
     asynchronously). Order of ``compare.format.STAT_COLUMNS``.
 
     Complex tensors are described by their magnitudes; integers and bool as float64;
-    float16/bfloat16/float8 reduced in float32; sums accumulate in float64. NaNs propagate into min/max/mean/std/norm; the
-    counts say how many there are. ``std`` is the population standard deviation, derived from
+    float16/bfloat16/float8 reduced in float32; sums accumulate in float64. NaNs propagate into
+    min/max/mean/std/norm; the counts say how many there are. ``std`` is the population standard deviation, derived from
     the sum and the norm, ``sqrt(max(norm²/n - mean², 0))``.
     """
     x = t.detach()
@@ -52,34 +53,57 @@ _NUMPY_FLOATS = (torch.float32, torch.float64)
 
 
 def _small_cpu_stats(a: np.ndarray) -> tuple:
-    lo, hi = float(a.min()), float(a.max())
-    wide = a.astype(np.float64, copy=False)
-    total, sumsq = float(wide.sum()), float(np.einsum("i,i->", wide, wide))
+    with np.errstate(all="ignore"):  # inf - inf in a sum is the NaN the counts explain
+        lo, hi = float(a.min()), float(a.max())
+        wide = a.astype(np.float64, copy=False)
+        total, sumsq = float(wide.sum()), float(np.einsum("i,i->", wide, wide))
     nan = inf = 0.0
     if not (math.isfinite(lo) and math.isfinite(hi)):
         nan, inf = float(np.count_nonzero(np.isnan(a))), float(np.count_nonzero(np.isinf(a)))
     return _combine(lo, hi, total, sumsq, a.size, nan, inf, float(a.size - np.count_nonzero(a)))
 
 
+CHUNK = 1 << 18  # elements per pass over a chunk: scratch buffers stay small and in cache
+_scratch = threading.local()
+
+
+def _scratch_buffer(dtype: torch.dtype, n: int) -> torch.Tensor:
+    """This thread's reusable ``CHUNK``-element buffer of ``dtype``, cut to ``n`` elements."""
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    if dtype not in buffers:
+        buffers[dtype] = torch.empty(CHUNK, dtype=dtype)
+    return buffers[dtype][:n]
+
+
 def _cpu_stats(x: torch.Tensor) -> tuple:
-    """Passes whose answer min and max already give are skipped: no NaN/Inf when both are
-    finite, no zero outside [min, max]."""
+    """One aminmax pass over ``x`` (float32 or float64), then chunk by chunk: a float64 copy
+    for the sum and the dot product, and |sign| summed for the non-zeros (far faster than
+    count_nonzero on floats). No tensor-sized temporaries. Passes whose answer min and max
+    already give are skipped: no NaN/Inf when both are finite, no zero outside [min, max]."""
     n = x.numel()
     if n <= SMALL:
         return _small_cpu_stats(x.numpy())
     low, high = torch.aminmax(x)
     lo, hi = low.item(), high.item()
-    total = x.sum(dtype=torch.float64).item()  # float64 accumulation: statistics are compared
-    sumsq = torch.linalg.vector_norm(x, dtype=torch.float64).item() ** 2  # with tight tolerances
     finite = math.isfinite(lo) and math.isfinite(hi)
+    count_zeros = finite and lo <= 0 <= hi
+    total = sumsq = 0.0
+    nonzero = float(n)
+    for start in range(0, n, CHUNK):
+        part = x[start:start + CHUNK]
+        wide = part if part.dtype == torch.float64 else \
+            _scratch_buffer(torch.float64, part.numel()).copy_(part)
+        total += wide.sum().item()
+        sumsq += torch.dot(wide, wide).item()
+        if count_zeros:
+            signs = torch.abs(part, out=_scratch_buffer(part.dtype, part.numel())).sign_()
+            nonzero -= part.numel() - signs.sum().item()  # exact: CHUNK < 2**24
     nan = inf = 0.0
     if not finite:
         nan, inf = float(torch.isnan(x).sum()), float(torch.isinf(x).sum())
         nonzero = float(torch.count_nonzero(x))
-    elif lo > 0 or hi < 0:
-        nonzero = float(n)
-    else:  # |sign| sums the non-zeros, far faster than count_nonzero on ReLU output
-        nonzero = x.sign().abs_().sum(dtype=torch.float32 if n < 1 << 24 else torch.float64).item()
     return _combine(lo, hi, total, sumsq, n, nan, inf, n - nonzero)
 
 

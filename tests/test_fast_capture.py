@@ -11,6 +11,7 @@ from compare import compare_dumps, load_dump, summarize
 from compare.statistics import stats_of_chunks
 from dumper import HookerAndDumper
 from dumper.record import ByteBudget
+from dumper.stats import tensor_stats
 
 from helpers import Planted, read_tensors
 
@@ -109,6 +110,28 @@ def test_statistics_equal_numpy_references(tmp_path):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, equal_nan=True)
     assert (stats["stat_nan"] > 0).any()
     del model
+
+
+def _large(dtype, plant):
+    torch.manual_seed(1)
+    t = (torch.randn(3 * (1 << 18) + 5) * 4).relu_().to(dtype)  # several chunks, many zeros
+    if plant:
+        t[7], t[-1], t[1 << 18] = float("nan"), float("inf"), float("-inf")
+    return t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.int32])
+@pytest.mark.parametrize("plant", [False, True])
+def test_statistics_of_large_cpu_tensors_equal_numpy_references(dtype, plant):
+    """The chunked torch path (tensors above the numpy path's size)."""
+    if plant and not dtype.is_floating_point:
+        pytest.skip("integers hold no NaN/Inf")
+    t = _large(dtype, plant)
+    ref = stats_of_chunks([t.double().numpy()])
+    got = tensor_stats(t)
+    assert got[5:] == pytest.approx(ref[5:], abs=0)  # counts exact
+    np.testing.assert_allclose(got[:5], ref[:5], rtol=1e-12, equal_nan=True)
+    assert (ref[7] > 0) and (plant or ref[5] == ref[6] == 0)
 
 
 def test_mixed_mode_keeps_values_for_selected_modules(tmp_path):
