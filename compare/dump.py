@@ -161,15 +161,21 @@ def _plain(value):
     return value
 
 
+def _strings(column: np.ndarray) -> list[str]:
+    """A string column as ``str``: fixed-length UTF-8 (what the dumper writes) or
+    variable-length (also valid, see docs/format.md)."""
+    if column.dtype.kind == "S":
+        return np.char.decode(column, "utf-8").tolist()
+    return [v.decode() if isinstance(v, bytes) else v for v in column]
+
+
 def _index_frame(table: np.ndarray) -> pd.DataFrame:
     names = fmt.INDEX_COLUMN_NAMES
     if len(table) == 0:  # a step in which no module ran
         return pd.DataFrame({n: pd.Series(dtype=object if k == "str" else k)
                              for n, k in fmt.INDEX_COLUMNS})
-    cols = {}
-    for name, kind in fmt.INDEX_COLUMNS:
-        col = table[name]
-        cols[name] = [v.decode() if isinstance(v, bytes) else v for v in col] if kind == "str" else col
+    cols = {name: _strings(table[name]) if kind == "str" else table[name]
+            for name, kind in fmt.INDEX_COLUMNS}
     frame = pd.DataFrame(cols, columns=list(names))
     frame["shape"] = frame["shape"].map(fmt.parse_shape)
     frame["requires_grad"] = frame["requires_grad"].astype(bool)

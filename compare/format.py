@@ -92,7 +92,8 @@ ENCODINGS = frozenset({ENC_RAW, ENC_BITS, ENC_NONE})
 # Record status.
 ST_OK, ST_DROPPED, ST_UNSUPPORTED = "ok", "dropped", "unsupported"
 
-# Columns of the per-step index table, in order: (name, kind), kind "str" = UTF-8 vlen string.
+# Columns of the per-step index table, in order: (name, kind), kind "str" = UTF-8 string
+# (fixed-length as written by the dumper; readers also accept variable-length).
 INDEX_COLUMNS: tuple[tuple[str, str], ...] = (
     ("seq", "int64"),         # global event number: orders forward and backward records
     ("call", "int32"),        # module-call number in this step (execution order of forward)

@@ -29,9 +29,25 @@ class DumpWriteError(RuntimeError):
     """Writing a step file failed (disk full, I/O error); earlier steps are intact."""
 
 
-def _index_dtype() -> np.dtype:
-    vlen = h5py.string_dtype("utf-8")
-    return np.dtype([(name, vlen if kind == "str" else kind) for name, kind in fmt.INDEX_COLUMNS])
+def _index_table(rows: list[tuple]) -> np.ndarray:
+    """The step's index as a structured array, column by column. Strings are fixed-length
+    UTF-8, as wide as the column's longest value: writing them costs a fraction of
+    variable-length strings (per-string heap objects), e.g. 1.5 ms instead of 5 ms for 600 rows.
+    """
+    columns = list(zip(*rows)) if rows else [()] * len(fmt.INDEX_COLUMNS)
+    arrays = []
+    for (name, kind), values in zip(fmt.INDEX_COLUMNS, columns):
+        if kind == "str":
+            encoded = [v.encode() for v in values]
+            width = max(map(len, encoded), default=0) or 1
+            arrays.append(np.array(encoded, dtype=h5py.string_dtype("utf-8", width)))
+        else:
+            arrays.append(np.array(values, dtype=kind))
+    table = np.empty(len(rows), dtype=[(name, a.dtype) for (name, _), a in
+                                       zip(fmt.INDEX_COLUMNS, arrays)])
+    for (name, _), array in zip(fmt.INDEX_COLUMNS, arrays):
+        table[name] = array
+    return table
 
 
 def _index_row(r: Record, encoding: str, stats: tuple) -> tuple:
@@ -155,6 +171,8 @@ class StepWriter:
         ended = False  # whether the producer's FINISH/ABORT has been consumed
         try:
             with h5py.File(self.temp_path, "w") as f:
+                for key, value in self._attrs.items():  # now, while the step runs: ~3 ms
+                    f.attrs[key] = value
                 step_group = f.create_group(self._step_group)
                 datasets = _LowLevelGroup(step_group)
                 pending: deque[Record] = deque()
@@ -174,8 +192,6 @@ class StepWriter:
                         self._release(record)
                     datasets.close()
                 self._write_index(step_group)
-                for key, value in self._attrs.items():
-                    f.attrs[key] = value
             if self._fsync:
                 with open(self.temp_path, "rb+") as fh:
                     os.fsync(fh.fileno())
@@ -208,8 +224,7 @@ class StepWriter:
 
     def _write_index(self, step_group: h5py.Group) -> None:
         self._rows.sort(key=lambda row: row[0])  # stable: one event's rows keep their order
-        table = np.array(self._rows, dtype=_index_dtype())
-        step_group.create_dataset(fmt.INDEX_DATASET, data=table)
+        step_group.create_dataset(fmt.INDEX_DATASET, data=_index_table(self._rows))
 
     def _drain(self) -> None:
         """After a failure: consume what producers still queue, releasing it."""

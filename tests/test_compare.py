@@ -129,3 +129,31 @@ def test_compare_side_never_imports_torch(runs):
             f"r = compare_dumps({str(runs['ref'])!r}, {str(runs['fwd'])!r}); summarize(r); "
             f"format_tree({str(runs['ref'])!r}); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_index_with_variable_length_strings_reads_the_same(runs, tmp_path):
+    """Format version 1 allows variable-length string columns as well as the fixed-length ones
+    the dumper writes; both load to the same index and compare the same."""
+    import shutil
+
+    import h5py
+    import numpy as np
+
+    copy = tmp_path / "vlen"
+    shutil.copytree(runs["ref"], copy)
+    files = sorted(copy.glob("*.hdf5"))
+    assert files
+    for path in files:
+        with h5py.File(path, "r+") as f:
+            group = next(iter(f.values()))
+            table = group["index"][()]
+            vlen = h5py.string_dtype("utf-8")
+            dtype = [(n, vlen if table.dtype[n].kind == "S" else table.dtype[n])
+                     for n in table.dtype.names]
+            converted = np.array([tuple(v.decode() if isinstance(v, bytes) else v for v in row)
+                                  for row in table.tolist()], dtype=dtype)
+            del group["index"]
+            group.create_dataset("index", data=converted)
+            assert h5py.check_string_dtype(group["index"].dtype["module"]).length is None
+    pd.testing.assert_frame_equal(load_dump(copy).index, load_dump(runs["ref"]).index)
+    assert (compare_dumps(copy, runs["ref"])["status"] == "equal").all()
