@@ -212,9 +212,9 @@ class StepCapture:
 
     def _grad_input_emitter(self, info: CallInfo, paths: dict[int, str]
                             ) -> Callable[[int, torch.Tensor], None]:
-        def emit(index: int, grad: torch.Tensor) -> None:
+        def emit(index: int, grad: torch.Tensor) -> None:  # grad: the collector's own sum
             self._emit_gradient(self._maker.tensor(self._next_seq(), info, fmt.GRAD_INPUT,
-                                                   index, paths[index], grad))
+                                                   index, paths[index], grad, owned=True))
         return emit
 
     def _emit_gradient(self, record: Record) -> None:

@@ -33,7 +33,8 @@ def gradient_edge(t: torch.Tensor) -> tuple[Node, int]:
 class GradInputCollector:
     """Sums one module call's gradient contributions per input and emits each when complete.
 
-    ``emit(index, grad)`` is called once per input that received a gradient.
+    ``emit(index, grad)`` is called once per input that received a gradient, with a tensor
+    the collector made (a copy or a sum) and no longer references: the receiver owns it.
     """
 
     def __init__(self, edges: dict[EdgeKey, int], keep_alive: list[Node],

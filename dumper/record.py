@@ -121,8 +121,11 @@ class RecordMaker:
         self._pool, self._budget, self._drop = pool, budget, drop_when_full
 
     def tensor(self, seq: int, call: CallInfo, kind: str, index: int, path: str,
-               t: torch.Tensor) -> Record:
-        """Record for tensor leaf ``t``, whose values (or statistics) are taken now."""
+               t: torch.Tensor, owned: bool = False) -> Record:
+        """Record for tensor leaf ``t``, whose values (or statistics) are taken now.
+
+        ``owned``: ``t`` is a private tensor nothing else references or modifies (e.g. a sum
+        made by the dumper); on the CPU it becomes the snapshot itself, without a copy."""
         reason = _unsupported_reason(t)
         shape = () if reason and t.layout is not torch.strided else t.shape
         rec = Record(seq, call, kind, index, path, t.dtype, shape, t.device, t.requires_grad,
@@ -140,7 +143,8 @@ class RecordMaker:
                 rec.status, rec.value = fmt.ST_DROPPED, "dropped: bytes in flight at the limit"
                 return rec
             self._budget.acquire(nbytes)
-        rec.snapshot = self._pool.take(t)
+        rec.snapshot = Snapshot(t.detach()) if owned and t.device.type == "cpu" else \
+            self._pool.take(t)
         return rec
 
     def release(self, record: Record) -> None:

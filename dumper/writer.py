@@ -50,11 +50,11 @@ def _index_table(rows: list[tuple]) -> np.ndarray:
     return table
 
 
-def _index_row(r: Record, encoding: str, stats: tuple) -> tuple:
+def _index_row(r: Record, group: str, dataset: str, encoding: str, stats: tuple) -> tuple:
     c = r.call
     dtype = r.dtype if isinstance(r.dtype, str) else dtype_name(r.dtype)
-    return (r.seq, c.number, c.module, c.cls, c.call_idx, c.group, r.kind, r.index, r.occurrence,
-            r.path, r.dataset, dtype, fmt.format_shape(tuple(r.shape)), encoding, str(r.device),
+    return (r.seq, c.number, c.module, c.cls, c.call_idx, group, r.kind, r.index, r.occurrence,
+            r.path, dataset, dtype, fmt.format_shape(tuple(r.shape)), encoding, str(r.device),
             int(r.requires_grad), r.status, r.value, r.producer, *stats)
 
 
@@ -65,6 +65,7 @@ class _LowLevelGroup:
         self._parent = parent.id
         self._groups: dict[str, h5g.GroupID] = {}
         self._types: dict[np.dtype, h5t.TypeID] = {}
+        self._spaces: dict[tuple[int, ...], h5s.SpaceID] = {}
         self._lcpl = h5p.create(h5p.LINK_CREATE)
         self._lcpl.set_char_encoding(h5t.CSET_UTF8)
 
@@ -75,7 +76,10 @@ class _LowLevelGroup:
         tid = self._types.get(array.dtype)
         if tid is None:
             tid = self._types[array.dtype] = h5t.py_create(array.dtype, logical=True)
-        space = h5s.create_simple(array.shape) if array.ndim else h5s.create(h5s.SCALAR)
+        space = self._spaces.get(array.shape)
+        if space is None:  # one dataspace per shape: training repeats shapes (12 us each)
+            space = self._spaces[array.shape] = (h5s.create_simple(array.shape) if array.ndim
+                                                 else h5s.create(h5s.SCALAR))
         ds = h5d.create(gid, name.encode(), tid, space, lcpl=self._lcpl)
         if array.size:
             ds.write(h5s.ALL, h5s.ALL, np.ascontiguousarray(array), mtype=tid)
@@ -211,14 +215,15 @@ class StepWriter:
     def _write(self, datasets: _LowLevelGroup, record: Record) -> None:
         try:
             encoding, stats = fmt.ENC_NONE, _NO_STATS
+            group, dataset = record.call.group, record.dataset
             if record.snapshot is not None:
                 array, encoding = encode(record.snapshot.wait())
-                datasets.write(record.call.group, record.dataset, array)
+                datasets.write(group, dataset, array)
             if isinstance(record.stats, tuple):
                 stats = record.stats
             elif record.stats is not None:
                 stats = tuple(record.stats.wait().tolist())
-            self._rows.append(_index_row(record, encoding, stats))
+            self._rows.append(_index_row(record, group, dataset, encoding, stats))
         finally:
             self._release(record)
 
