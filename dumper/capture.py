@@ -211,10 +211,10 @@ class StepCapture:
         return hook
 
     def _grad_input_emitter(self, info: CallInfo, paths: dict[int, str]
-                            ) -> Callable[[int, torch.Tensor], None]:
-        def emit(index: int, grad: torch.Tensor) -> None:  # grad: the collector's own sum
+                            ) -> Callable[[int, torch.Tensor, bool], None]:
+        def emit(index: int, grad: torch.Tensor, owned: bool) -> None:
             self._emit_gradient(self._maker.tensor(self._next_seq(), info, fmt.GRAD_INPUT,
-                                                   index, paths[index], grad, owned=True))
+                                                   index, paths[index], grad, owned))
         return emit
 
     def _emit_gradient(self, record: Record) -> None:

@@ -33,12 +33,13 @@ def gradient_edge(t: torch.Tensor) -> tuple[Node, int]:
 class GradInputCollector:
     """Sums one module call's gradient contributions per input and emits each when complete.
 
-    ``emit(index, grad)`` is called once per input that received a gradient, with a tensor
-    the collector made (a copy or a sum) and no longer references: the receiver owns it.
+    ``emit(index, grad, owned)`` is called once per input that received a gradient. ``owned``:
+    ``grad`` is a copy or sum the collector made and no longer references; otherwise it is the
+    tensor autograd delivered, which the receiver must copy before autograd reuses it.
     """
 
     def __init__(self, edges: dict[EdgeKey, int], keep_alive: list[Node],
-                 emit: Callable[[int, torch.Tensor], None]):
+                 emit: Callable[[int, torch.Tensor, bool], None]):
         self._edges = edges            # input edge -> input index
         self._keep_alive = keep_alive  # input edge nodes, so their ids stay unique
         self._emit = emit
@@ -94,30 +95,38 @@ class GradInputCollector:
         def hook(grad_inputs, grad_outputs):
             with self._lock:
                 for idx in {i for _, i in slots}:
-                    for slot, i in slots:
-                        if i == idx and grad_inputs[slot] is not None:
-                            self._add(idx, grad_inputs[slot])
-                    self._done(idx)
+                    self._contribute(idx, [grad_inputs[slot] for slot, i in slots
+                                           if i == idx and grad_inputs[slot] is not None])
         return hook
 
     def add_passthrough(self, idx: int, grad: torch.Tensor) -> None:
         with self._lock:
-            self._add(idx, grad)
-            self._done(idx)
+            self._contribute(idx, [grad])
 
-    def _add(self, idx: int, grad: torch.Tensor) -> None:
-        total: Optional[torch.Tensor] = self._sums.get(idx)
-        self._sums[idx] = grad.detach().clone() if total is None else total + grad.detach()
-
-    def _done(self, idx: int) -> None:
+    def _contribute(self, idx: int, grads: list[torch.Tensor]) -> None:
+        """One expected contribution to input ``idx`` (the gradients one node sends it, maybe
+        none), summed left to right after the earlier ones, in delivery order."""
+        parts = [g.detach() for g in grads]
+        earlier = self._sums.pop(idx, None)
+        if earlier is not None:
+            parts.insert(0, earlier)
         self._pending[idx] -= 1
-        if self._pending[idx] == 0:
+        complete = self._pending[idx] == 0
+        if complete:
             self._pending[idx] = self._expected[idx]  # ready for another backward pass
-            if idx in self._sums:
-                self._emit(idx, self._sums.pop(idx))
+        if not parts:
+            return
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        made_here = len(parts) > 1 or earlier is not None  # else autograd's own tensor
+        if complete:
+            self._emit(idx, total, made_here)
+        else:
+            self._sums[idx] = total if made_here else total.clone()
 
     def flush(self) -> None:
         """Emit partial sums of inputs whose other consumers never ran (called at step end)."""
         with self._lock:
             for idx in sorted(self._sums):
-                self._emit(idx, self._sums.pop(idx))
+                self._emit(idx, self._sums.pop(idx), True)
