@@ -27,8 +27,9 @@ def stats_of_chunks(chunks: Iterable[np.ndarray]) -> tuple[float, ...]:
         zero += int(np.count_nonzero(x == 0))
         lo = _nan_propagating(min, lo, float(np.min(x)))
         hi = _nan_propagating(max, hi, float(np.max(x)))
-        total += float(np.sum(x))
-        sumsq += float(np.dot(x, x))
+        with np.errstate(all="ignore"):  # inf - inf: the NaN the counts explain
+            total += float(np.sum(x))
+            sumsq += float(np.dot(x, x))
     if n == 0:
         return (math.nan,) * 4 + (0.0, 0.0, 0.0, 0.0)
     mean = total / n

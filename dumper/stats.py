@@ -53,14 +53,22 @@ _NUMPY_FLOATS = (torch.float32, torch.float64)
 
 
 def _small_cpu_stats(a: np.ndarray) -> tuple:
-    with np.errstate(all="ignore"):  # inf - inf in a sum is the NaN the counts explain
-        lo, hi = float(a.min()), float(a.max())
-        wide = a.astype(np.float64, copy=False)
-        total, sumsq = float(wide.sum()), float(np.einsum("i,i->", wide, wide))
+    lo, hi = float(a.min()), float(a.max())
+    finite = math.isfinite(lo) and math.isfinite(hi)
+    if finite and a.dtype == np.float32:  # float64 sums of finite float32 values cannot overflow
+        total, sumsq = _float64_sums(a)
+    else:
+        with np.errstate(all="ignore"):  # inf - inf is the NaN the counts explain; overflow: inf
+            total, sumsq = _float64_sums(a)
     nan = inf = 0.0
-    if not (math.isfinite(lo) and math.isfinite(hi)):
+    if not finite:
         nan, inf = float(np.count_nonzero(np.isnan(a))), float(np.count_nonzero(np.isinf(a)))
     return _combine(lo, hi, total, sumsq, a.size, nan, inf, float(a.size - np.count_nonzero(a)))
+
+
+def _float64_sums(a: np.ndarray) -> tuple[float, float]:
+    wide = a.astype(np.float64, copy=False)
+    return float(wide.sum()), float(np.einsum("i,i->", wide, wide))
 
 
 CHUNK = 1 << 18  # elements per pass over a chunk: scratch buffers stay small and in cache

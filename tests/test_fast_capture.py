@@ -1,6 +1,8 @@
 """The asynchronous pipeline: bounded memory (wait / drop), statistics mode, and their compare."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -112,26 +114,31 @@ def test_statistics_equal_numpy_references(tmp_path):
     del model
 
 
-def _large(dtype, plant):
+def _planted_tensor(n, dtype, plant):
     torch.manual_seed(1)
-    t = (torch.randn(3 * (1 << 18) + 5) * 4).relu_().to(dtype)  # several chunks, many zeros
-    if plant:
-        t[7], t[-1], t[1 << 18] = float("nan"), float("inf"), float("-inf")
+    t = (torch.randn(n) * 4).relu_().to(dtype)  # many zeros
+    if plant:  # +inf and -inf: their sum is NaN (and a floating-point warning in numpy)
+        t[-1], t[n // 3] = float("inf"), float("-inf")
+    if plant == "nan":
+        t[7] = float("nan")
     return t
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.int32])
-@pytest.mark.parametrize("plant", [False, True])
-def test_statistics_of_large_cpu_tensors_equal_numpy_references(dtype, plant):
-    """The chunked torch path (tensors above the numpy path's size)."""
-    if plant and not dtype.is_floating_point:
-        pytest.skip("integers hold no NaN/Inf")
-    t = _large(dtype, plant)
+@pytest.mark.parametrize("n", [3000, 3 * (1 << 18) + 5], ids=["numpy path", "chunked path"])
+@pytest.mark.parametrize("dtype, plant", [
+    (dtype, plant) for dtype in (torch.float32, torch.float64, torch.float16)
+    for plant in (None, "inf", "nan")] + [(torch.int32, None)])
+def test_statistics_of_cpu_tensors_equal_numpy_references(n, dtype, plant):
+    """Both CPU paths (numpy for small tensors, chunked torch for large), with NaN/Inf, and no
+    floating-point warning reaching the user (inf - inf in a sum is expected)."""
+    t = _planted_tensor(n, dtype, plant)
     ref = stats_of_chunks([t.double().numpy()])
-    got = tensor_stats(t)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = tensor_stats(t)
     assert got[5:] == pytest.approx(ref[5:], abs=0)  # counts exact
     np.testing.assert_allclose(got[:5], ref[:5], rtol=1e-12, equal_nan=True)
-    assert (ref[7] > 0) and (plant or ref[5] == ref[6] == 0)
+    assert ref[7] > 0 and (ref[6] == 2 if plant else ref[5] == ref[6] == 0)
 
 
 def test_mixed_mode_keeps_values_for_selected_modules(tmp_path):
