@@ -22,7 +22,7 @@ WRITE_AHEAD_BYTES = 16 << 20  # held bytes that make the thread write during the
 # Paged file space with a page buffer: HDF5 gathers the small metadata and raw-data writes of
 # many small datasets into 64 KiB pages (closing a small dataset: 24 -> 13 us); large datasets
 # are written directly, as before.
-_FILE_OPTIONS = dict(fs_strategy="page", fs_page_size=1 << 16, page_buf_size=4 << 20)
+FILE_OPTIONS = dict(fs_strategy="page", fs_page_size=1 << 16, page_buf_size=4 << 20)
 _FINISH = object()
 _ABORT = object()
 _FLUSH = object()
@@ -178,7 +178,7 @@ class StepWriter:
     def _run(self) -> None:
         ended = False  # whether the producer's FINISH/ABORT has been consumed
         try:
-            with h5py.File(self.temp_path, "w", **_FILE_OPTIONS) as f:
+            with h5py.File(self.temp_path, "w", **FILE_OPTIONS) as f:
                 for key, value in self._attrs.items():  # now, while the step runs: ~3 ms
                     f.attrs[key] = value
                 step_group = f.create_group(self._step_group)
