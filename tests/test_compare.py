@@ -157,3 +157,33 @@ def test_index_with_variable_length_strings_reads_the_same(runs, tmp_path):
             assert h5py.check_string_dtype(group["index"].dtype["module"]).length is None
     pd.testing.assert_frame_equal(load_dump(copy).index, load_dump(runs["ref"]).index)
     assert (compare_dumps(copy, runs["ref"])["status"] == "equal").all()
+
+
+def test_non_ascii_names_and_values_round_trip(tmp_path):
+    """Index strings are fixed-length UTF-8: module names, leaf paths and reprs with non-ASCII
+    characters (of different byte widths in one column) read back exactly."""
+    from torch import nn
+
+    from dumper import HookerAndDumper
+
+    class Tagged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleDict({"blöck": nn.Linear(3, 3), "b": nn.Linear(3, 3)})
+
+        def forward(self, x, note="héllo wörld ∑"):
+            return {"ünïcode": self.blocks["blöck"](x), "a": self.blocks["b"](x)}
+
+    torch.manual_seed(0)
+    model, batch = Tagged(), torch.randn(2, 3)
+    for run in ("a", "b"):
+        with HookerAndDumper(tmp_path / run).hooks(model, 0, 0):
+            out = model(batch, note="naïve ∑")
+            (out["ünïcode"].sum() + out["a"].sum()).backward()
+    index = load_dump(tmp_path / "a").index
+    assert {"blocks.blöck", "blocks.b"} <= set(index["module"])
+    assert "output['ünïcode']" in set(index["path"])
+    notes = index[index["path"] == "kwargs['note']"]
+    assert list(notes["value"]) == ["'naïve ∑'"]
+    result = compare_dumps(tmp_path / "a", tmp_path / "b")
+    assert "blocks.blöck" in set(result["module"]) and (result["status"] == "equal").all()
