@@ -42,7 +42,7 @@ def _index_table(rows: list[tuple]) -> np.ndarray:
     arrays = []
     for (name, kind), values in zip(fmt.INDEX_COLUMNS, columns):
         if kind == "str":
-            encoded = [v.encode() for v in values]
+            encoded = [v.encode(errors="backslashreplace") for v in values]  # lone surrogates
             width = max(map(len, encoded), default=0) or 1
             arrays.append(np.array(encoded, dtype=h5py.string_dtype("utf-8", width)))
         else:
