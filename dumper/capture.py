@@ -187,15 +187,16 @@ class StepCapture:
     def _note_producer(self, t: torch.Tensor, call: int) -> None:
         """Remember, weakly, the innermost call that output ``t``'s current value: the first
         call to return it at this version (a parent returning its child's output keeps the
-        child; an in-place module returning a modified tensor takes over)."""
-        if self._producer_of(t) < 0:
+        child; an in-place module returning a modified tensor takes over). Inference tensors
+        have no version counter, so in-place changes cannot be seen: they are not tracked."""
+        if not t.is_inference() and self._producer_of(t) < 0:
             self._producers[id(t)] = (weakref.ref(t), call, t._version)
 
     def _producer_of(self, t: torch.Tensor) -> int:
-        """Call that output ``t``'s current value, or -1 (made, or modified since, outside any
-        hooked module)."""
+        """Call that output ``t``'s current value, or -1 (unknown: made, or modified since,
+        outside any hooked module, or an inference tensor)."""
         known = self._producers.get(id(t))
-        if known is None or known[0]() is not t or known[2] != t._version:
+        if known is None or known[0]() is not t or t.is_inference() or known[2] != t._version:
             return -1
         return known[1]
 

@@ -187,3 +187,31 @@ def test_read_h5py_data_prints_tree(tmp_path, capsys):
     assert "0-epoch_0-step_dump.hdf5" in text and "/0-epoch_0-step" in text
     assert "0001_0.Linear" in text and "0002_1.ReLU" in text
     assert "grad_input_0" in text and "float32" in text and "[3, 2]" in text
+
+
+@pytest.mark.parametrize("context", [torch.inference_mode, torch.no_grad])
+@pytest.mark.parametrize("mode", ["tensors", "stats"])
+def test_inference_and_no_grad_steps_are_dumped(tmp_path, context, mode):
+    """An evaluation pass under inference_mode (tensors without version counters) or no_grad:
+    same output as without the dumper, values as they were at each call (in-place ReLU), no
+    gradient rows. Under inference_mode producers are unknown (-1): in-place changes of
+    inference tensors cannot be detected."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    with context():
+        expected = model(x)
+        before_relu = model[0](x).clone()
+        with HookerAndDumper(tmp_path, mode=mode).hooks(model, 0, 0):
+            out = model(x)
+    assert torch.equal(out, expected)
+    index = load_dump(tmp_path).index
+    assert set(index["kind"]) == {"input", "output"}
+    if mode == "tensors":
+        assert torch.equal(read_tensors(tmp_path)[("0", 0, "output", 0)], before_relu)
+    else:
+        row = index[(index["module"] == "0") & (index["kind"] == "output")].iloc[0]
+        assert row.stat_min == pytest.approx(before_relu.min().item())
+    linear_input = index[(index["module"] == "2") & (index["kind"] == "input")]["producer"]
+    relu_call = 2  # root 0, Linear 1, ReLU 2: the in-place ReLU made its current value
+    assert list(linear_input) == ([-1] if context is torch.inference_mode else [relu_call])
