@@ -80,6 +80,11 @@ class StepCapture:
             if selection.wants_module(path, module):
                 self._install(path, module)
 
+    @property
+    def modules_run(self) -> int:
+        """How many of the hooked modules ran (and were recorded) in this step so far."""
+        return len(self._first_call)
+
     # -- lifetime ----------------------------------------------------------------------
     def _install(self, path: str, module: nn.Module) -> None:
         cls = type(module).__name__

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Union
@@ -88,6 +89,7 @@ class HookerAndDumper:
         self._registered = True
         if not self.in_window(epoch, step):
             return False
+        model = _uncompiled(model)
         rank, _ = distributed_rank()
         path = self.directory / fmt.step_file_name(epoch, step, rank)
         self._writer = StepWriter(path, fmt.step_group_name(epoch, step),
@@ -109,6 +111,11 @@ class HookerAndDumper:
             capture.finish()
         finally:
             capture.remove()
+        if not capture.modules_run:
+            warnings.warn(f"h5cmp: no module call was recorded in {writer.final_path.name}: the "
+                          f"hooked model did not run between register_hooks and remove_hooks, or "
+                          f"ran as torch.compile'd code, which skips module hooks",
+                          RuntimeWarning, stacklevel=2)
         try:
             path = writer.finish()
         except DumpWriteError as exc:
@@ -153,6 +160,28 @@ class HookerAndDumper:
         """Print the structure of the dump (groups, datasets, dtypes, shapes); default: all of it."""
         from compare.inspect import print_tree
         print_tree(self.directory if path is None else path)
+
+
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper holds (the hooks go there, and module names match
+    an uncompiled run's); ``model`` itself otherwise. Compiled code skips module hooks, so the
+    dumped steps must run eagerly: the warning says how."""
+    inner = getattr(model, "_orig_mod", None)
+    if type(model).__name__ != "OptimizedModule" or not isinstance(inner, nn.Module):
+        return model
+    if not _forced_eager():
+        warnings.warn("h5cmp: the model is compiled with torch.compile, whose compiled code skips "
+                      "module hooks; run the dumped steps eagerly, e.g. inside "
+                      "torch.compiler.set_stance('force_eager'), or nothing is recorded",
+                      RuntimeWarning, stacklevel=3)
+    return inner
+
+
+def _forced_eager() -> bool:
+    """Whether ``torch.compiler.set_stance('force_eager')`` is in effect (no public getter:
+    read where torch keeps it, if torch._dynamo is loaded; False when unknown)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(getattr(eval_frame, "_stance", None), "stance", None) == "force_eager"
 
 
 def _prepare_directory(file_path: Union[str, os.PathLike]) -> Path:

@@ -88,9 +88,13 @@ def test_bad_register_calls(tmp_path):
     dumper.register_hooks(model, 0, 0)
     with pytest.raises(RuntimeError, match="twice without remove_hooks"):
         dumper.register_hooks(model, 0, 1)
-    dumper.remove_hooks()
+    with pytest.warns(RuntimeWarning, match="no module call was recorded in 0-epoch_0-step"):
+        dumper.remove_hooks()  # the model never ran: said, and the (empty) step is published
     dumper.register_hooks(model, 0, 1)  # usable again
+    model(torch.randn(1, 2))
     dumper.remove_hooks()
+    assert [p.name for p in dumper.written_files] == ["0-epoch_0-step_dump.hdf5",
+                                                      "0-epoch_1-step_dump.hdf5"]
 
 
 def test_context_manager_discards_a_failed_step(tmp_path):
