@@ -10,7 +10,7 @@ with a node post-hook. Contributions are summed in the order autograd delivers t
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable
 
 import torch
 from torch.utils.hooks import RemovableHandle

@@ -100,13 +100,21 @@ class ByteBudget:
             self._cond.notify_all()
 
 
+_is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor",
+                                lambda t: False)
+
+
 def _unsupported_reason(t: torch.Tensor) -> str:
     if t.layout is not torch.strided:
         return f"layout {t.layout} is not stored"
+    if t.is_nested:
+        return "nested tensors are not stored"
     if t.is_quantized:
         return "quantized tensors are not stored"
     if t.is_meta:
         return "meta tensors have no data"
+    if _is_functorch_wrapped(t):
+        return "inside a torch.func transform (vmap, grad): values are not readable by hooks"
     return ""
 
 
@@ -127,13 +135,17 @@ class RecordMaker:
         ``owned``: ``t`` is a private tensor nothing else references or modifies (e.g. a sum
         made by the dumper); on the CPU it becomes the snapshot itself, without a copy."""
         reason = _unsupported_reason(t)
-        shape = () if reason and t.layout is not torch.strided else t.shape
+        shape = () if reason and (t.layout is not torch.strided or t.is_nested) else t.shape
         rec = Record(seq, call, kind, index, path, t.dtype, shape, t.device, t.requires_grad,
                      fmt.ST_UNSUPPORTED if reason else fmt.ST_OK, reason)
         if reason:
             return rec
         if call.stats_only:
-            stats = tensor_stats(t)
+            try:
+                stats = tensor_stats(t)
+            except Exception as exc:  # a tensor type nobody foresaw must not stop training
+                rec.status, rec.value = fmt.ST_UNSUPPORTED, unreadable(exc)
+                return rec
             rec.stats = stats if isinstance(stats, tuple) else self._pool.take(stats)
             return rec
         nbytes = t.numel() * t.element_size()
@@ -143,8 +155,12 @@ class RecordMaker:
                 rec.status, rec.value = fmt.ST_DROPPED, "dropped: bytes in flight at the limit"
                 return rec
             self._budget.acquire(nbytes)
-        rec.snapshot = Snapshot(t.detach()) if owned and t.device.type == "cpu" else \
-            self._pool.take(t)
+        try:
+            rec.snapshot = Snapshot(t.detach()) if owned and t.device.type == "cpu" else \
+                self._pool.take(t)
+        except Exception as exc:  # as above
+            self._budget.release(nbytes)
+            rec.status, rec.value = fmt.ST_UNSUPPORTED, unreadable(exc)
         return rec
 
     def release(self, record: Record) -> None:
@@ -154,6 +170,12 @@ class RecordMaker:
             record.snapshot.release()
         if isinstance(record.stats, Snapshot):
             record.stats.release()
+
+
+def unreadable(exc: BaseException, limit: int = 200) -> str:
+    """Index text for a tensor whose values could not be taken: the error's first line."""
+    text = f"values not readable: {type(exc).__name__}: " + next(iter(str(exc).splitlines()), "")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def leaf_record(seq: int, call: CallInfo, kind: str, path: str, leaf: Any) -> Record:

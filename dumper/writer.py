@@ -16,7 +16,7 @@ from h5py import h5d, h5g, h5p, h5s, h5t
 from compare import format as fmt
 
 from .encoding import dtype_name, encode
-from .record import Record
+from .record import Record, unreadable
 
 WRITE_AHEAD_BYTES = 16 << 20  # held bytes that make the thread write during the step
 # Paged file space with a page buffer: HDF5 gathers the small metadata and raw-data writes of
@@ -221,8 +221,12 @@ class StepWriter:
             encoding, stats = fmt.ENC_NONE, _NO_STATS
             group, dataset = record.call.group, record.dataset
             if record.snapshot is not None:
-                array, encoding = encode(record.snapshot.wait())
-                datasets.write(group, dataset, array)
+                try:
+                    array, encoding = encode(record.snapshot.wait())
+                except (RuntimeError, TypeError) as exc:  # copied by the hook, yet unreadable
+                    record.status, record.value, dataset = fmt.ST_UNSUPPORTED, unreadable(exc), ""
+                else:
+                    datasets.write(group, dataset, array)
             if isinstance(record.stats, tuple):
                 stats = record.stats
             elif record.stats is not None:

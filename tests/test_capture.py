@@ -243,3 +243,76 @@ def test_compiled_model_is_dumped_when_run_eagerly(tmp_path):
     assert list(forced["module"]) == list(eager["module"]) and len(forced) > 10
     from compare import compare_dumps
     assert (compare_dumps(tmp_path / "forced", tmp_path / "eager")["status"] == "equal").all()
+
+
+class _TakesAnything(nn.Module):
+    def forward(self, x, extra):
+        return x * 2
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
+@pytest.mark.parametrize("mode", ["tensors", "stats"])
+def test_tensors_without_readable_values_are_recorded_as_unsupported(tmp_path, mode):
+    """Sparse and nested tensors get an `unsupported` row saying why; the step is written."""
+    model = _TakesAnything()
+    sparse = torch.eye(3).to_sparse()
+    nested = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])
+    with HookerAndDumper(tmp_path, mode=mode).hooks(model, 0, 0):
+        model(torch.ones(2), extra=[sparse, nested])
+    rows = load_dump(tmp_path).index.set_index("path")
+    assert rows.loc["kwargs['extra'][0]", "status"] == "unsupported"
+    assert "sparse" in rows.loc["kwargs['extra'][0]", "value"]
+    assert rows.loc["kwargs['extra'][1]", "value"] == "nested tensors are not stored"
+    assert rows.loc["args[0]", "status"] == "ok"
+
+
+@pytest.mark.parametrize("mode", ["tensors", "stats"])
+def test_torch_func_transforms_run_unchanged_with_the_dumper(tmp_path, mode):
+    """Inside vmap/grad, hooks see functorch wrappers whose values cannot be read: the rows say
+    so, and the transformed computation is unchanged (it used to fail: in the hook in
+    statistics mode, in the writer, losing the step, in tensors mode)."""
+    from torch.func import functional_call, grad, vmap
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def per_sample_grads(x):
+        return vmap(grad(lambda p, xi: functional_call(model, p, (xi,)).sum()),
+                    in_dims=(None, 0))(params, x)
+    x = torch.randn(5, 4)
+    expected = per_sample_grads(x)
+    with HookerAndDumper(tmp_path, mode=mode).hooks(model, 0, 0):
+        got = per_sample_grads(x)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    index = load_dump(tmp_path).index
+    tensors = index[index["index"] >= 0]
+    assert len(tensors) and (tensors["status"] == "unsupported").all()
+    assert tensors["value"].str.contains("torch.func transform").all()
+
+
+def test_a_tensor_that_cannot_be_read_loses_only_its_own_row(tmp_path, monkeypatch):
+    """Safety nets for tensor types nobody foresaw: a failure to take statistics (in the hook)
+    or to read a snapshot (in the writer) makes that row `unsupported`; training goes on and
+    the rest of the step is written."""
+    import dumper.record
+    import dumper.writer
+
+    def fails_on_width_3(original):
+        def wrapped(t):
+            if t.shape[-1:] == (3,):
+                raise RuntimeError("Cannot access data pointer\nsecond line")
+            return original(t)
+        return wrapped
+    monkeypatch.setattr(dumper.record, "tensor_stats", fails_on_width_3(dumper.record.tensor_stats))
+    monkeypatch.setattr(dumper.writer, "encode", fails_on_width_3(dumper.writer.encode))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2))
+    for mode in ("tensors", "stats"):
+        with HookerAndDumper(tmp_path / mode, mode=mode).hooks(model, 0, 0):
+            model(torch.randn(4, 2)).sum().backward()
+        index = load_dump(tmp_path / mode).index
+        bad = index[index["shape"].map(lambda s: s[-1:] == (3,))]
+        good = index.drop(bad.index)
+        assert len(bad) and (bad["status"] == "unsupported").all() and (bad["dataset"] == "").all()
+        assert set(bad["value"]) == {"values not readable: RuntimeError: Cannot access data pointer"}
+        assert len(good) and (good["status"] == "ok").all()
