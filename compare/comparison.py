@@ -15,7 +15,7 @@ from .dump import Dump, PathLike, load_dump, open_h5, read_chunks
 from .errors import DumpError
 from . import format as fmt
 from .metrics import (DROPPED, METRIC_COLUMNS, MISSING_IN_A, MISSING_IN_B, SHAPE_MISMATCH,
-                      ErrorAccumulator)
+                      UNSUPPORTED, ErrorAccumulator)
 from .statistics import compare_stats, stats_of_chunks
 from .pairing import pair_records, tensor_rows
 from .tolerance import pair_tolerance
@@ -88,6 +88,10 @@ class _PairRef(NamedTuple):
     def dropped(self) -> bool:
         return fmt.ST_DROPPED in (self.status_a, self.status_b)
 
+    @property
+    def unsupported(self) -> bool:
+        return fmt.ST_UNSUPPORTED in (self.status_a, self.status_b)
+
 
 def _check_distinct(a: Dump, b: Dump) -> None:
     files_a = {os.path.realpath(s.path) for s in a.steps}
@@ -146,10 +150,12 @@ def _run_task(task: tuple) -> dict[int, dict]:
 
 
 def _compare_described(step_a, step_b, r: _PairRef, chunk_elements: int, rtol, atol) -> dict:
-    """A pair where a side was dropped or holds statistics only: compare what is known."""
+    """A pair where a side was dropped, is unsupported or holds statistics only: compare what
+    is known."""
     tol = pair_tolerance(r.dtype_a, r.dtype_b, rtol, atol)
-    if r.dropped:
-        return {"status": DROPPED, "rtol": tol.rtol, "atol": tol.atol}
+    if r.dropped or r.unsupported:
+        status = DROPPED if r.dropped else UNSUPPORTED
+        return {"status": status, "rtol": tol.rtol, "atol": tol.atol}
     if tuple(r.shape_a) != tuple(r.shape_b):
         return {"status": SHAPE_MISMATCH, "rtol": tol.rtol, "atol": tol.atol}
     sides = []

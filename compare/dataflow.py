@@ -11,7 +11,7 @@ import pandas as pd
 from . import format as fmt
 from .dump import Dump
 from .errors import DumpError
-from .metrics import CLOSE, EQUAL, PASSING
+from .metrics import CLOSE, EQUAL, FAILING
 
 _COLOURS = {EQUAL: "#b7e1a1", CLOSE: "#e2f0cb", "fail": "#f4a6a6", None: "#e0e0e0"}
 
@@ -31,7 +31,7 @@ def _call_status(result: Optional[pd.DataFrame], epoch: int, step: int) -> dict[
     status = {}
     for call, group in rows.groupby("call"):
         s = set(group["status"])
-        status[int(call)] = "fail" if not s <= PASSING else CLOSE if CLOSE in s else EQUAL
+        status[int(call)] = "fail" if s & FAILING else CLOSE if CLOSE in s else EQUAL
     return status
 
 

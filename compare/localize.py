@@ -13,7 +13,7 @@ import pandas as pd
 from . import format as fmt
 from .comparison import compare_dumps
 from .dump import Dump, PathLike
-from .metrics import PASSING
+from .metrics import FAILING
 
 ORIGIN, INHERITED, FINE = "origin", "inherited", "fine"
 # What a module produces: its outputs (forward) and the gradients it sends back (backward).
@@ -37,8 +37,8 @@ def localize(reference: PathLike | Dump, free: PathLike | Dump, injected: PathLi
                                             suffixes=("_accumulated", "_local"))
     merged = merged.rename(columns={f"{c}_accumulated": f"accumulated_{c}" for c in cols}
                            | {f"{c}_local": f"local_{c}" for c in cols})
-    local_bad = ~merged["local_status"].isin(PASSING) & merged["local_status"].notna()
-    accumulated_bad = ~merged["accumulated_status"].isin(PASSING)
+    local_bad = merged["local_status"].isin(FAILING)
+    accumulated_bad = merged["accumulated_status"].isin(FAILING)
     merged["verdict"] = FINE
     merged.loc[accumulated_bad, "verdict"] = INHERITED
     merged.loc[local_bad, "verdict"] = ORIGIN

@@ -24,8 +24,13 @@ EQUAL, CLOSE, DIFF = "equal", "close", "DIFF"
 NAN_MISMATCH, SHAPE_MISMATCH = "nan_mismatch", "shape_mismatch"
 MISSING_IN_A, MISSING_IN_B = "missing_in_a", "missing_in_b"
 DROPPED = "dropped"  # a side's dumper dropped the tensor (memory limit): nothing to compare
-STATUSES = (EQUAL, CLOSE, DIFF, NAN_MISMATCH, SHAPE_MISMATCH, MISSING_IN_A, MISSING_IN_B, DROPPED)
+UNSUPPORTED = "unsupported"  # a side could not store the values (its index `value` says why)
+STATUSES = (EQUAL, CLOSE, DIFF, NAN_MISMATCH, SHAPE_MISMATCH, MISSING_IN_A, MISSING_IN_B, DROPPED,
+            UNSUPPORTED)
 PASSING = frozenset({EQUAL, CLOSE})
+# Failures: everything but passing and UNSUPPORTED (reported, but no failure: a tensor type the
+# dumper cannot store by design, not a difference between the runs).
+FAILING = frozenset(STATUSES) - PASSING - {UNSUPPORTED}
 VALUE_FAILURES = frozenset({DIFF, NAN_MISMATCH, SHAPE_MISMATCH})
 
 METRIC_COLUMNS = ("numel", "max_abs_err", "mean_abs_err", "max_rel_err", "rel_l2_err", "cosine",

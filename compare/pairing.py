@@ -16,11 +16,11 @@ SIDE_COLUMNS = ["seq", "call", "cls", "group", "path", "dtype", "shape", "encodi
 def tensor_rows(dump: Dump, steps: Optional[Iterable[str]] = None,
                 modules: Optional[Iterable[str]] = None,
                 kinds: Optional[Iterable[str]] = None) -> pd.DataFrame:
-    """Index rows of tensors (stored, described by statistics, or dropped), filtered by step
-    (``"S"`` or ``"E:S"``), module glob and kind."""
+    """Index rows of tensors (stored, described by statistics, dropped or unsupported),
+    filtered by step (``"S"`` or ``"E:S"``), module glob and kind."""
     index = dump.index
     rows = index[(index["dataset"] != "") | index["stat_nan"].notna()
-                 | (index["status"] == fmt.ST_DROPPED)]
+                 | index["status"].isin([fmt.ST_DROPPED, fmt.ST_UNSUPPORTED])]
     if steps:
         wanted = list(steps)
         rows = rows[[_step_matches(e, s, wanted) for e, s in zip(rows["epoch"], rows["step"])]]

@@ -12,7 +12,7 @@ import pandas as pd
 
 from . import format as fmt
 from .errors import DumpError
-from .metrics import PASSING
+from .metrics import FAILING
 from .summary import Summary
 
 TABLE_COLUMNS = ["step", "module", "kind", "dtype", "shape", "max_abs_err", "rel_l2_err",
@@ -31,7 +31,7 @@ def _num(value) -> str:
 def table_rows(result: pd.DataFrame, show_all: bool = False, top: Optional[int] = None) -> pd.DataFrame:
     """The rows the text table shows: failing rows in execution order (every row with
     ``show_all``), at most ``top``, formatted as strings."""
-    rows = result if show_all else result[~result["status"].isin(PASSING)]
+    rows = result if show_all else result[result["status"].isin(FAILING)]
     if top is not None:
         rows = rows.head(top)
     dtype = rows["dtype_a"].fillna("-")
@@ -60,7 +60,7 @@ def render_text(result: pd.DataFrame, summary: Summary, show_all: bool = False,
     """The CLI report: the table (failing rows, or all) then the summary."""
     rows = table_rows(result, show_all, top)
     shown = "all rows" if show_all else "rows outside tolerance"
-    total = len(result) if show_all else int((~result["status"].isin(PASSING)).sum())
+    total = len(result) if show_all else int(result["status"].isin(FAILING).sum())
     parts = []
     if len(rows):
         limit = f" (first {len(rows)} of {total})" if len(rows) < total else ""
@@ -102,7 +102,7 @@ def html_report(result: pd.DataFrame, summary: Summary, flat: pd.DataFrame) -> s
         for title, draw in (("Error per record", lambda p: plot_errors(result, summary, p)),
                             ("Error per module and step", lambda p: plot_heatmap(result, p))):
             figures += f"<h2>{title}</h2><img alt='{title}' src='{_png_data_uri(draw)}'>"
-    failing = ~flat["status"].isin(PASSING)
+    failing = flat["status"].isin(FAILING)
     table = flat.style.apply(
         lambda row: ["background:#fbdada" if failing[row.name] else "" for _ in row], axis=1
     ).format(precision=4, na_rep="-").hide(axis="index").to_html()

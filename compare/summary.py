@@ -8,7 +8,7 @@ import pandas as pd
 
 from compare import format as fmt
 
-from .metrics import PASSING, STATUSES, VALUE_FAILURES
+from .metrics import FAILING, STATUSES, VALUE_FAILURES
 
 # Rows of the same call that a record's values depend on.
 _UPSTREAM = {
@@ -61,7 +61,7 @@ class Divergence:
                    f"{self.upstream['rel_l2_err'].max():.3g})")
             because = f"the error starts in this module: {why}"
         elif self.verdict == INHERITED:
-            bad = self.upstream[~self.upstream["status"].isin(PASSING)]
+            bad = self.upstream[self.upstream["status"].isin(FAILING)]
             names = ", ".join(bad["kind"] + "[" + bad["index"].astype(str) + "]")
             because = f"inherited: its {names} already differ"
         else:
@@ -71,7 +71,7 @@ class Divergence:
             if self.producer is not None and len(self.producer):
                 p = self.producer.iloc[0]
                 state = ("which matched: the change happened between the two modules"
-                         if self.producer["status"].isin(PASSING).all()
+                         if not self.producer["status"].isin(FAILING).any()
                          else "which already differed")
                 because += (f"\n  {r['kind']}[{r['index']}] came from "
                             f"{fmt.module_key(p['module'], p['cls'])} (call {p['call']}), {state}")
@@ -88,7 +88,7 @@ class Summary:
 
     @property
     def ok(self) -> bool:
-        return all(self.counts[s] == 0 for s in STATUSES if s not in PASSING)
+        return all(self.counts[s] == 0 for s in FAILING)
 
     def __str__(self) -> str:
         parts = ", ".join(f"{self.counts[s]} {s}" for s in STATUSES if self.counts[s])
@@ -124,5 +124,5 @@ def _diagnose(result: pd.DataFrame, row: pd.Series) -> Divergence:
     same_pass = (same_call["occurrence"] == row["occurrence"]) | same_call["kind"].isin(
         fmt.FORWARD_KINDS)
     upstream = same_call[same_call["kind"].isin(kinds) & same_pass]
-    failed = ~upstream["status"].isin(PASSING)
+    failed = upstream["status"].isin(FAILING)
     return Divergence(row, INHERITED if failed.any() else ORIGIN, upstream)

@@ -182,3 +182,29 @@ def test_file_still_being_written(runs, tmp_path):
 
 def test_unknown_output_format(runs, tmp_path):
     _bad(runs["ref"], runs["fwd"], "-o", tmp_path / "r.txt", match="unknown output format .txt")
+
+
+def test_unsupported_tensors_are_reported_but_do_not_fail_the_compare(tmp_path):
+    """A tensor the dumper cannot store (here a sparse kwarg) pairs as `unsupported`: counted
+    and listed with --all, not a failure (exit 0), in tensors-vs-tensors and vs statistics."""
+    import torch
+    from torch import nn
+
+    from dumper import HookerAndDumper
+
+    class Scale(nn.Module):
+        def forward(self, x, lookup):
+            return x * 2
+
+    model = Scale()
+    for name, mode in (("a", "tensors"), ("b", "tensors"), ("s", "stats")):
+        with HookerAndDumper(tmp_path / name, mode=mode).hooks(model, 0, 0):
+            model(torch.ones(3), lookup=torch.eye(3).to_sparse())
+    for other in ("b", "s"):
+        out = h5cmp(tmp_path / "a", tmp_path / other, "--all")
+        assert out.exit_code == 0, out.output
+        assert "3 tensor pairs: 2 equal, 1 unsupported" in out.output
+        assert "agree within tolerance" in out.output
+        assert len([line for line in out.output.splitlines() if "unsupported" in line]) == 2
+        quiet = h5cmp(tmp_path / "a", tmp_path / other)  # the failure table leaves it out
+        assert "rows outside tolerance" not in quiet.output
