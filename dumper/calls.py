@@ -2,9 +2,17 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import Any, Iterator
 
+import torch
 from torch import nn
+
+
+def hookable_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``model.named_modules()`` less TorchScript modules, which run no Python hooks (and
+    refuse module hooks)."""
+    return ((path, m) for path, m in model.named_modules()
+            if not isinstance(m, torch.jit.ScriptModule))
 
 
 class CallTracker:

@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from compare import format as fmt
 
-from .calls import CallTracker
+from .calls import CallTracker, hookable_modules
 from .flatten import call_leaves, leaves
 from .grads import GradInputCollector, current_sequence_nr, gradient_edge
 from .record import CallInfo, Record, RecordMaker, leaf_record
@@ -76,7 +76,7 @@ class StepCapture:
         # dataflow: id(tensor) -> (weak reference, call that output it, tensor version then)
         self._producers: dict[int, tuple[weakref.ref, int, int]] = {}
         self.handles: list[RemovableHandle] = []
-        for path, module in model.named_modules():
+        for path, module in hookable_modules(model):
             if selection.wants_module(path, module):
                 self._install(path, module)
 

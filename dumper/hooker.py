@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Union
 
+import torch
 from torch import nn
 
 from compare import format as fmt
@@ -80,6 +81,9 @@ class HookerAndDumper:
         """Hook ``model`` for step ``(epoch, step)`` if it is in the window; returns whether it is."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"register_hooks needs a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(model, torch.jit.ScriptModule):
+            raise TypeError("register_hooks: the model is a TorchScript module (torch.jit.script "
+                            "or trace), which runs no Python hooks; pass the original nn.Module")
         for name, value in (("epoch", epoch), ("step", step)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
@@ -90,6 +94,7 @@ class HookerAndDumper:
         if not self.in_window(epoch, step):
             return False
         model = _uncompiled(model)
+        _warn_if_scripted_inside(model)
         rank, _ = distributed_rank()
         path = self.directory / fmt.step_file_name(epoch, step, rank)
         self._writer = StepWriter(path, fmt.step_group_name(epoch, step),
@@ -175,6 +180,15 @@ def _uncompiled(model: nn.Module) -> nn.Module:
                       "torch.compiler.set_stance('force_eager'), or nothing is recorded",
                       RuntimeWarning, stacklevel=3)
     return inner
+
+
+def _warn_if_scripted_inside(model: nn.Module) -> None:
+    scripted = [p for p, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
+    outermost = [p for p in scripted if not any(p.startswith(q + ".") for q in scripted)]
+    if outermost:
+        more = f" and {len(outermost) - 3} more" if len(outermost) > 3 else ""
+        warnings.warn(f"h5cmp: TorchScript submodules run no Python hooks and are not recorded: "
+                      f"{', '.join(outermost[:3])}{more}", RuntimeWarning, stacklevel=3)
 
 
 def _forced_eager() -> bool:

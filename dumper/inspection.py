@@ -10,7 +10,7 @@ from torch import nn
 from compare import format as fmt
 
 from .encoding import dtype_name
-from .calls import CallTracker
+from .calls import CallTracker, hookable_modules
 from .flatten import call_leaves, leaves
 
 
@@ -51,7 +51,7 @@ def io_shapes(model: nn.Module, *args, **kwargs) -> pd.DataFrame:
 
     handles = []
     try:
-        for path, m in model.named_modules():
+        for path, m in hookable_modules(model):
             handles.append(m.register_forward_pre_hook(pre(path, type(m).__name__), with_kwargs=True))
             handles.append(m.register_forward_hook(post, with_kwargs=True))
         with torch.no_grad():

@@ -316,3 +316,18 @@ def test_a_tensor_that_cannot_be_read_loses_only_its_own_row(tmp_path, monkeypat
         assert len(bad) and (bad["status"] == "unsupported").all() and (bad["dataset"] == "").all()
         assert set(bad["value"]) == {"values not readable: RuntimeError: Cannot access data pointer"}
         assert len(good) and (good["status"] == "ok").all()
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_torchscript_modules(tmp_path):
+    """A TorchScript model is refused with a one-line reason (it runs no Python hooks); a
+    scripted submodule is left out with a warning while the rest of the model is recorded."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    dumper = HookerAndDumper(tmp_path)
+    with pytest.raises(TypeError, match="TorchScript module .* pass the original nn.Module"):
+        dumper.register_hooks(torch.jit.script(model), 0, 0)
+    outer = nn.Sequential(torch.jit.script(nn.Linear(4, 4)), nn.ReLU())
+    with pytest.warns(RuntimeWarning, match="TorchScript submodules .* not recorded: 0$"):
+        with dumper.hooks(outer, 0, 0):
+            outer(torch.randn(2, 4)).sum().backward()
+    assert set(load_dump(tmp_path).index["module"]) == {"", "1"}
