@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import h5py
 import numpy as np
-from h5py import h5d, h5g, h5p, h5s, h5t
+from h5py import h5a, h5d, h5g, h5p, h5s, h5t
 
 from compare import format as fmt
 
@@ -60,6 +60,22 @@ def _index_row(r: Record, group: str, dataset: str, encoding: str, stats: tuple)
     return (r.seq, c.number, c.module, c.cls, c.call_idx, group, r.kind, r.index, r.occurrence,
             r.path, dataset, dtype, fmt.format_shape(tuple(r.shape)), encoding, str(r.device),
             int(r.requires_grad), r.status, r.value, r.producer, *stats)
+
+
+def _write_attributes(obj: h5py.HLObject, attrs: dict) -> None:
+    """``obj.attrs.update(attrs)`` through h5py's low-level API, with the same HDF5 types
+    (str: variable-length UTF-8; int, bool: as h5py stores them): ~40 instead of ~140 us each
+    (h5py's high-level path checks for, and would replace, an existing attribute)."""
+    scalar = h5s.create_simple(())
+    types: dict[np.dtype, tuple[h5t.TypeID, h5t.TypeID]] = {}
+    for name, value in attrs.items():
+        data = np.asarray(value, dtype=h5py.string_dtype() if isinstance(value, str) else None)
+        if data.dtype not in types:  # (file type, in-memory type: bit-for-bit, not logical)
+            types[data.dtype] = h5t.py_create(data.dtype, logical=True), h5t.py_create(data.dtype)
+        file_type, memory_type = types[data.dtype]
+        attr = h5a.create(obj.id, name.encode(), file_type, scalar)
+        attr.write(data, mtype=memory_type)
+        attr.close()
 
 
 class _LowLevelGroup:
@@ -179,8 +195,7 @@ class StepWriter:
         ended = False  # whether the producer's FINISH/ABORT has been consumed
         try:
             with h5py.File(self.temp_path, "w", **FILE_OPTIONS) as f:
-                for key, value in self._attrs.items():  # now, while the step runs: ~3 ms
-                    f.attrs[key] = value
+                _write_attributes(f, self._attrs)  # now, while the step runs
                 step_group = f.create_group(self._step_group)
                 datasets = _LowLevelGroup(step_group)
                 pending: deque[Record] = deque()

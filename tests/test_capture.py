@@ -1,6 +1,7 @@
 """What the dumper records: exact gradients, snapshots, structure, selection."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -175,6 +176,12 @@ def test_run_metadata(tmp_path):
     assert step.attrs["torch_version"] == str(torch.__version__)
     assert step.attrs["device"] == "cpu" and step.attrs["default_dtype"] == "float32"
     assert {"tf32_matmul", "tf32_cudnn", "deterministic_algorithms"} <= set(step.attrs)
+    import h5py  # the HDF5 types format.md names: str as variable-length UTF-8, int, bool
+    with h5py.File(step.path) as f:
+        string = h5py.check_string_dtype(f.attrs.get_id("torch_version").dtype)
+        assert string.encoding == "utf-8" and string.length is None
+        assert f.attrs.get_id("step").dtype.kind == "i"
+        assert isinstance(f.attrs["tf32_matmul"], np.bool_)
 
 
 def test_read_h5py_data_prints_tree(tmp_path, capsys):
