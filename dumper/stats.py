@@ -21,8 +21,8 @@ def tensor_stats(t: torch.Tensor) -> Stats:
 
     Complex tensors are described by their magnitudes; integers and bool as float64;
     float16/bfloat16/float8 reduced in float32; sums accumulate in float64. NaNs propagate into
-    min/max/mean/std/norm; the counts say how many there are. ``std`` is the population standard deviation, derived from
-    the sum and the norm, ``sqrt(max(norm²/n - mean², 0))``.
+    min/max/mean/std/norm; the counts say how many there are. ``std`` is the population
+    standard deviation, derived from the sum and the norm, ``sqrt(max(norm²/n - mean², 0))``.
     """
     x = t.detach()
     if x.dtype in _NUMPY_FLOATS and x.device.type == "cpu" and x.numel() <= SMALL:
