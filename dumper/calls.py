@@ -1,11 +1,42 @@
 """Per-step bookkeeping of module calls shared by every set of module hooks."""
 from __future__ import annotations
 
+import sys
+import warnings
 from collections import defaultdict
 from typing import Any, Iterator
 
 import torch
 from torch import nn
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper holds (module names as in an uncompiled run), or
+    ``model`` itself."""
+    inner = getattr(model, "_orig_mod", None)
+    if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
+        return inner
+    return model
+
+
+def hook_target(model: nn.Module) -> nn.Module:
+    """:func:`uncompiled` ``model``: its hooks run when the wrapper runs eagerly. Compiled code
+    skips module hooks, so unless ``force_eager`` is in effect a warning says how to run the
+    hooked steps eagerly."""
+    target = uncompiled(model)
+    if target is not model and not _forced_eager():
+        warnings.warn("h5cmp: the model is compiled with torch.compile, whose compiled code skips "
+                      "module hooks; run the hooked steps eagerly, e.g. inside "
+                      "torch.compiler.set_stance('force_eager'), or nothing is recorded",
+                      RuntimeWarning, stacklevel=3)
+    return target
+
+
+def _forced_eager() -> bool:
+    """Whether ``torch.compiler.set_stance('force_eager')`` is in effect (no public getter:
+    read where torch keeps it, if torch._dynamo is loaded; False when unknown)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(getattr(eval_frame, "_stance", None), "stance", None) == "force_eager"
 
 
 def hookable_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import warnings
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Union
@@ -13,6 +12,7 @@ from torch import nn
 
 from compare import format as fmt
 
+from .calls import hook_target
 from .capture import StepCapture
 from .record import ByteBudget, RecordMaker
 from .run_info import distributed_rank, run_attrs
@@ -93,7 +93,7 @@ class HookerAndDumper:
         self._registered = True
         if not self.in_window(epoch, step):
             return False
-        model = _uncompiled(model)
+        model = hook_target(model)
         _warn_if_scripted_inside(model)
         rank, _ = distributed_rank()
         path = self.directory / fmt.step_file_name(epoch, step, rank)
@@ -167,21 +167,6 @@ class HookerAndDumper:
         print_tree(self.directory if path is None else path)
 
 
-def _uncompiled(model: nn.Module) -> nn.Module:
-    """The module a ``torch.compile`` wrapper holds (the hooks go there, and module names match
-    an uncompiled run's); ``model`` itself otherwise. Compiled code skips module hooks, so the
-    dumped steps must run eagerly: the warning says how."""
-    inner = getattr(model, "_orig_mod", None)
-    if type(model).__name__ != "OptimizedModule" or not isinstance(inner, nn.Module):
-        return model
-    if not _forced_eager():
-        warnings.warn("h5cmp: the model is compiled with torch.compile, whose compiled code skips "
-                      "module hooks; run the dumped steps eagerly, e.g. inside "
-                      "torch.compiler.set_stance('force_eager'), or nothing is recorded",
-                      RuntimeWarning, stacklevel=3)
-    return inner
-
-
 def _warn_if_scripted_inside(model: nn.Module) -> None:
     scripted = [p for p, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
     outermost = [p for p in scripted if not any(p.startswith(q + ".") for q in scripted)]
@@ -189,13 +174,6 @@ def _warn_if_scripted_inside(model: nn.Module) -> None:
         more = f" and {len(outermost) - 3} more" if len(outermost) > 3 else ""
         warnings.warn(f"h5cmp: TorchScript submodules run no Python hooks and are not recorded: "
                       f"{', '.join(outermost[:3])}{more}", RuntimeWarning, stacklevel=3)
-
-
-def _forced_eager() -> bool:
-    """Whether ``torch.compiler.set_stance('force_eager')`` is in effect (no public getter:
-    read where torch keeps it, if torch._dynamo is loaded; False when unknown)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    return getattr(getattr(eval_frame, "_stance", None), "stance", None) == "force_eager"
 
 
 def _prepare_directory(file_path: Union[str, os.PathLike]) -> Path:

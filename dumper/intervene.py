@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 from compare import format as fmt
 from compare.dump import Dump, load_dump
 
-from .calls import CallTracker, hookable_modules
+from .calls import CallTracker, hook_target, hookable_modules
 from .capture import in_backward
 from .encoding import decode_to_tensor
 from .flatten import map_tensors
@@ -97,7 +97,7 @@ class Injector:
         self._tensors = {(r.module, r.call_idx, r.kind, r.index): r for r in rows.itertuples()
                          if r.kind in self.kinds and r.occurrence == 0}
         self._reader = step_file.open()
-        for path, module in hookable_modules(model):
+        for path, module in hookable_modules(hook_target(model)):
             if _selected(path, module, self.include):
                 self._hooks.handles.append(module.register_forward_pre_hook(
                     self._pre_hook(path), with_kwargs=True, prepend=True))
@@ -189,7 +189,7 @@ class Perturbation:
         self._gen = torch.Generator().manual_seed(seed)
         self.scale, self.noise, self.offset, self.where = scale, noise, offset, where
         patterns = (include,) if isinstance(include, str) else tuple(include)
-        matched = [m for p, m in hookable_modules(model) if _selected(p, m, patterns)]
+        matched = [m for p, m in hookable_modules(hook_target(model)) if _selected(p, m, patterns)]
         if not matched:
             raise ValueError(f"no module matches {list(patterns)}; see dumper.module_keys(model)")
         for module in matched:

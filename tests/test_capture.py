@@ -250,6 +250,14 @@ def test_compiled_model_is_dumped_when_run_eagerly(tmp_path):
     assert list(forced["module"]) == list(eager["module"]) and len(forced) > 10
     from compare import compare_dumps
     assert (compare_dumps(tmp_path / "forced", tmp_path / "eager")["status"] == "equal").all()
+    # the localization tools see the same modules under the same names
+    from dumper import Injector, io_shapes, module_keys
+    assert module_keys(compiled) == module_keys(model)
+    assert io_shapes(compiled, x).equals(io_shapes(model, x))
+    injector = Injector(tmp_path / "eager")
+    with torch.compiler.set_stance("force_eager"), injector.injecting(compiled, 0, 0):
+        compiled(x)
+    assert injector.injected == len(eager[eager["kind"] == "input"])
 
 
 class _TakesAnything(nn.Module):
