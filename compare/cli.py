@@ -36,6 +36,9 @@ EXIT_SAME, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
                    "module's local error and whether it is the origin or inherits the error.")
 @click.option("--track", metavar="MODULE:KIND:INDEX[:CALL]",
               help="With only A: plot this tensor over A's steps into the --plot file.")
+@click.option("--rank", type=click.IntRange(min=0),
+              help="Distributed rank to compare (default: rank by rank; a non-distributed dump "
+                   "is compared with the lowest rank of the other).")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
               help="Compare in N processes.")
 @click.option("--all", "show_all", is_flag=True, help="Show every row, not only failing ones.")
@@ -43,7 +46,7 @@ EXIT_SAME, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
               help="Show at most N rows.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing; only the exit code tells.")
 def main(a: Path, b: Optional[Path], rtol, atol, steps, modules, kinds, output, plot, heatmap,
-         dot, injected, track, jobs, show_all, top, quiet) -> None:
+         dot, injected, track, rank, jobs, show_all, top, quiet) -> None:
     """Compare dumps A and B (files or directories of step files) tensor by tensor and report
     the first divergence. With only A, list its steps, module calls and tensors.
 
@@ -59,16 +62,17 @@ def main(a: Path, b: Optional[Path], rtol, atol, steps, modules, kinds, output, 
                 click.echo(format_tree(a))
             sys.exit(EXIT_SAME)
         sys.exit(_compare(a, b, rtol, atol, steps, modules, kinds, output, plot, heatmap, dot,
-                          injected, jobs, show_all, top, quiet))
+                          injected, rank, jobs, show_all, top, quiet))
     except DumpError as exc:
         click.echo(f"h5cmp: error: {exc}", err=True)
         sys.exit(EXIT_ERROR)
 
 
-def _compare(a, b, rtol, atol, steps, modules, kinds, output, plot, heatmap, dot, injected, jobs,
-             show_all, top, quiet) -> int:
+def _compare(a, b, rtol, atol, steps, modules, kinds, output, plot, heatmap, dot, injected, rank,
+             jobs, show_all, top, quiet) -> int:
     from .comparison import compare_dumps
     from .dump import load_dump
+    from .pairing import align_ranks
     from .report import export, render_text
     from .summary import summarize
 
@@ -80,7 +84,9 @@ def _compare(a, b, rtol, atol, steps, modules, kinds, output, plot, heatmap, dot
     for picture in (plot, heatmap):
         if picture is not None:
             check_plot_path(picture)
-    dump_a, dump_b = load_dump(a), load_dump(b)
+    dump_a, dump_b, note = align_ranks(load_dump(a), load_dump(b), rank)
+    if note and not quiet:
+        click.echo(f"h5cmp: {note}", err=True)
     _report_unpaired_steps(dump_a, dump_b, quiet)
     show_progress = not quiet and sys.stderr.isatty()
     total = int((dump_a.index["dataset"] != "").sum())
@@ -104,7 +110,8 @@ def _compare(a, b, rtol, atol, steps, modules, kinds, output, plot, heatmap, dot
         click.echo(render_text(result, summary, show_all, top))
     if injected is not None:
         from .localize import describe_origins, localize
-        origins = localize(dump_a, dump_b, load_dump(injected), rtol, atol, steps=steps,
+        _, injected_dump, _ = align_ranks(dump_a, load_dump(injected))
+        origins = localize(dump_a, dump_b, injected_dump, rtol, atol, steps=steps,
                            modules=modules)
         if not quiet:
             click.echo("\nlocal vs accumulated error (with reference inputs injected):")

@@ -17,7 +17,7 @@ from . import format as fmt
 from .metrics import (DROPPED, METRIC_COLUMNS, MISSING_IN_A, MISSING_IN_B, SHAPE_MISMATCH,
                       UNSUPPORTED, ErrorAccumulator)
 from .statistics import compare_stats, stats_of_chunks
-from .pairing import pair_records, tensor_rows
+from .pairing import align_ranks, pair_records, tensor_rows
 from .tolerance import pair_tolerance
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 20  # elements read per dataset slice (4 MiB of float32)
@@ -32,17 +32,20 @@ RESULT_COLUMNS = [
 def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Optional[float] = None,
                   atol: Optional[float] = None, *, steps: Optional[Iterable[str]] = None,
                   modules: Optional[Iterable[str]] = None, kinds: Optional[Iterable[str]] = None,
-                  jobs: int = 1, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+                  rank: Optional[int] = None, jobs: int = 1,
+                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
                   progress: Optional[Callable[[int], None]] = None) -> pd.DataFrame:
     """One row per tensor record of either dump, in execution order, with its errors.
 
     ``a`` is the reference. Records are paired by (epoch, step, rank, module, call, kind, index);
     a record on one side only gets status ``missing_in_a``/``missing_in_b``. ``rtol``/``atol``
     override the per-dtype defaults (see :mod:`compare.tolerance`). ``steps`` holds ``"S"`` or
-    ``"E:S"`` strings, ``modules`` globs on module path or key, ``kinds`` record kinds. ``jobs``
-    > 1 compares in that many processes. ``progress(n)`` is called as ``n`` more pairs are done.
+    ``"E:S"`` strings, ``modules`` globs on module path or key, ``kinds`` record kinds. A
+    non-distributed dump is compared with one rank of a distributed one: ``rank``, else the
+    lowest (see :func:`compare.pairing.align_ranks`). ``jobs`` > 1 compares in that many
+    processes. ``progress(n)`` is called as ``n`` more pairs are done.
     """
-    dump_a, dump_b = load_dump(a), load_dump(b)
+    dump_a, dump_b, _ = align_ranks(load_dump(a), load_dump(b), rank)
     _check_distinct(dump_a, dump_b)
     pairs = pair_records(tensor_rows(dump_a, steps, modules, kinds),
                          tensor_rows(dump_b, steps, modules, kinds))

@@ -1,16 +1,55 @@
 """Pairing: match the tensor records of two dumps by (step, module, call, kind, index)."""
 from __future__ import annotations
 
+import copy
 from typing import Iterable, Optional
 
 import pandas as pd
 
 from . import format as fmt
 from .dump import Dump
+from .errors import DumpError
 
 KEY = ["epoch", "step", "rank", "module", "call_idx", "kind", "index", "occurrence"]
 SIDE_COLUMNS = ["seq", "call", "cls", "group", "path", "dtype", "shape", "encoding", "dataset",
                 "status", "producer", *fmt.STAT_COLUMNS]
+
+
+def align_ranks(a: Dump, b: Dump, rank: Optional[int] = None
+                ) -> tuple[Dump, Dump, Optional[str]]:
+    """``a`` and ``b`` restricted to the steps that can pair, and a note when a rank was chosen.
+
+    Steps pair by (epoch, step, rank). A dump made without ``torch.distributed`` pairs with one
+    rank of a distributed dump: ``rank``, else the lowest one. A given ``rank`` also restricts
+    a distributed side to that rank; two distributed dumps otherwise pair rank by rank.
+    """
+    single_a, single_b = (all(s.rank is None for s in d.steps) for d in (a, b))
+    if rank is None:
+        if single_a == single_b:
+            return a, b, None
+        rank = min(s.rank for s in (b if single_a else a).steps)
+    note = None
+    if single_a != single_b:
+        single, other = ("A", "B") if single_a else ("B", "A")
+        note = (f"{single} is not distributed: compared with rank {rank} of {other} "
+                f"(choose another with --rank)")
+    return _at_rank(a, rank), _at_rank(b, rank), note
+
+
+def _at_rank(dump: Dump, rank: int) -> Dump:
+    """The steps of ``rank``, and the non-distributed steps labelled as ``rank``."""
+    steps = []
+    for step in dump.steps:
+        if step.rank is None:
+            step = copy.copy(step)
+            step.rank = rank
+        if step.rank == rank:
+            steps.append(step)
+    if not steps:
+        ranks = sorted({s.rank for s in dump.steps})
+        raise DumpError(f"{dump.path}: no step of rank {rank} (its ranks: {ranks}); "
+                        f"choose one with --rank")
+    return Dump(dump.path, steps)
 
 
 def tensor_rows(dump: Dump, steps: Optional[Iterable[str]] = None,

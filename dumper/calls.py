@@ -10,26 +10,42 @@ import torch
 from torch import nn
 
 
-def uncompiled(model: nn.Module) -> nn.Module:
-    """The module a ``torch.compile`` wrapper holds (module names as in an uncompiled run), or
-    ``model`` itself."""
-    inner = getattr(model, "_orig_mod", None)
-    if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
-        return inner
-    return model
+def _layers(model: nn.Module) -> Iterator[nn.Module]:
+    """``model``, then each model a ``torch.compile``, ``DistributedDataParallel`` or
+    ``DataParallel`` wrapper holds, the innermost last."""
+    while True:
+        yield model
+        if _is_compiled(model):
+            model = model._orig_mod
+        elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        else:
+            return
+
+
+def _is_compiled(model: nn.Module) -> bool:
+    return (type(model).__name__ == "OptimizedModule"
+            and isinstance(getattr(model, "_orig_mod", None), nn.Module))
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside wrappers (see :func:`_layers`): they call it, so its hooks run, and its
+    module names are those of a plain run, which is what dumps pair by."""
+    *_, inner = _layers(model)
+    return inner
 
 
 def hook_target(model: nn.Module) -> nn.Module:
-    """:func:`uncompiled` ``model``: its hooks run when the wrapper runs eagerly. Compiled code
-    skips module hooks, so unless ``force_eager`` is in effect a warning says how to run the
-    hooked steps eagerly."""
-    target = uncompiled(model)
-    if target is not model and not _forced_eager():
+    """:func:`unwrapped` ``model``. Compiled code skips module hooks, so for a ``torch.compile``
+    wrapper, unless ``force_eager`` is in effect, a warning says how to run the hooked steps
+    eagerly."""
+    *wrappers, inner = _layers(model)
+    if any(map(_is_compiled, wrappers)) and not _forced_eager():
         warnings.warn("h5cmp: the model is compiled with torch.compile, whose compiled code skips "
                       "module hooks; run the hooked steps eagerly, e.g. inside "
                       "torch.compiler.set_stance('force_eager'), or nothing is recorded",
                       RuntimeWarning, stacklevel=3)
-    return target
+    return inner
 
 
 def _forced_eager() -> bool:

@@ -10,7 +10,7 @@ from torch import nn
 from compare import format as fmt
 
 from .encoding import dtype_name
-from .calls import CallTracker, hookable_modules, uncompiled
+from .calls import CallTracker, hookable_modules, unwrapped
 from .flatten import call_leaves, leaves
 
 
@@ -19,7 +19,7 @@ def module_keys(model: nn.Module) -> list[str]:
     names dump groups and ``h5cmp --module`` globs use."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"module_keys needs a torch.nn.Module, got {type(model).__name__}")
-    return [fmt.module_key(path, type(m).__name__) for path, m in uncompiled(model).named_modules()]
+    return [fmt.module_key(path, type(m).__name__) for path, m in unwrapped(model).named_modules()]
 
 
 def io_shapes(model: nn.Module, *args, **kwargs) -> pd.DataFrame:
@@ -28,7 +28,7 @@ def io_shapes(model: nn.Module, *args, **kwargs) -> pd.DataFrame:
     shape``. ``print(io_shapes(...).to_string())`` prints the table."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"io_shapes needs a torch.nn.Module, got {type(model).__name__}")
-    model = uncompiled(model)  # run eagerly: compiled code would skip the hooks
+    model = unwrapped(model)  # run eagerly: compiled code would skip the hooks
     rows: list[dict] = []
     calls = itertools.count()
     tracker = CallTracker()

@@ -208,3 +208,40 @@ def test_unsupported_tensors_are_reported_but_do_not_fail_the_compare(tmp_path):
         assert len([line for line in out.output.splitlines() if "unsupported" in line]) == 2
         quiet = h5cmp(tmp_path / "a", tmp_path / other)  # the failure table leaves it out
         assert "rows outside tolerance" not in quiet.output
+
+
+def test_single_process_dump_compares_with_a_ddp_rank(tmp_path):
+    """The port-to-DDP case: the dumper hooks the model inside DistributedDataParallel (plain
+    module names), and a non-distributed dump pairs with a rank of the distributed one."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from compare import compare_dumps
+    from dumper import HookerAndDumper
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    x = torch.randn(3, 4)
+    with HookerAndDumper(tmp_path / "single").hooks(model, 0, 0):
+        model(x).sum().backward()
+    model.zero_grad()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        ddp = DistributedDataParallel(model)
+        dumper = HookerAndDumper(tmp_path / "ddp")
+        with dumper.hooks(ddp, 0, 0):
+            ddp(x).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    assert [p.name for p in dumper.written_files] == ["0-epoch_0-step_rank0_dump.hdf5"]
+    result = compare_dumps(tmp_path / "single", tmp_path / "ddp")
+    assert len(result) > 10 and (result["status"] == "equal").all()
+    assert not any(m.startswith("module") for m in result["module"])
+    out = h5cmp(tmp_path / "single", tmp_path / "ddp")
+    assert out.exit_code == 0, out.output
+    assert "A is not distributed: compared with rank 0 of B" in out.output
+    wrong = h5cmp(tmp_path / "single", tmp_path / "ddp", "--rank", 1)
+    assert wrong.exit_code == 2 and "no step of rank 1" in wrong.output
