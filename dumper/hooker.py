@@ -31,7 +31,9 @@ class HookerAndDumper:
     the ``epochs`` x ``steps`` window both are no-ops that install nothing and touch no file.
     Each step is written to ``file_path/{epoch}-epoch_{step}-step_dump.hdf5`` (see
     ``docs/format.md``), published atomically by ``remove_hooks``. The model's numerics are not
-    changed: hooks only read.
+    changed: hooks only read. A model inside ``DistributedDataParallel``, ``DataParallel`` or
+    ``torch.compile`` is hooked through the module it wraps (names as in a plain run); compiled
+    code skips hooks, so dumped steps must run eagerly (a warning says how).
 
     ``mode="stats"`` stores statistics (min, max, mean, std, norm, NaN/Inf/zero counts) in the
     index instead of values, except for modules matching a ``full_tensors`` glob.
