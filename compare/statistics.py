@@ -12,6 +12,19 @@ from .tolerance import Tolerance
 STAT_NAMES = ("min", "max", "mean", "std", "norm", "nan", "inf", "zero")  # format.STAT_COLUMNS
 
 
+def stats_from_sums(lo: float, hi: float, total: float, sumsq: float, n: int, nan: float,
+                    inf: float, zero: float) -> tuple[float, ...]:
+    """``STAT_NAMES`` from min, max, float64 sums and counts: the one definition the dumper and
+    the reader share. ``std`` is the population standard deviation,
+    ``sqrt(max(sumsq / n - mean², 0))``; an empty tensor has NaN min/max/mean/std, norm and
+    counts 0. NaNs propagate."""
+    if n == 0:
+        return (math.nan,) * 4 + (0.0, 0.0, 0.0, 0.0)
+    mean = total / n
+    return (lo, hi, mean, math.sqrt(max(sumsq / n - mean * mean, 0.0)), math.sqrt(sumsq),
+            float(nan), float(inf), float(zero))
+
+
 def stats_of_chunks(chunks: Iterable[np.ndarray]) -> tuple[float, ...]:
     """``STAT_NAMES`` of a tensor given as flat chunks, the dumper's definitions, in float64."""
     n, total, sumsq = 0, 0.0, 0.0
@@ -30,11 +43,7 @@ def stats_of_chunks(chunks: Iterable[np.ndarray]) -> tuple[float, ...]:
         with np.errstate(all="ignore"):  # inf - inf: the NaN the counts explain
             total += float(np.sum(x))
             sumsq += float(np.dot(x, x))
-    if n == 0:
-        return (math.nan,) * 4 + (0.0, 0.0, 0.0, 0.0)
-    mean = total / n
-    return lo, hi, mean, math.sqrt(max(sumsq / n - mean * mean, 0.0)), math.sqrt(sumsq), \
-        float(nan), float(inf), float(zero)
+    return stats_from_sums(lo, hi, total, sumsq, n, nan, inf, zero)
 
 
 def _nan_propagating(pick, x: float, y: float) -> float:

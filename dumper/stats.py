@@ -8,6 +8,8 @@ from typing import Union
 import numpy as np
 import torch
 
+from compare.statistics import stats_from_sums
+
 SMALL = 1 << 16  # CPU tensors up to this many elements are reduced with numpy: far fewer
 #                  dispatcher round trips than torch for the same eight numbers
 
@@ -21,8 +23,8 @@ def tensor_stats(t: torch.Tensor) -> Stats:
 
     Complex tensors are described by their magnitudes; integers and bool as float64;
     float16/bfloat16/float8 reduced in float32; sums accumulate in float64. NaNs propagate into
-    min/max/mean/std/norm; the counts say how many there are. ``std`` is the population
-    standard deviation, derived from the sum and the norm, ``sqrt(max(norm²/n - mean², 0))``.
+    min/max/mean/std/norm; the counts say how many there are. The numbers are combined by
+    :func:`compare.statistics.stats_from_sums`, the definition the reader uses too.
     """
     x = t.detach()
     if x.dtype in _NUMPY_FLOATS and x.device.type == "cpu" and x.numel() <= SMALL:
@@ -35,18 +37,10 @@ def tensor_stats(t: torch.Tensor) -> Stats:
         x = x.float()
     n = x.numel()
     if n == 0:
-        nan = float("nan")
-        return (nan, nan, nan, nan, 0.0, 0.0, 0.0, 0.0)
+        return stats_from_sums(math.nan, math.nan, 0.0, 0.0, 0, 0, 0, 0)
     if x.device.type == "cpu":
         return _cpu_stats(x.reshape(-1))
     return _device_stats(x.reshape(-1))
-
-
-def _combine(lo: float, hi: float, total: float, sumsq: float, n: int, nan: float, inf: float,
-             zero: float) -> tuple:
-    mean = total / n
-    return (lo, hi, mean, math.sqrt(max(sumsq / n - mean * mean, 0.0)) if sumsq == sumsq
-            else math.nan, math.sqrt(sumsq), nan, inf, zero)
 
 
 _NUMPY_FLOATS = (torch.float32, torch.float64)
@@ -63,7 +57,8 @@ def _small_cpu_stats(a: np.ndarray) -> tuple:
     nan = inf = 0.0
     if not finite:
         nan, inf = float(np.count_nonzero(np.isnan(a))), float(np.count_nonzero(np.isinf(a)))
-    return _combine(lo, hi, total, sumsq, a.size, nan, inf, float(a.size - np.count_nonzero(a)))
+    zero = float(a.size - np.count_nonzero(a))
+    return stats_from_sums(lo, hi, total, sumsq, a.size, nan, inf, zero)
 
 
 def _float64_sums(a: np.ndarray) -> tuple[float, float]:
@@ -112,7 +107,7 @@ def _cpu_stats(x: torch.Tensor) -> tuple:
     if not finite:
         nan, inf = float(torch.isnan(x).sum()), float(torch.isinf(x).sum())
         nonzero = float(torch.count_nonzero(x))
-    return _combine(lo, hi, total, sumsq, n, nan, inf, n - nonzero)
+    return stats_from_sums(lo, hi, total, sumsq, n, nan, inf, n - nonzero)
 
 
 def _device_stats(x: torch.Tensor) -> torch.Tensor:
