@@ -55,11 +55,20 @@ def _forced_eager() -> bool:
     return getattr(getattr(eval_frame, "_stance", None), "stance", None) == "force_eager"
 
 
+def runs_hooks(module: nn.Module) -> bool:
+    """False for TorchScript modules: they run no Python hooks (and refuse module hooks)."""
+    return not isinstance(module, torch.jit.ScriptModule)
+
+
 def hookable_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``model.named_modules()`` less TorchScript modules, which run no Python hooks (and
-    refuse module hooks)."""
-    return ((path, m) for path, m in model.named_modules()
-            if not isinstance(m, torch.jit.ScriptModule))
+    """``model.named_modules()`` less the modules that do not :func:`runs_hooks`."""
+    return ((path, m) for path, m in model.named_modules() if runs_hooks(m))
+
+
+def unhookable_roots(model: nn.Module) -> list[str]:
+    """Paths of the outermost submodules that do not :func:`runs_hooks`."""
+    paths = [path for path, m in model.named_modules() if not runs_hooks(m)]
+    return [p for p in paths if not any(p.startswith(q + ".") for q in paths)]
 
 
 class CallTracker:

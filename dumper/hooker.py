@@ -7,12 +7,11 @@ import warnings
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Union
 
-import torch
 from torch import nn
 
 from compare import format as fmt
 
-from .calls import hook_target
+from .calls import hook_target, runs_hooks, unhookable_roots
 from .capture import StepCapture
 from .record import ByteBudget, RecordMaker
 from .run_info import distributed_rank, run_attrs
@@ -83,7 +82,7 @@ class HookerAndDumper:
         """Hook ``model`` for step ``(epoch, step)`` if it is in the window; returns whether it is."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"register_hooks needs a torch.nn.Module, got {type(model).__name__}")
-        if isinstance(model, torch.jit.ScriptModule):
+        if not runs_hooks(model):
             raise TypeError("register_hooks: the model is a TorchScript module (torch.jit.script "
                             "or trace), which runs no Python hooks; pass the original nn.Module")
         for name, value in (("epoch", epoch), ("step", step)):
@@ -170,8 +169,7 @@ class HookerAndDumper:
 
 
 def _warn_if_scripted_inside(model: nn.Module) -> None:
-    scripted = [p for p, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
-    outermost = [p for p in scripted if not any(p.startswith(q + ".") for q in scripted)]
+    outermost = unhookable_roots(model)
     if outermost:
         more = f" and {len(outermost) - 3} more" if len(outermost) > 3 else ""
         warnings.warn(f"h5cmp: TorchScript submodules run no Python hooks and are not recorded: "
