@@ -37,6 +37,11 @@ def short_repr(obj: Any, limit: int = 80) -> str:
         text = repr(obj)
     except Exception as exc:  # a user object with a broken __repr__ must not stop training
         text = f"<{type(obj).__name__}: repr failed: {type(exc).__name__}>"
+    return clip(text, limit)
+
+
+def clip(text: str, limit: int) -> str:
+    """``text``, cut to ``limit`` characters with ``...`` when longer."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -9,7 +9,7 @@ import torch
 
 from compare import format as fmt
 
-from .flatten import short_repr
+from .flatten import clip, short_repr
 from .snapshot import Snapshot, SnapshotPool
 from .stats import tensor_stats
 
@@ -174,8 +174,8 @@ class RecordMaker:
 
 def unreadable(exc: BaseException, limit: int = 200) -> str:
     """Index text for a tensor whose values could not be taken: the error's first line."""
-    text = f"values not readable: {type(exc).__name__}: " + next(iter(str(exc).splitlines()), "")
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    first_line = next(iter(str(exc).splitlines()), "")
+    return clip(f"values not readable: {type(exc).__name__}: {first_line}", limit)
 
 
 def leaf_record(seq: int, call: CallInfo, kind: str, path: str, leaf: Any) -> Record:
