@@ -110,9 +110,7 @@ def _compare(a, b, rtol, atol, steps, modules, kinds, output, plot, heatmap, dot
         click.echo(render_text(result, summary, show_all, top))
     if injected is not None:
         from .localize import describe_origins, localize
-        _, injected_dump, _ = align_ranks(dump_a, load_dump(injected))
-        origins = localize(dump_a, dump_b, injected_dump, rtol, atol, steps=steps,
-                           modules=modules)
+        origins = localize(dump_a, dump_b, injected, rtol, atol, steps=steps, modules=modules)
         if not quiet:
             click.echo("\nlocal vs accumulated error (with reference inputs injected):")
             click.echo(describe_origins(origins))
