@@ -78,7 +78,7 @@ def _write_attributes(obj: h5py.HLObject, attrs: dict) -> None:
         attr.close()
 
 
-class _LowLevelGroup:
+class LowLevelGroup:
     """Creates datasets through h5py's low-level API: a third of the high-level cost per dataset."""
 
     def __init__(self, parent: h5py.Group):
@@ -197,7 +197,7 @@ class StepWriter:
             with h5py.File(self.temp_path, "w", **FILE_OPTIONS) as f:
                 _write_attributes(f, self._attrs)  # now, while the step runs
                 step_group = f.create_group(self._step_group)
-                datasets = _LowLevelGroup(step_group)
+                datasets = LowLevelGroup(step_group)
                 pending: deque[Record] = deque()
                 try:
                     while (item := self._queue.get()) is not _FINISH:
@@ -227,11 +227,11 @@ class StepWriter:
             if not ended:
                 self._drain()
 
-    def _write_all(self, datasets: _LowLevelGroup, records: deque) -> None:
+    def _write_all(self, datasets: LowLevelGroup, records: deque) -> None:
         while records:
             self._write(datasets, records.popleft())
 
-    def _write(self, datasets: _LowLevelGroup, record: Record) -> None:
+    def _write(self, datasets: LowLevelGroup, record: Record) -> None:
         try:
             encoding, stats = fmt.ENC_NONE, _NO_STATS
             group, dataset = record.call.group, record.dataset

@@ -115,7 +115,7 @@ def _fail_writes(monkeypatch):
 
     def broken(self, *args, **kwargs):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(writer._LowLevelGroup, "write", broken)
+    monkeypatch.setattr(writer.LowLevelGroup, "write", broken)
 
 
 def test_write_error_raises_at_step_end_and_keeps_earlier_steps(tmp_path, monkeypatch):
