@@ -78,24 +78,44 @@ def _write_attributes(obj: h5py.HLObject, attrs: dict) -> None:
         attr.close()
 
 
+_FILE_TYPES: dict[np.dtype, h5t.TypeID] = {}  # shared by steps: the index's compound type
+_MAX_FILE_TYPES = 64                             # costs ~250 us to build, and repeats per step
+
+
+def _file_type(dtype: np.dtype) -> h5t.TypeID:
+    """HDF5 file type of ``dtype``, as h5py's high-level API makes it (transient, immutable
+    once made; shared by writer threads)."""
+    tid = _FILE_TYPES.get(dtype)
+    if tid is None:
+        if len(_FILE_TYPES) >= _MAX_FILE_TYPES:  # e.g. index string widths changing per step
+            _FILE_TYPES.clear()
+        tid = _FILE_TYPES[dtype] = h5t.py_create(dtype, logical=True)
+    return tid
+
+
 class LowLevelGroup:
     """Creates datasets through h5py's low-level API: a third of the high-level cost per dataset."""
 
     def __init__(self, parent: h5py.Group):
         self._parent = parent.id
         self._groups: dict[str, h5g.GroupID] = {}
-        self._types: dict[np.dtype, h5t.TypeID] = {}
         self._spaces: dict[tuple[int, ...], h5s.SpaceID] = {}
         self._lcpl = h5p.create(h5p.LINK_CREATE)
         self._lcpl.set_char_encoding(h5t.CSET_UTF8)
 
     def write(self, group: str, name: str, array: np.ndarray) -> None:
+        """Dataset ``name`` holding ``array`` in subgroup ``group`` (created on first use)."""
         gid = self._groups.get(group)
         if gid is None:
             gid = self._groups[group] = h5g.create(self._parent, group.encode(), lcpl=self._lcpl)
-        tid = self._types.get(array.dtype)
-        if tid is None:
-            tid = self._types[array.dtype] = h5t.py_create(array.dtype, logical=True)
+        self._create(gid, name, array)
+
+    def write_here(self, name: str, array: np.ndarray) -> None:
+        """Dataset ``name`` holding ``array`` in the parent group itself."""
+        self._create(self._parent, name, array)
+
+    def _create(self, gid: h5g.GroupID, name: str, array: np.ndarray) -> None:
+        tid = _file_type(array.dtype)
         space = self._spaces.get(array.shape)
         if space is None:  # one dataspace per shape: training repeats shapes (12 us each)
             space = self._spaces[array.shape] = (h5s.create_simple(array.shape) if array.ndim
@@ -210,11 +230,11 @@ class StepWriter:
                             pending.extend(item)
                     ended = True
                     self._write_all(datasets, pending)
+                    self._write_index(datasets)
                 finally:
                     for record in pending:  # left by an error or an abort
                         self._release(record)
                     datasets.close()
-                self._write_index(step_group)
             if self._fsync:
                 with open(self.temp_path, "rb+") as fh:
                     os.fsync(fh.fileno())
@@ -250,9 +270,9 @@ class StepWriter:
         finally:
             self._release(record)
 
-    def _write_index(self, step_group: h5py.Group) -> None:
+    def _write_index(self, datasets: LowLevelGroup) -> None:
         self._rows.sort(key=lambda row: row[0])  # stable: one event's rows keep their order
-        step_group.create_dataset(fmt.INDEX_DATASET, data=_index_table(self._rows))
+        datasets.write_here(fmt.INDEX_DATASET, _index_table(self._rows))
 
     def _drain(self) -> None:
         """After a failure: consume what producers still queue, releasing it."""
