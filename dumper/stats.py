@@ -27,7 +27,7 @@ def tensor_stats(t: torch.Tensor) -> Stats:
     :func:`compare.statistics.stats_from_sums`, the definition the reader uses too.
     """
     x = t.detach()
-    if x.dtype in _NUMPY_FLOATS and x.device.type == "cpu" and x.numel() <= SMALL:
+    if x.dtype in _NUMPY_FLOATS and x.is_cpu and x.numel() <= SMALL:
         return _small_cpu_stats(x.numpy().reshape(-1))  # the common case, kept short
     if x.is_complex():
         x = x.abs()
@@ -47,7 +47,10 @@ _NUMPY_FLOATS = (torch.float32, torch.float64)
 
 
 def _small_cpu_stats(a: np.ndarray) -> tuple:
-    lo, hi = float(a.min()), float(a.max())
+    """Statistics of a small float32/float64 array. Ufunc reductions are called directly:
+    for 2048 elements numpy's Python wrappers (``a.min()``, ``np.einsum``) took a third of the
+    time. No BLAS: numpy's OpenBLAS threads spin after a call, taking a core from training."""
+    lo, hi = float(_MIN(a)), float(_MAX(a))
     finite = math.isfinite(lo) and math.isfinite(hi)
     if finite and a.dtype == np.float32:  # float64 sums of finite float32 values cannot overflow
         total, sumsq = _float64_sums(a)
@@ -61,9 +64,13 @@ def _small_cpu_stats(a: np.ndarray) -> tuple:
     return stats_from_sums(lo, hi, total, sumsq, a.size, nan, inf, zero)
 
 
+_MIN, _MAX, _SUM = np.minimum.reduce, np.maximum.reduce, np.add.reduce
+
+
 def _float64_sums(a: np.ndarray) -> tuple[float, float]:
-    wide = a.astype(np.float64, copy=False)
-    return float(wide.sum()), float(np.einsum("i,i->", wide, wide))
+    wide = a.astype(np.float64)  # a copy even of float64: squared in place below
+    total = float(_SUM(wide))
+    return total, float(_SUM(np.multiply(wide, wide, out=wide)))
 
 
 CHUNK = 1 << 18  # elements per pass over a chunk: scratch buffers stay small and in cache
