@@ -3,16 +3,19 @@
     python scripts/bench_dump.py [--repeat 7] [--models mlp,cnn,deep,transformer] [--device cpu]
 
 For each model, one run interleaves (so all see the same machine load) a plain step, a step with
-the dumper attached outside its window, a full-tensor dump, a statistics dump, and a naive
+the dumper attached outside its window, a full-tensor dump, a statistics dump, a naive
 reference written here after the original design (synchronous .cpu().numpy() and an HDF5 file
-open/create_dataset/close per tensor inside module hooks). Medians over --repeat rounds.
+open/create_dataset/close per tensor inside module hooks), and no-op hooks (module and
+gradient hooks that only keep references: what any hook-based dumper pays before it does
+anything). Medians over --repeat rounds.
 
 Columns: step time; ratio to plain; bytes dumped per step; extra µs per captured tensor; the
 I/O limit = a plain step followed by writing the same bytes (same pieces) to a new file with
 plain buffered writes, timed in the same interleaved rounds (so it meets the same page-cache
-writeback as the dumps); and the full-tensor step over that limit. The last line times
-HDF5's own floor on this machine: creating and writing the same datasets with h5py's low-level
-API and nothing else.
+writeback as the dumps); and the full-tensor step over that limit. The floor lines time, apart
+from any step: HDF5 creating and writing the same datasets with the dumper's low-level API and
+nothing else; three float32 reductions over tensors of the same shapes; the dumper's own
+statistics over such tensors.
 """
 from __future__ import annotations
 
@@ -104,6 +107,43 @@ class NaiveDumper:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+class NoOpHooks:
+    """The least a hook-based dumper pays: on every module a forward pre-hook and a forward
+    hook that keep references to the call's tensors, a hook on each input that requires grad
+    and on each output's grad_fn that keeps a reference to the gradient. No copies, records,
+    statistics or files."""
+
+    def __init__(self):
+        self.handles, self.kept = [], []
+
+    def _keep_gradient(self, t: torch.Tensor) -> None:
+        if t.grad_fn is not None:
+            self.handles.append(t.grad_fn.register_hook(lambda gi, go: self.kept.append(go)))
+        elif t.requires_grad:
+            self.handles.append(t.register_hook(self.kept.append))
+
+    def register(self, model: nn.Module) -> None:
+        def pre(module, args, kwargs):
+            for t in (*args, *kwargs.values()):
+                if isinstance(t, torch.Tensor):
+                    self.kept.append(t)
+                    self._keep_gradient(t)
+
+        def post(module, args, kwargs, out):
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor):
+                    self.kept.append(t)
+                    self._keep_gradient(t)
+        for m in model.modules():
+            self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+            self.handles.append(m.register_forward_hook(post, with_kwargs=True))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles, self.kept = [], []
 
 
 def step_fn(model, batch, opt):
@@ -200,8 +240,15 @@ def bench_model(name: str, factory, repeat: int, device: str, tmp: Path) -> list
         step()
         naive.remove()
 
+    no_op = NoOpHooks()
+
+    def with_no_op_hooks():
+        no_op.register(model)
+        step()
+        no_op.remove()
+
     runs = {"plain": step, **{k: with_dumper(d) for k, d in dumpers.items()},
-            "naive reference": with_naive}
+            "naive reference": with_naive, "no-op hooks": with_no_op_hooks}
     for run in runs.values():  # warm-up (allocator, pools, files)
         timed(run)
     full = load_dump(dumpers["full tensors"].written_files[-1]).index
@@ -232,7 +279,7 @@ def bench_model(name: str, factory, repeat: int, device: str, tmp: Path) -> list
     rows = []
     for key in [k for k in runs if k != "I/O limit"]:
         n = {"full tensors": n_tensors, "naive reference": n_tensors,
-             "statistics": n_stats}.get(key)
+             "statistics": n_stats, "no-op hooks": n_tensors}.get(key)
         rows.append({
             "model": name, "mode": key, "ms": med[key] * 1e3, "ratio": med[key] / med["plain"],
             "bytes": {"full tensors": sum(sizes), "naive reference": sum(sizes)}.get(key, 0),
