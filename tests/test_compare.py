@@ -184,5 +184,9 @@ def test_non_ascii_names_and_values_round_trip(tmp_path):
     assert "output['ünïcode']" in set(index["path"])
     notes = index[index["path"] == "kwargs['note']"]
     assert list(notes["value"]) == ["'naïve ∑'"]
+    import h5py
+    with h5py.File(load_dump(tmp_path / "a").steps[0].path) as f:  # as docs/format.md says
+        column = h5py.check_string_dtype(f["0-epoch_0-step/index"].dtype["module"])
+        assert column.encoding == "utf-8" and column.length == len("blocks.blöck".encode())
     result = compare_dumps(tmp_path / "a", tmp_path / "b")
     assert "blocks.blöck" in set(result["module"]) and (result["status"] == "equal").all()
