@@ -27,7 +27,10 @@ def tensor_stats(t: torch.Tensor) -> Stats:
     :func:`compare.statistics.stats_from_sums`, the definition the reader uses too.
     """
     x = t.detach()
-    if x.dtype in _NUMPY_FLOATS and x.is_cpu and x.numel() <= SMALL:
+    n = x.numel()
+    if n == 0:
+        return stats_from_sums(math.nan, math.nan, 0.0, 0.0, 0, 0, 0, 0)
+    if x.dtype in _NUMPY_FLOATS and x.is_cpu and n <= SMALL:
         return _small_cpu_stats(x.numpy().reshape(-1))  # the common case, kept short
     if x.is_complex():
         x = x.abs()
@@ -35,9 +38,6 @@ def tensor_stats(t: torch.Tensor) -> Stats:
         x = x.to(torch.float64)
     elif x.element_size() < 4:
         x = x.float()
-    n = x.numel()
-    if n == 0:
-        return stats_from_sums(math.nan, math.nan, 0.0, 0.0, 0, 0, 0, 0)
     if x.device.type == "cpu":
         return _cpu_stats(x.reshape(-1))
     return _device_stats(x.reshape(-1))

@@ -141,6 +141,42 @@ def test_statistics_of_cpu_tensors_equal_numpy_references(n, dtype, plant):
     assert ref[7] > 0 and (ref[6] == 2 if plant else ref[5] == ref[6] == 0)
 
 
+class _EmptySlice(nn.Module):
+    """Outputs an empty tensor next to a normal one (e.g. a zero-width head or mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y, y[:, :0] * 2
+
+
+def test_empty_tensors_have_statistics(tmp_path):
+    """An empty tensor has NaN min/max/mean/std, norm 0 and no NaN/Inf/zero: a statistic like
+    any other, compared as equal to a tensor dump's empty dataset (not an unreadable tensor)."""
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.int64, torch.complex64):
+        got = tensor_stats(torch.empty(0, 3, dtype=dtype))
+        assert np.isnan(got[:4]).all() and got[4:] == (0.0, 0.0, 0.0, 0.0), dtype
+    assert tensor_stats(torch.empty(0)) == pytest.approx(stats_of_chunks([np.empty(0)]),
+                                                         nan_ok=True)
+
+    def run(mode):
+        torch.manual_seed(0)
+        model = _EmptySlice()
+        with HookerAndDumper(tmp_path / mode, mode=mode).hooks(model, 0, 0):
+            y, empty = model(torch.randn(3, 4))
+            (y.sum() + empty.sum()).backward()
+    run("tensors")
+    run("stats")
+    index = load_dump(tmp_path / "stats").index
+    empty = index[index["shape"].map(lambda shape: tuple(shape) == (3, 0))]
+    assert len(empty) == 2 and (empty["status"] == "ok").all() and (empty["stat_norm"] == 0).all()
+    result = compare_dumps(tmp_path / "tensors", tmp_path / "stats")
+    assert set(result["status"]) <= {"equal", "close"}, result[["module", "kind", "status"]]
+
+
 def test_mixed_mode_keeps_values_for_selected_modules(tmp_path):
     _dump(tmp_path, Planted(), torch.randn(8, 6), mode="stats", full_tensors=["mid*"])
     index = load_dump(tmp_path).index
