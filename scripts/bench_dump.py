@@ -12,10 +12,11 @@ anything). Medians over --repeat rounds.
 Columns: step time; ratio to plain; bytes dumped per step; extra µs per captured tensor; the
 I/O limit = a plain step followed by writing the same bytes (same pieces) to a new file with
 plain buffered writes, timed in the same interleaved rounds (so it meets the same page-cache
-writeback as the dumps); and the full-tensor step over that limit. The floor lines time, apart
-from any step: HDF5 creating and writing the same datasets with the dumper's low-level API and
-nothing else; three float32 reductions over tensors of the same shapes; the dumper's own
-statistics over such tensors.
+writeback as the dumps); and the full-tensor step over that limit. The HDF5 floor is timed the
+same way (a plain step, then the same datasets written with the dumper's own dataset code and
+nothing else; the line shows the writing part). The statistics floors time, apart from any
+step, three float32 reductions over tensors of the same shapes and the dumper's own statistics
+over such tensors. A last table sets issue 4's targets against these floors.
 """
 from __future__ import annotations
 
@@ -167,17 +168,19 @@ def plain_writer(pieces: list[int], path: Path):
     return write
 
 
-def hdf5_floor_seconds(shapes: list[tuple], directory: Path) -> float:
-    """The dumper's own dataset path (file options, low-level group) writing datasets of these
-    shapes, four per call group, and nothing else: no hooks, records or index."""
+def hdf5_writer(shapes: list[tuple], path: Path):
+    """A function writing datasets of these shapes to ``path`` with the dumper's own dataset
+    path (file options, low-level group), four per call group, and nothing else: no hooks,
+    records or index."""
     arrays = [np.ones(s, np.float32) for s in shapes]  # touched pages: zeros would fault lazily
-    start = time.perf_counter()
-    with h5py.File(directory / "floor.hdf5", "w", **FILE_OPTIONS) as f:
-        datasets = LowLevelGroup(f)
-        for i, a in enumerate(arrays):
-            datasets.write(f"{i // 4:05d}", f"d{i % 4}", a)
-        datasets.close()
-    return time.perf_counter() - start
+
+    def write() -> None:
+        with h5py.File(path, "w", **FILE_OPTIONS) as f:
+            datasets = LowLevelGroup(f)
+            for i, a in enumerate(arrays):
+                datasets.write(f"{i // 4:05d}", f"d{i % 4}", a)
+            datasets.close()
+    return write
 
 
 def stats_floor_seconds(shapes: list[tuple], ours: bool = False) -> float:
@@ -232,7 +235,7 @@ def bench_model(name: str, factory, repeat: int, device: str, tmp: Path) -> list
             for path in d.written_files:
                 path.unlink(missing_ok=True)
             d.written_files.clear()
-        for path in (tmp / "naive.hdf5", tmp / "plain.bin"):
+        for path in (tmp / "naive.hdf5", tmp / "plain.bin", tmp / "floor.hdf5"):
             path.unlink(missing_ok=True)
 
     def with_naive():
@@ -258,14 +261,16 @@ def bench_model(name: str, factory, repeat: int, device: str, tmp: Path) -> list
     n_stats = int(load_dump(dumpers["statistics"].written_files[-1]).index["stat_nan"].notna().sum())
     clean()
     write_plain = plain_writer(sizes, tmp / "plain.bin")
+    write_hdf5 = hdf5_writer(list(stored["shape"]), tmp / "floor.hdf5")
     runs["I/O limit"] = lambda: (step(), write_plain())
+    runs["HDF5 limit"] = lambda: (step(), write_hdf5())
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(repeat):  # interleaved: every mode sees the same load and page-cache state
         for key, run in runs.items():
             times[key].append(timed(run))
             clean()
     med = {k: statistics.median(v) for k, v in times.items()}
-    floor = statistics.median(hdf5_floor_seconds(list(stored["shape"]), tmp) for _ in range(3))
+    floor = med["HDF5 limit"] - med["plain"]
     stats_floor = statistics.median(stats_floor_seconds(list(stored["shape"])) for _ in range(3))
     stats_ours = statistics.median(stats_floor_seconds(list(stored["shape"]), ours=True)
                                    for _ in range(3))
@@ -277,7 +282,7 @@ def bench_model(name: str, factory, repeat: int, device: str, tmp: Path) -> list
     idle_cost = (time.perf_counter() - start) / 1000
     limit = med["I/O limit"]
     rows = []
-    for key in [k for k in runs if k != "I/O limit"]:
+    for key in [k for k in runs if k not in ("I/O limit", "HDF5 limit")]:
         n = {"full tensors": n_tensors, "naive reference": n_tensors,
              "statistics": n_stats, "no-op hooks": n_tensors}.get(key)
         rows.append({
@@ -306,6 +311,48 @@ def bench_model(name: str, factory, repeat: int, device: str, tmp: Path) -> list
                  "ratio": float("nan"), "bytes": 0, "us_per_tensor": float("nan"),
                  "vs_io_limit": float("nan")})
     return rows
+
+
+def target_lines(rows: list[dict]) -> list[str]:
+    """Issue 4's targets with this run's figures, the floor each has on this machine and the
+    verdict. Floors come from the same run: no-op hooks (any hook-based dumper), the HDF5 floor
+    (this file format), the dumper's statistics computed alone; a target whose floor already
+    misses it is out of reach here."""
+    row = {(r["model"], r["mode"].split(" (")[0]): r for r in rows}
+    lines = []
+
+    def add(model: str, what: str, value: float, floor: float, target: float, unit: str,
+            at_least: bool = False) -> None:
+        meets = (lambda v: v >= target) if at_least else (lambda v: v <= target)
+        verdict = ("met" if meets(value) else "not met" if meets(floor)
+                   else "out of reach here (the floor misses it)")
+        goal = f"{'>=' if at_least else '<='} {target:g}{unit}"
+        lines.append(f"{model:<12} {what:<25} {f'{value:.2f}{unit}':>12} {goal:>12} "
+                     f"{f'{floor:.2f}{unit}':>12}  {verdict}")
+
+    for model in dict.fromkeys(r["model"] for r in rows):
+        ms = {mode: r["ms"] for (m, mode), r in row.items() if m == model}
+        per = {mode: r["us_per_tensor"] for (m, mode), r in row.items() if m == model}
+        plain, limit, hdf5 = ms["plain"], ms["I/O limit"], ms["HDF5 floor"]
+        hooks = max(ms["no-op hooks"] - plain, 0.0)
+        add(model, "outside window", row[(model, "outside window, direct")]["ratio"], 1.0, 1.02,
+            "x")
+        full_floor = plain + hooks + hdf5
+        if model == "deep":
+            add(model, "full tensors", per["full tensors"], per["HDF5 floor"] + per["no-op hooks"],
+                60, " us")
+        else:
+            add(model, "full tensors / I/O limit", ms["full tensors"] / limit,
+                full_floor / limit, 1.3, "")
+        add(model, "full vs naive", ms["naive reference"] / ms["full tensors"],
+            ms["naive reference"] / max(limit, full_floor), 5, "x", at_least=True)
+        if model == "deep":
+            add(model, "statistics", per["statistics"],
+                max(per["no-op hooks"], 0.0) + per["statistics computed alone"], 30, " us")
+        else:
+            add(model, "statistics", ms["statistics"] / plain,
+                (plain + hooks + ms["statistics computed alone"]) / plain, 1.25, "x")
+    return lines
 
 
 def rss_mb(field: str) -> float:
@@ -360,17 +407,23 @@ def main() -> None:
         memory_child(*args.memory_child)
         return
     factories = models(args.device)
+    all_rows = []
     print(f"device {args.device}, torch {torch.__version__}, median of {args.repeat} rounds")
     print(f"{'model':<12} {'mode':<33} {'step ms':>9} {'x plain':>8} {'MB/step':>8} "
           f"{'us/tensor':>10} {'x I/O limit':>12}")
     for name in args.models.split(","):
         with tempfile.TemporaryDirectory(prefix=f"bench_dump_{name}_") as tmp:
             for r in bench_model(name, factories[name], args.repeat, args.device, Path(tmp)):
+                all_rows.append(r)
                 fmt = lambda v, spec: "-" if v != v else format(v, spec)  # noqa: E731
                 print(f"{r['model']:<12} {r['mode']:<33} {fmt(r['ms'], '9.3f')} "
                       f"{fmt(r['ratio'], '8.4f')} {r['bytes'] / 1e6:8.1f} "
                       f"{fmt(r['us_per_tensor'], '10.1f')} {fmt(r['vs_io_limit'], '12.2f')}",
                       flush=True)
+    print("\ntargets (issue 4); floor: the least this machine allows, from this run's floor rows "
+          "(for 'full vs naive': the best speed-up it allows)")
+    print(f"{'model':<12} {'target':<25} {'measured':>12} {'target':>12} {'floor':>12}  verdict")
+    print("\n".join(target_lines(all_rows)))
     if args.memory_steps:
         memory_table(args.memory_steps)
 
