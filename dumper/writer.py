@@ -78,18 +78,23 @@ def _write_attributes(obj: h5py.HLObject, attrs: dict) -> None:
         attr.close()
 
 
-_FILE_TYPES: dict[np.dtype, h5t.TypeID] = {}  # shared by steps: the index's compound type
-_MAX_FILE_TYPES = 64                             # costs ~250 us to build, and repeats per step
+_FILE_TYPES: dict[tuple, h5t.TypeID] = {}  # shared by steps: the index's compound type
+_MAX_FILE_TYPES = 64                         # costs ~250 us to build, and repeats per step
 
 
 def _file_type(dtype: np.dtype) -> h5t.TypeID:
     """HDF5 file type of ``dtype``, as h5py's high-level API makes it (transient, immutable
-    once made; shared by writer threads)."""
-    tid = _FILE_TYPES.get(dtype)
+    once made; shared by writer threads). The key adds the string encodings h5py keeps in
+    dtype metadata, which numpy's dtype equality ignores (UTF-8 and ASCII ``S10`` compare
+    equal)."""
+    fields = dtype.names or ()
+    key = (dtype, tuple(h5py.check_string_dtype(dtype.fields[name][0]) for name in fields)
+           if fields else h5py.check_string_dtype(dtype))
+    tid = _FILE_TYPES.get(key)
     if tid is None:
         if len(_FILE_TYPES) >= _MAX_FILE_TYPES:  # e.g. index string widths changing per step
             _FILE_TYPES.clear()
-        tid = _FILE_TYPES[dtype] = h5t.py_create(dtype, logical=True)
+        tid = _FILE_TYPES[key] = h5t.py_create(dtype, logical=True)
     return tid
 
 
