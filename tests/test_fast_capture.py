@@ -177,6 +177,21 @@ def test_empty_tensors_have_statistics(tmp_path):
     assert set(result["status"]) <= {"equal", "close"}, result[["module", "kind", "status"]]
 
 
+@pytest.mark.parametrize("n", [3000, 3 * (1 << 18) + 5], ids=["numpy path", "chunked path"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("plant", [None, "nan"])
+def test_statistics_leave_the_tensor_untouched(n, dtype, plant):
+    """Statistics work in scratch buffers and copies (squares are taken in place there): the
+    user's tensor keeps its exact bits, NaN, Inf and -0.0 included."""
+    t = _planted_tensor(n, dtype, plant)
+    t[11] = -0.0
+    before = t.clone()
+    tensor_stats(t)
+    assert torch.equal(torch.nan_to_num(t), torch.nan_to_num(before))
+    assert torch.equal(torch.isnan(t), torch.isnan(before))
+    assert torch.equal(torch.signbit(t), torch.signbit(before))
+
+
 def test_mixed_mode_keeps_values_for_selected_modules(tmp_path):
     _dump(tmp_path, Planted(), torch.randn(8, 6), mode="stats", full_tensors=["mid*"])
     index = load_dump(tmp_path).index
