@@ -44,6 +44,7 @@ def tensor_stats(t: torch.Tensor) -> Stats:
 
 
 _NUMPY_FLOATS = (torch.float32, torch.float64)
+_MIN, _MAX, _SUM = np.minimum.reduce, np.maximum.reduce, np.add.reduce
 
 
 def _small_cpu_stats(a: np.ndarray) -> tuple:
@@ -62,9 +63,6 @@ def _small_cpu_stats(a: np.ndarray) -> tuple:
         nan, inf = float(np.count_nonzero(np.isnan(a))), float(np.count_nonzero(np.isinf(a)))
     zero = float(a.size - np.count_nonzero(a))
     return stats_from_sums(lo, hi, total, sumsq, a.size, nan, inf, zero)
-
-
-_MIN, _MAX, _SUM = np.minimum.reduce, np.maximum.reduce, np.add.reduce
 
 
 def _float64_sums(a: np.ndarray) -> tuple[float, float]:
@@ -91,8 +89,8 @@ def _cpu_stats(x: torch.Tensor) -> tuple:
     """One aminmax pass over ``x`` (float32 or float64), then chunk by chunk: a float64 copy
     for the sum and the dot product, and sign(x)·sign(x) for the non-zeros (a quarter of
     count_nonzero's time on floats, a fifth less than summing |sign|). No tensor-sized
-    temporaries. Passes whose answer min and max
-    already give are skipped: no NaN/Inf when both are finite, no zero outside [min, max]."""
+    temporaries. Passes whose answer min and max already give are skipped: no NaN/Inf when
+    both are finite, no zero outside [min, max]."""
     n = x.numel()
     if n <= SMALL:
         return _small_cpu_stats(x.numpy())
