@@ -110,14 +110,14 @@ def summarize(result: pd.DataFrame) -> Summary:
 
 
 def _diagnose(result: pd.DataFrame, row: pd.Series) -> Divergence:
-    same_call = result[(result["epoch"] == row["epoch"]) & (result["step"] == row["step"])
-                       & (result["rank"].fillna(-1) == (-1 if pd.isna(row["rank"]) else row["rank"]))
-                       & (result["module"] == row["module"]) & (result["call_idx"] == row["call_idx"])]
+    same_step = result[(result["epoch"] == row["epoch"]) & (result["step"] == row["step"])
+                       & (result["rank"].fillna(-1) == (-1 if pd.isna(row["rank"]) else row["rank"]))]
+    same_call = same_step[(same_step["module"] == row["module"])
+                          & (same_step["call_idx"] == row["call_idx"])]
     kinds = _UPSTREAM.get(row["kind"])
     if kinds is None:
         producer = None
         if row["kind"] == fmt.INPUT and row["producer"] >= 0:
-            same_step = result[(result["epoch"] == row["epoch"]) & (result["step"] == row["step"])]
             producer = same_step[(same_step["call"] == row["producer"])
                                  & (same_step["kind"] == fmt.OUTPUT)]
         return Divergence(row, BETWEEN_MODULES, same_call.iloc[0:0], producer)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 
+import pandas as pd
 import pytest
 import torch
 from click.testing import CliRunner
@@ -160,21 +161,36 @@ def test_dataflow_edges_on_a_residual_network(tmp_path):
     assert dot.count("->") == len(edges(index))
 
 
-def test_first_divergence_names_the_producer_of_a_changed_input(tmp_path):
+def _changed_between_blocks(tmp_path) -> pd.DataFrame:
+    """Compare result of two residual runs, the second with a functional change in the parent
+    between blocks.0 and blocks.1."""
     torch.manual_seed(0)
     base = OuterResidual()
     for name, scale in (("a", 1.0), ("b", 1.001)):
         model = OuterResidual()
         model.load_state_dict(base.state_dict())
-        if scale != 1.0:  # a functional change in the parent, between blocks.0 and blocks.1
+        if scale != 1.0:
             model.blocks[1].register_forward_pre_hook(lambda m, args: (args[0] * 1.001,))
-        d = HookerAndDumper(tmp_path / name)
-        with d.hooks(model, 0, 0):
+        with HookerAndDumper(tmp_path / name).hooks(model, 0, 0):
             model(torch.ones(4, 16))
-    first = summarize(compare_dumps(tmp_path / "a", tmp_path / "b")).first
+    return compare_dumps(tmp_path / "a", tmp_path / "b")
+
+
+def test_first_divergence_names_the_producer_of_a_changed_input(tmp_path):
+    first = summarize(_changed_between_blocks(tmp_path)).first
     text = first.describe()
     assert first.row["module"] == "blocks.1" and first.row["kind"] == "input"
     assert "came from blocks.0.act.ReLU (call" in text and "which matched" in text
+
+
+def test_the_producer_is_looked_up_in_the_same_rank(tmp_path):
+    """Two ranks in one result: the first divergence's producer is read from its own rank, not
+    from another rank where that producer's output differs."""
+    rank0 = _changed_between_blocks(tmp_path).assign(rank=0)
+    rank1 = rank0.assign(rank=1, status=rank0["status"].where(rank0["kind"] != "output", "DIFF"))
+    first = summarize(pd.concat([rank0, rank1], ignore_index=True)).first
+    assert first.row["rank"] == 0 and first.row["module"] == "blocks.1"
+    assert "which matched" in first.describe()
 
 
 def test_cli_pictures_graph_and_html_report(tmp_path):
