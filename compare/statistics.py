@@ -6,10 +6,11 @@ from typing import Iterable
 
 import numpy as np
 
+from . import format as fmt
 from .metrics import CLOSE, DIFF, EQUAL, METRIC_COLUMNS, NAN_MISMATCH
 from .tolerance import Tolerance
 
-STAT_NAMES = ("min", "max", "mean", "std", "norm", "nan", "inf", "zero")  # format.STAT_COLUMNS
+STAT_NAMES = tuple(column.removeprefix("stat_") for column in fmt.STAT_COLUMNS)
 
 
 def stats_from_sums(lo: float, hi: float, total: float, sumsq: float, n: int, nan: float,
