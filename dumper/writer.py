@@ -62,40 +62,36 @@ def _index_row(r: Record, group: str, dataset: str, encoding: str, stats: tuple)
             int(r.requires_grad), r.status, r.value, r.producer, *stats)
 
 
+_HDF5_TYPES: dict[tuple, h5t.TypeID] = {}  # shared by steps: the index's compound type
+_MAX_HDF5_TYPES = 64                         # costs ~250 us to build, and repeats per step
+
+
+def _hdf5_type(dtype: np.dtype, logical: bool = True) -> h5t.TypeID:
+    """HDF5 type of ``dtype`` as h5py makes it: ``logical`` for the file (what h5py's
+    high-level API stores), else the in-memory type (bit-for-bit). Transient, immutable once
+    made, shared by writer threads. The key adds the string encodings h5py keeps in dtype
+    metadata, which numpy's dtype equality ignores (UTF-8 and ASCII ``S10`` compare equal)."""
+    fields = dtype.names or ()
+    key = (dtype, logical, tuple(h5py.check_string_dtype(dtype.fields[name][0])
+                                 for name in fields) if fields else h5py.check_string_dtype(dtype))
+    tid = _HDF5_TYPES.get(key)
+    if tid is None:
+        if len(_HDF5_TYPES) >= _MAX_HDF5_TYPES:  # e.g. index string widths changing per step
+            _HDF5_TYPES.clear()
+        tid = _HDF5_TYPES[key] = h5t.py_create(dtype, logical=logical)
+    return tid
+
+
 def _write_attributes(obj: h5py.HLObject, attrs: dict) -> None:
     """``obj.attrs.update(attrs)`` through h5py's low-level API, with the same HDF5 types
     (str: variable-length UTF-8; int, bool: as h5py stores them): ~40 instead of ~140 us each
     (h5py's high-level path checks for, and would replace, an existing attribute)."""
     scalar = h5s.create_simple(())
-    types: dict[np.dtype, tuple[h5t.TypeID, h5t.TypeID]] = {}
     for name, value in attrs.items():
         data = np.asarray(value, dtype=h5py.string_dtype() if isinstance(value, str) else None)
-        if data.dtype not in types:  # (file type, in-memory type: bit-for-bit, not logical)
-            types[data.dtype] = h5t.py_create(data.dtype, logical=True), h5t.py_create(data.dtype)
-        file_type, memory_type = types[data.dtype]
-        attr = h5a.create(obj.id, name.encode(), file_type, scalar)
-        attr.write(data, mtype=memory_type)
+        attr = h5a.create(obj.id, name.encode(), _hdf5_type(data.dtype), scalar)
+        attr.write(data, mtype=_hdf5_type(data.dtype, logical=False))
         attr.close()
-
-
-_FILE_TYPES: dict[tuple, h5t.TypeID] = {}  # shared by steps: the index's compound type
-_MAX_FILE_TYPES = 64                         # costs ~250 us to build, and repeats per step
-
-
-def _file_type(dtype: np.dtype) -> h5t.TypeID:
-    """HDF5 file type of ``dtype``, as h5py's high-level API makes it (transient, immutable
-    once made; shared by writer threads). The key adds the string encodings h5py keeps in
-    dtype metadata, which numpy's dtype equality ignores (UTF-8 and ASCII ``S10`` compare
-    equal)."""
-    fields = dtype.names or ()
-    key = (dtype, tuple(h5py.check_string_dtype(dtype.fields[name][0]) for name in fields)
-           if fields else h5py.check_string_dtype(dtype))
-    tid = _FILE_TYPES.get(key)
-    if tid is None:
-        if len(_FILE_TYPES) >= _MAX_FILE_TYPES:  # e.g. index string widths changing per step
-            _FILE_TYPES.clear()
-        tid = _FILE_TYPES[key] = h5t.py_create(dtype, logical=True)
-    return tid
 
 
 class LowLevelGroup:
@@ -120,7 +116,7 @@ class LowLevelGroup:
         self._create(self._parent, name, array)
 
     def _create(self, gid: h5g.GroupID, name: str, array: np.ndarray) -> None:
-        tid = _file_type(array.dtype)
+        tid = _hdf5_type(array.dtype)
         space = self._spaces.get(array.shape)
         if space is None:  # one dataspace per shape: training repeats shapes (12 us each)
             space = self._spaces[array.shape] = (h5s.create_simple(array.shape) if array.ndim

@@ -165,19 +165,19 @@ def test_distributed_rank_is_in_the_file_name(tmp_path):
     assert fmt.parse_step_file_name(fmt.step_file_name(1, 2, rank=0)) == (1, 2, 0)
 
 
-def test_hdf5_file_types_keep_string_encodings_apart():
+def test_hdf5_hdf5_types_keep_string_encodings_apart():
     """The writer's shared HDF5 type cache must not hand a UTF-8 string type to an ASCII
     array of the same width (numpy's dtype equality ignores h5py's encoding mark)."""
     import h5py
     import numpy as np
     from h5py import h5t
 
-    from dumper.writer import _file_type
+    from dumper.writer import _hdf5_type
     utf8, ascii_ = h5py.string_dtype("utf-8", 10), np.dtype("S10")
     assert utf8 == ascii_  # why the key needs more than the dtype
-    assert _file_type(utf8).get_cset() == h5t.CSET_UTF8
-    assert _file_type(ascii_).get_cset() == h5t.CSET_ASCII
+    assert _hdf5_type(utf8).get_cset() == h5t.CSET_UTF8
+    assert _hdf5_type(ascii_).get_cset() == h5t.CSET_ASCII
     table = np.dtype([("name", utf8), ("n", "i8")])
-    assert _file_type(table) is _file_type(np.dtype([("name", utf8), ("n", "i8")]))
-    member = _file_type(np.dtype([("name", ascii_), ("n", "i8")])).get_member_type(0)
+    assert _hdf5_type(table) is _hdf5_type(np.dtype([("name", utf8), ("n", "i8")]))
+    member = _hdf5_type(np.dtype([("name", ascii_), ("n", "i8")])).get_member_type(0)
     assert member.get_cset() == h5t.CSET_ASCII
