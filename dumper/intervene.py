@@ -10,6 +10,7 @@ here is kept in a handle list and removed by ``remove()``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from typing import Iterable, Iterator, Optional, Union
 
@@ -130,7 +131,7 @@ class Injector:
         return ref.to(dtype=like.dtype, device=like.device)
 
     def _replacer(self, module: str, call_idx: int, kind: str):
-        counter = iter(range(1 << 30))
+        counter = itertools.count()
 
         def replace(leaf):
             if not isinstance(leaf, torch.Tensor):
@@ -160,7 +161,7 @@ class Injector:
             if fmt.OUTPUT in self.kinds:
                 output = map_tensors(output, self._replacer(path, call_idx, fmt.OUTPUT))
             if fmt.GRAD_OUTPUT in self.kinds:
-                counter = iter(range(1 << 30))
+                counter = itertools.count()
 
                 def hook_grad(leaf):
                     if isinstance(leaf, torch.Tensor):
