@@ -165,7 +165,7 @@ def test_distributed_rank_is_in_the_file_name(tmp_path):
     assert fmt.parse_step_file_name(fmt.step_file_name(1, 2, rank=0)) == (1, 2, 0)
 
 
-def test_hdf5_hdf5_types_keep_string_encodings_apart():
+def test_hdf5_types_keep_string_encodings_apart():
     """The writer's shared HDF5 type cache must not hand a UTF-8 string type to an ASCII
     array of the same width (numpy's dtype equality ignores h5py's encoding mark)."""
     import h5py
