@@ -14,7 +14,7 @@ plain buffered writes, timed in the same interleaved rounds (so it meets the sam
 writeback as the dumps); and the full-tensor step over that limit.
 
 Floors, all timed in the same rounds, in a real step (a hook's work costs more there than in a
-loop of its own: the step's code and data evict it from the caches): no-op hooks (module and
+loop of its own, presumably as the step's code and data evict it from the caches): no-op hooks (module and
 gradient hooks that only keep references: what any hook-based dumper pays before it does
 anything); copying hooks (the same hooks taking the dumper's snapshots into reused buffers);
 statistics hooks (computing the dumper's statistics of each tensor); copying hooks + batched
