@@ -14,14 +14,14 @@ plain buffered writes, timed in the same interleaved rounds (so it meets the sam
 writeback as the dumps); and the full-tensor step over that limit.
 
 Floors, all timed in the same rounds, in a real step (a hook's work costs more there than in a
-loop of its own, presumably as the step's code and data evict it from the caches): no-op hooks (module and
-gradient hooks that only keep references: what any hook-based dumper pays before it does
-anything); copying hooks (the same hooks taking the dumper's snapshots into reused buffers);
-statistics hooks (computing the dumper's statistics of each tensor); copying hooks + batched
-statistics (snapshots, then statistics reduced group-wise after the step); the HDF5 floor (a
-plain step, then the same datasets written with the dumper's own dataset code and nothing
-else; the line shows the writing part); the step file (one file with the step's index and no
-datasets, written by the dumper's writer). A last table sets issue 4's targets against them.
+loop of its own, presumably as the step's code and data evict it from the caches): no-op hooks
+(module and gradient hooks that only keep references: what any hook-based dumper pays before it
+does anything); copying hooks (the same hooks taking the dumper's snapshots into reused
+buffers); statistics hooks (computing the dumper's statistics of each tensor); copying hooks +
+batched statistics (snapshots, then statistics reduced group-wise after the step); the HDF5
+floor (a plain step, then the same datasets written with the dumper's own dataset code and
+nothing else; the line shows the writing part); the step file (one file with the step's index
+and no datasets, written by the dumper's writer). A last table sets issue 4's targets against them.
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from compare.dump import load_dump  # noqa: E402
-from dumper import HookerAndDumper  # noqa: E402
 from compare.statistics import stats_from_sums  # noqa: E402
+from dumper import HookerAndDumper  # noqa: E402
 from dumper.record import CallInfo, Record  # noqa: E402
 from dumper.run_info import run_attrs  # noqa: E402
 from dumper.snapshot import Snapshot, SnapshotPool  # noqa: E402
