@@ -174,7 +174,7 @@ def batched_statistics(snapshots: list[Snapshot]) -> list[tuple]:
     dumper's code: no NaN/Inf counts, float32/float64 only)."""
     groups: dict[tuple, list[np.ndarray]] = {}
     for snapshot in snapshots:
-        a = snapshot.tensor.numpy().reshape(-1)
+        a = snapshot.wait().numpy().reshape(-1)  # CUDA: once the copy has landed
         groups.setdefault((a.dtype, a.size), []).append(a)
     out = []
     for (_, size), arrays in groups.items():
