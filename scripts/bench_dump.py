@@ -282,22 +282,19 @@ def bench_model(name: str, factory, repeat: int, device: str, tmp: Path) -> list
         for path in (tmp / "naive.hdf5", tmp / "plain.bin", tmp / "floor.hdf5"):
             path.unlink(missing_ok=True)
 
-    def with_naive():
-        naive.register(model)
-        step()
-        naive.remove()
-
     pool = SnapshotPool(1 << 32)
     floors = {"no-op hooks": (FloorHooks(), None),
               "copying hooks": (FloorHooks(pool.take), None),
               "statistics hooks": (FloorHooks(tensor_stats), None),
               "copying hooks + batched statistics": (FloorHooks(pool.take), batched_statistics)}
 
-    def with_floor_hooks(hooks: FloorHooks, after):
+    def with_hooks(hooks, after=None):
+        """A step with ``hooks`` (the naive reference or floor hooks) registered; ``after``
+        gets what the floor hooks kept."""
         def run():
             hooks.register(model)
             step()
-            kept = hooks.remove()
+            kept = hooks.remove() or []
             if after is not None:
                 after(kept)
             for snapshot in kept:
@@ -306,8 +303,8 @@ def bench_model(name: str, factory, repeat: int, device: str, tmp: Path) -> list
         return run
 
     runs = {"plain": step, **{k: with_dumper(d) for k, d in dumpers.items()},
-            "naive reference": with_naive,
-            **{k: with_floor_hooks(*hooks) for k, hooks in floors.items()}}
+            "naive reference": with_hooks(naive),
+            **{k: with_hooks(*hooks) for k, hooks in floors.items()}}
     for run in runs.values():  # warm-up (allocator, pools, files)
         timed(run)
     full = load_dump(dumpers["full tensors"].written_files[-1]).index
