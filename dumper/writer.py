@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 import h5py
 import numpy as np
+import torch
 from h5py import h5a, h5d, h5g, h5p, h5s, h5t
 
 from compare import format as fmt
@@ -154,6 +155,12 @@ class LowLevelGroup:
         self._groups.clear()
 
 
+def core_left_for_writer() -> bool:
+    """Whether torch's CPU (intra-op) threads leave a core of this process to the writer."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return torch.get_num_threads() < (cores or 1)
+
+
 class StepWriter:
     """Writes the records of one step into ``final_path``, atomically.
 
@@ -162,12 +169,16 @@ class StepWriter:
     error, removes the temporary file; a file under the final name is always complete.
     ``release(record)`` is called for every record once the writer is done with it.
 
-    Records are held back until the step ends, until :meth:`flush` is called (by a producer
-    about to wait for bytes), or until ``WRITE_AHEAD_BYTES`` are held: h5py holds the GIL for
-    its per-dataset work, and writing many small tensors while the training thread runs makes
-    both wait on it (176 ms instead of 145 ms for a step of 600 small tensors), while large
-    tensors are written without the GIL and overlap the step (CNN step: ~111 ms with write-
-    ahead, 122-179 ms without, same run).
+    Records are held back until the step ends or until :meth:`flush` is called (by a producer
+    about to wait for bytes). They are written during the step ("write-ahead") once
+    ``WRITE_AHEAD_BYTES`` are held, if the step leaves a core to the writer: the held records
+    include an accelerator's tensors (its host threads mostly wait), or torch's CPU threads are
+    fewer than this process's cores (:func:`core_left_for_writer`). The threshold keeps small
+    tensors back: h5py holds the GIL for its per-dataset work, and writing many small tensors
+    while the training thread runs makes both wait on it (176 ms instead of 145 ms for a step of
+    600 small tensors). Large ones are written without the GIL, which pays only on a free core:
+    the CNN step of scripts/bench_dump.py (154 MB), paired rounds, write-ahead minus hold-to-end:
+    -35.8 ms with torch on one of two cores, +0.4 / +8.3 / +10.7 ms with torch on both.
     """
 
     def __init__(self, final_path: Path, step_group: str, attrs: dict,
@@ -182,6 +193,8 @@ class StepWriter:
         self._held: list[Record] = []     # submitted, not yet handed to the thread
         self._held_bytes = 0
         self._held_lock = threading.Lock()
+        self._core_free = core_left_for_writer()
+        self._held_accelerator = False  # whether a held record comes from an accelerator
         self._index = _IndexRows()
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name=f"h5cmp-writer:{final_path.name}",
@@ -198,8 +211,10 @@ class StepWriter:
         with self._held_lock:
             self._held.append(record)
             self._held_bytes += record.nbytes
-            large = self._held_bytes >= WRITE_AHEAD_BYTES
-        if large:  # big tensors: HDF5 writes them without the GIL, overlapping the step
+            self._held_accelerator |= getattr(record.device, "type", "cpu") != "cpu"
+            write_ahead = (self._held_bytes >= WRITE_AHEAD_BYTES
+                           and (self._core_free or self._held_accelerator))
+        if write_ahead:
             self.flush()
 
     def flush(self) -> None:
@@ -211,6 +226,7 @@ class StepWriter:
     def _hand_over(self) -> None:
         with self._held_lock:
             batch, self._held, self._held_bytes = self._held, [], 0
+            self._held_accelerator = False
         if batch:
             self._queue.put(batch)
 

@@ -1,6 +1,8 @@
 """The asynchronous pipeline: bounded memory (wait / drop), statistics mode, and their compare."""
 from __future__ import annotations
 
+import os
+import threading
 import warnings
 
 import numpy as np
@@ -10,9 +12,13 @@ import torch
 from torch import nn
 
 from compare import compare_dumps, load_dump, summarize
+from compare import format as fmt
 from compare.statistics import stats_of_chunks
 from dumper import HookerAndDumper
-from dumper.record import ByteBudget
+from dumper import writer as step_writer
+from dumper.record import ByteBudget, CallInfo, Record
+from dumper.run_info import run_attrs
+from dumper.snapshot import Snapshot
 from dumper.stats import tensor_stats
 
 from helpers import Planted, read_tensors
@@ -70,6 +76,44 @@ def test_backpressure_bounds_bytes_in_flight(tmp_path, monkeypatch):
     assert (index["status"] == "ok").all() and len(dumper.written_files) == 1
     _dump(tmp_path / "ref", _wide_model(), torch.randn(128, 512))
     assert len(index) == len(load_dump(tmp_path / "ref").index)
+
+
+def test_core_left_for_writer_follows_torch_threads():
+    cores, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    try:
+        torch.set_num_threads(cores)
+        assert not step_writer.core_left_for_writer()
+        if cores > 1:
+            torch.set_num_threads(cores - 1)
+            assert step_writer.core_left_for_writer()
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("core_free, device, ahead", [(True, "cpu", True), (False, "cpu", False),
+                                                      (False, "cuda", True)])
+def test_large_records_are_written_during_the_step_only_when_a_core_is_free(
+        tmp_path, monkeypatch, core_free, device, ahead):
+    """Past WRITE_AHEAD_BYTES the writer writes while the step runs if torch leaves it a core
+    or the tensors come from an accelerator; else it holds them to the step's end."""
+    monkeypatch.setattr(step_writer, "core_left_for_writer", lambda: core_free)
+    released, first_released = [], threading.Event()
+
+    def release(record):
+        released.append(record.seq)
+        first_released.set()
+    writer = step_writer.StepWriter(tmp_path / fmt.step_file_name(0, 0, 0), fmt.step_group_name(0, 0),
+                                    run_attrs(nn.Linear(1, 1), 0, 0, "full"), release)
+    values = torch.arange(step_writer.WRITE_AHEAD_BYTES // 4 + 1, dtype=torch.float32)
+    call = CallInfo(0, "lin", "Linear", 0)
+    for seq in range(2):
+        writer.submit(Record(seq, call, "output", seq, "output", values.dtype, values.shape,
+                             torch.device(device), False, "ok", snapshot=Snapshot(values)))
+    assert first_released.wait(60 if ahead else 0.5) == ahead  # written while "the step" runs
+    path = writer.finish()
+    assert sorted(released) == [0, 1]
+    assert len(load_dump(path).index) == 2
+    assert torch.equal(read_tensors(path)[("lin", 0, "output", 1)], values)
 
 
 def test_drop_mode_records_drops_and_compare_reports_them(tmp_path):
