@@ -32,19 +32,21 @@ def in_backward() -> bool:
 
 
 def _hook_gradient(t: torch.Tensor, on_grad: Callable[[torch.Tensor], None]) -> RemovableHandle:
-    """Call ``on_grad(grad of t)`` when autograd computes it. A post-hook on ``t``'s node reads
-    it from the node's incoming gradients: the same value as a tensor hook (the node is fixed
-    now, so a later in-place op does not change which gradient is read) at a seventh of the
-    registration cost. Leaves have no node and get a tensor hook."""
+    """Call ``on_grad(grad of t)`` when autograd computes it. A pre-hook on ``t``'s node reads
+    it from the node's incoming gradients as they arrive, before the node runs (so the record
+    precedes the gradients the node sends on, as in execution): the same value as a tensor
+    hook sees after the hooks registered on ``t`` (the node is fixed now, so a later in-place
+    op does not change which gradient is read) at a seventh of the registration cost. Leaves
+    have no node and get a tensor hook."""
     node = t.grad_fn
     if node is None:
         return t.register_hook(on_grad)
     slot = t.output_nr
 
-    def hook(grad_inputs, grad_outputs) -> None:
+    def hook(grad_outputs) -> None:
         if grad_outputs[slot] is not None:
             on_grad(grad_outputs[slot])
-    return node.register_hook(hook)
+    return node.register_prehook(hook)
 
 
 class _OpenCall:
