@@ -1,7 +1,8 @@
-"""``h5cmp``: compare two dumps (or list one). Exit codes like h5diff: 0 = all within tolerance,
-1 = differences found, 2 = error."""
+"""``h5cmp``: compare two dumps (or list one). Exit codes like h5diff: 0 = B agrees with A within
+what the precisions explain, 1 = differences found, 2 = error."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Optional
@@ -13,21 +14,48 @@ from . import format as fmt
 EXIT_SAME, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
 
 
+@dataclasses.dataclass
+class Options:
+    """What a comparison was asked for: the command line's options, in one object."""
+
+    rtol: Optional[float] = None
+    atol: Optional[float] = None
+    steps: tuple = ()
+    modules: tuple = ()
+    kinds: tuple = ()
+    outputs: tuple = ()
+    plot: Optional[Path] = None
+    heatmap: Optional[Path] = None
+    dot: Optional[Path] = None
+    injected: Optional[Path] = None
+    rank: Optional[int] = None
+    jobs: int = 1
+    show_all: bool = False
+    top: int = 20
+    order: str = "added"
+    quiet: bool = False
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("a", type=click.Path(path_type=Path, readable=False))
 @click.argument("b", type=click.Path(path_type=Path, readable=False), required=False)
-@click.option("--rtol", type=float, help="Relative tolerance for every pair (default: per dtype).")
-@click.option("--atol", type=float, help="Absolute tolerance for every pair (default: per dtype).")
+@click.option("--rtol", type=float, help="Relative tolerance for every element (default: the "
+              "error model judges each record against what the precisions explain).")
+@click.option("--atol", type=float, help="Absolute tolerance for every element (with --rtol).")
 @click.option("--step", "steps", multiple=True, help="Only step S, or E:S (repeatable).")
-@click.option("--module", "modules", multiple=True, help="Only modules matching this glob (repeatable).")
+@click.option("--module", "modules", multiple=True,
+              help="Only show modules matching this glob (repeatable; the verdict is the step's).")
 @click.option("--kind", "kinds", multiple=True, type=click.Choice(fmt.KINDS),
-              help="Only records of this kind (repeatable).")
-@click.option("-o", "--output", type=click.Path(path_type=Path),
-              help="Write every row to FILE: .csv, .json, .html or .xlsx (needs h5cmp[xlsx]).")
+              help="Only show records of this kind (repeatable; the verdict is the step's).")
+@click.option("-o", "--output", "outputs", multiple=True, type=click.Path(path_type=Path),
+              help="Write every row to FILE: .csv, .json, .html or .xlsx (needs h5cmp[xlsx]); "
+                   "repeatable.")
 @click.option("--plot", type=click.Path(path_type=Path),
-              help="Draw errors in execution order to FILE.png (needs h5cmp[plot]).")
+              help="Draw each record's added error against its expected level to FILE.png "
+                   "(needs h5cmp[plot]).")
 @click.option("--heatmap", type=click.Path(path_type=Path),
-              help="Draw a modules x steps heat map of rel_l2_err to FILE.png (needs h5cmp[plot]).")
+              help="Draw a modules x steps heat map of the relative error to FILE.png "
+                   "(needs h5cmp[plot]).")
 @click.option("--dot", type=click.Path(path_type=Path),
               help="Write the first compared step's call graph, coloured by status, to FILE.dot "
                    "(.png/.svg rendered with Graphviz).")
@@ -41,77 +69,78 @@ EXIT_SAME, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
                    "is compared with the lowest rank of the other).")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
               help="Compare in N processes.")
-@click.option("--all", "show_all", is_flag=True, help="Show every row, not only failing ones.")
+@click.option("--all", "show_all", is_flag=True, help="Show every row, in execution order.")
 @click.option("--top", type=click.IntRange(min=1), default=20, show_default=True,
               help="Show at most N rows.")
+@click.option("--order", type=click.Choice(["added", "execution"]), default="added",
+              show_default=True, help="Failing rows worst added error first, or as they ran.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing; only the exit code tells.")
-def main(a: Path, b: Optional[Path], rtol, atol, steps, modules, kinds, output, plot, heatmap,
-         dot, injected, track, rank, jobs, show_all, top, quiet) -> None:
-    """Compare dumps A and B (files or directories of step files) tensor by tensor and report
-    the first divergence. With only A, list its steps, module calls and tensors.
+def main(a: Path, b: Optional[Path], track: Optional[str], **options) -> None:
+    """Compare dumps A and B (files or directories of step files) tensor by tensor, judge each
+    record against what the precisions involved explain, and report the first divergence.
+    With only A, list its steps, module calls and tensors.
 
-    Exit status: 0 all pairs within tolerance, 1 differences found, 2 error.
+    Exit status: 0 B agrees with A, 1 differences found, 2 error.
     """
     from .errors import DumpError
     try:
         if b is None:
             if track:
-                _track(a, track, plot)
+                _track(a, track, options["plot"])
             else:
                 from .inspect import format_tree
                 click.echo(format_tree(a))
             sys.exit(EXIT_SAME)
-        sys.exit(_compare(a, b, rtol, atol, steps, modules, kinds, output, plot, heatmap, dot,
-                          injected, rank, jobs, show_all, top, quiet))
+        sys.exit(compare_command(a, b, Options(**options)))
     except DumpError as exc:
         click.echo(f"h5cmp: error: {exc}", err=True)
         sys.exit(EXIT_ERROR)
 
 
-def _compare(a, b, rtol, atol, steps, modules, kinds, output, plot, heatmap, dot, injected, rank,
-             jobs, show_all, top, quiet) -> int:
+def compare_command(a: Path, b: Path, opts: Options) -> int:
+    """Run one comparison as ``h5cmp A B`` does; returns the exit status."""
     from .comparison import compare_dumps
     from .dump import load_dump
-    from .pairing import align_ranks
-    from .report import export, render_text
+    from .pairing import align_ranks, select
+    from .plot import check_plot_path, plot_errors, plot_heatmap
+    from .report import check_output_path, export, render_text
     from .summary import summarize
 
-    from .plot import check_plot_path, plot_errors, plot_heatmap
-    from .report import check_output_path
-
-    if output is not None:
+    for output in opts.outputs:
         check_output_path(output)
-    for picture in (plot, heatmap):
+    for picture in (opts.plot, opts.heatmap):
         if picture is not None:
             check_plot_path(picture)
-    dump_a, dump_b, note = align_ranks(load_dump(a), load_dump(b), rank)
-    if note and not quiet:
+    dump_a, dump_b, note = align_ranks(load_dump(a), load_dump(b), opts.rank)
+    if note and not opts.quiet:
         click.echo(f"h5cmp: {note}", err=True)
-    _report_unpaired_steps(dump_a, dump_b, quiet)
-    show_progress = not quiet and sys.stderr.isatty()
+    _report_unpaired_steps(dump_a, dump_b, opts.quiet)
+    show_progress = not opts.quiet and sys.stderr.isatty()
     total = int((dump_a.index["dataset"] != "").sum())
     with click.progressbar(length=total, label="comparing", file=sys.stderr,
                            hidden=not show_progress) as bar:
-        result = compare_dumps(dump_a, dump_b, rtol, atol, steps=steps, modules=modules,
-                               kinds=kinds, jobs=jobs, progress=bar.update)
-    summary = summarize(result)
-    if output is not None:
-        export(result, summary, output)
-    if plot is not None:
-        plot_errors(result, summary, plot)
-    if heatmap is not None:
-        plot_heatmap(result, heatmap)
-    if dot is not None:
+        result = compare_dumps(dump_a, dump_b, opts.rtol, opts.atol, steps=opts.steps,
+                               jobs=opts.jobs, progress=bar.update)
+    summary = summarize(result)  # of every record: the filters below only choose what is shown
+    shown = select(result, opts.modules, opts.kinds).reset_index(drop=True)
+    for output in opts.outputs:
+        export(shown, summary, output)
+    if opts.plot is not None:
+        plot_errors(shown, summary, opts.plot)
+    if opts.heatmap is not None:
+        plot_heatmap(shown, opts.heatmap)
+    if opts.dot is not None:
         from .dataflow import to_dot, write_dot
         first = result.iloc[0] if len(result) else None
         write_dot(to_dot(dump_a, *(() if first is None else (first["epoch"], first["step"])),
-                         result=result), dot)
-    if not quiet:
-        click.echo(render_text(result, summary, show_all, top))
-    if injected is not None:
+                         result=result), opts.dot)
+    if not opts.quiet:
+        click.echo(render_text(shown, summary, opts.show_all, opts.top, opts.order))
+    if opts.injected is not None:
         from .localize import describe_origins, localize
-        origins = localize(dump_a, dump_b, injected, rtol, atol, steps=steps, modules=modules)
-        if not quiet:
+        origins = localize(dump_a, dump_b, opts.injected, opts.rtol, opts.atol,
+                           steps=opts.steps, modules=opts.modules, free_result=result)
+        if not opts.quiet:
             click.echo("\nlocal vs accumulated error (with reference inputs injected):")
             click.echo(describe_origins(origins))
     return EXIT_SAME if summary.ok else EXIT_DIFFERENT

@@ -14,19 +14,21 @@ import pandas as pd
 from .dump import Dump, PathLike, load_dump, open_h5, read_chunks
 from .errors import DumpError
 from . import format as fmt
-from .metrics import (DROPPED, METRIC_COLUMNS, MISSING_IN_A, MISSING_IN_B, SHAPE_MISMATCH,
-                      UNSUPPORTED, ErrorAccumulator)
+from .metrics import METRIC_COLUMNS, ErrorAccumulator
+from .pairing import align_ranks, pair_records, select, tensor_rows
 from .statistics import compare_stats, stats_of_chunks
-from .pairing import align_ranks, pair_records, tensor_rows
+from .status import DROPPED, MISSING_IN_A, MISSING_IN_B, SHAPE_MISMATCH, UNSUPPORTED
 from .tolerance import pair_tolerance
+from .verdict import VERDICT_COLUMNS, judge
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 20  # elements read per dataset slice (4 MiB of float32)
 
-RESULT_COLUMNS = [
+PAIR_COLUMNS = [
     "epoch", "step", "rank", "seq", "call", "module", "cls", "call_idx", "kind", "index",
     "occurrence", "path", "producer", "dtype_a", "dtype_b", "shape_a", "shape_b", "status",
     *METRIC_COLUMNS, "rtol", "atol",
 ]
+RESULT_COLUMNS = PAIR_COLUMNS + list(VERDICT_COLUMNS)
 
 
 def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Optional[float] = None,
@@ -35,20 +37,23 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
                   rank: Optional[int] = None, jobs: int = 1,
                   chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
                   progress: Optional[Callable[[int], None]] = None) -> pd.DataFrame:
-    """One row per tensor record of either dump, in execution order, with its errors.
+    """One row per tensor record of either dump, in execution order, with its errors and its
+    status (see :mod:`compare.status` and :mod:`compare.verdict`).
 
     ``a`` is the reference. Records are paired by (epoch, step, rank, module, call, kind, index);
-    a record on one side only gets status ``missing_in_a``/``missing_in_b``. ``rtol``/``atol``
-    override the per-dtype defaults (see :mod:`compare.tolerance`). ``steps`` holds ``"S"`` or
-    ``"E:S"`` strings, ``modules`` globs on module path or key, ``kinds`` record kinds. A
+    a record on one side only gets status ``missing_in_a``/``missing_in_b``. Given ``rtol``/
+    ``atol`` decide which records are close (every element ``|b - a| <= atol + rtol |b|``);
+    by default the error model does. ``steps`` holds ``"S"`` or ``"E:S"`` strings and limits
+    what is compared; ``modules`` (globs on module path or key) and ``kinds`` (record kinds)
+    only select the rows returned: every record of the compared steps is judged, so the
+    verdict does not depend on them. A
     non-distributed dump is compared with one rank of a distributed one: ``rank``, else the
     lowest (see :func:`compare.pairing.align_ranks`). ``jobs`` > 1 compares in that many
     processes. ``progress(n)`` is called as ``n`` more pairs are done.
     """
     dump_a, dump_b, _ = align_ranks(load_dump(a), load_dump(b), rank)
     _check_distinct(dump_a, dump_b)
-    pairs = pair_records(tensor_rows(dump_a, steps, modules, kinds),
-                         tensor_rows(dump_b, steps, modules, kinds))
+    pairs = pair_records(tensor_rows(dump_a, steps), tensor_rows(dump_b, steps))
     files_a = {(s.epoch, s.step, s.rank if s.rank is not None else -1): s for s in dump_a.steps}
     files_b = {(s.epoch, s.step, s.rank if s.rank is not None else -1): s for s in dump_b.steps}
     tasks = _tasks(pairs, files_a, files_b, max(1, jobs), chunk_elements, rtol, atol)
@@ -61,7 +66,10 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
             metrics.update(result)
             if progress:
                 progress(len(result))
-    return _result_frame(pairs, metrics)
+    kernels = all(fmt.same_kernels(files_a[k].attrs, files_b[k].attrs)
+                  for k in files_a.keys() & files_b.keys())
+    judged = judge(_result_frame(pairs, metrics), rtol, atol, same_kernels=kernels)
+    return select(judged, modules, kinds)[RESULT_COLUMNS].reset_index(drop=True)
 
 
 class _PairRef(NamedTuple):
@@ -233,4 +241,4 @@ def _result_frame(pairs: pd.DataFrame, metrics: dict[int, dict]) -> pd.DataFrame
         if col not in frame:
             frame[col] = np.nan
     frame["rank"] = frame["rank"].where(frame["rank"] >= 0, None)
-    return frame[RESULT_COLUMNS].reset_index(drop=True)
+    return frame[PAIR_COLUMNS].reset_index(drop=True)

@@ -11,7 +11,7 @@ import pandas as pd
 from . import format as fmt
 from .dump import Dump
 from .errors import DumpError
-from .metrics import CLOSE, EQUAL, FAILING
+from .status import CLOSE, EQUAL, FAILING
 
 _COLOURS = {EQUAL: "#b7e1a1", CLOSE: "#e2f0cb", "fail": "#f4a6a6", None: "#e0e0e0"}
 

@@ -61,6 +61,14 @@ def module_key(path: str, cls: str) -> str:
     return f"{path}.{cls}" if path else cls
 
 
+def record_label(module: str, cls: str, call_idx: int, kind: str, index: int,
+                 occurrence: int = 0) -> str:
+    """How reports name a record: ``blocks.0.attn.Linear#0 output[0]`` (``@n`` appended for the
+    n-th repeat of a gradient)."""
+    repeat = f"@{occurrence}" if occurrence else ""
+    return f"{module_key(module, cls)}#{call_idx} {kind}[{index}]{repeat}"
+
+
 def module_matches(path: str, cls: str, patterns) -> bool:
     """Whether a module's path or key (``path.Class``) matches any glob in ``patterns`` — the
     one rule for every module selection (dumper filters, injection, ``h5cmp --module``)."""
@@ -136,6 +144,22 @@ RUN_ATTRS = (
     "tf32_matmul", "tf32_cudnn", "float32_matmul_precision", "deterministic_algorithms",
     "cudnn_deterministic", "created",
 )
+
+# Root attributes that decide which kernels a step ran. Two steps that agree on them (the device
+# by type), on the CPU or with deterministic algorithms on both sides, compute tensors of equal
+# dtypes bit-identically from equal inputs.
+KERNEL_ATTRS = ("torch_version", "device", "tf32_matmul", "tf32_cudnn", "float32_matmul_precision")
+
+
+def same_kernels(attrs_a: dict, attrs_b: dict) -> bool:
+    """Whether two steps (their root attributes) compute bit-identically (see KERNEL_ATTRS)."""
+    def kernels(attrs):
+        values = [attrs.get(k) for k in KERNEL_ATTRS]
+        values[KERNEL_ATTRS.index("device")] = str(attrs.get("device", "")).split(":")[0]
+        return values
+    deterministic = all(str(a.get("device", "")).startswith("cpu")
+                        or a.get("deterministic_algorithms") for a in (attrs_a, attrs_b))
+    return deterministic and kernels(attrs_a) == kernels(attrs_b)
 
 
 def format_shape(shape: tuple[int, ...]) -> str:

@@ -1,10 +1,13 @@
 """Streaming error metrics of one tensor pair, accumulated in float64.
 
+The status computed here is the elementwise tolerance rule's (``equal``, ``close``, ``DIFF``,
+``nan_mismatch``); :mod:`compare.verdict` then judges every record with the error model.
+
 Definitions (a = reference side A, b = side B; sums over elements finite on both sides):
   max_abs_err   max |b - a|                     mean_abs_err  mean |b - a|
   max_rel_err   max |b - a| / max(|a|, atol)    (guarded near zero; 0/0 = 0, x/0 = inf)
   rel_l2_err    ||b - a|| / ||a||               cosine        <a, b> / (||a|| ||b||)
-  rmse          sqrt(mean |b - a|^2)
+  rmse          sqrt(mean |b - a|^2)          rms_a         sqrt(mean |a|^2), A's scale
   mismatches    elements with |b - a| > atol + rtol |b|, plus non-finite positions that differ
   max_tol_ratio max |b - a| / (atol + rtol |b|): above 1 is outside tolerance (inf if exact)
 Non-finite elements (NaN, ±Inf) are counted per side and matched by position.
@@ -17,25 +20,12 @@ from typing import Iterable
 
 import numpy as np
 
+from .status import CLOSE, DIFF, EQUAL, NAN_MISMATCH
 from .tolerance import Tolerance
 
-# Row statuses.
-EQUAL, CLOSE, DIFF = "equal", "close", "DIFF"
-NAN_MISMATCH, SHAPE_MISMATCH = "nan_mismatch", "shape_mismatch"
-MISSING_IN_A, MISSING_IN_B = "missing_in_a", "missing_in_b"
-DROPPED = "dropped"  # a side's dumper dropped the tensor (memory limit): nothing to compare
-UNSUPPORTED = "unsupported"  # a side could not store the values (its index `value` says why)
-STATUSES = (EQUAL, CLOSE, DIFF, NAN_MISMATCH, SHAPE_MISMATCH, MISSING_IN_A, MISSING_IN_B, DROPPED,
-            UNSUPPORTED)
-PASSING = frozenset({EQUAL, CLOSE})
-# Failures: everything but passing and UNSUPPORTED (reported, but no failure: a tensor type the
-# dumper cannot store by design, not a difference between the runs).
-FAILING = frozenset(STATUSES) - PASSING - {UNSUPPORTED}
-VALUE_FAILURES = frozenset({DIFF, NAN_MISMATCH, SHAPE_MISMATCH})
-
-METRIC_COLUMNS = ("numel", "max_abs_err", "mean_abs_err", "max_rel_err", "rel_l2_err", "cosine",
+METRIC_COLUMNS = ("numel", "rms_a", "max_abs_err", "mean_abs_err", "max_rel_err", "rel_l2_err", "cosine",
                   "rmse", "mismatches", "mismatch_frac", "max_tol_ratio", "nan_a", "nan_b",
-                  "inf_a", "inf_b", "stat_rel_diff")
+                  "inf_a", "inf_b", "stat_rel_diff", "norm_rel_diff", "rel_err_from_stats")
 
 
 BLOCK = 1 << 16  # elements per computation block: every pass over a block stays in cache
@@ -180,7 +170,7 @@ class ErrorAccumulator:
         else:
             cosine = self.dot / (norm_a * norm_b)
         out = dict(
-            stat_rel_diff=math.nan,
+            stat_rel_diff=math.nan, norm_rel_diff=math.nan, rel_err_from_stats=math.nan,
             numel=self.numel,
             max_abs_err=self.max_abs,
             mean_abs_err=self.sum_abs / n if n else 0.0,
@@ -188,6 +178,7 @@ class ErrorAccumulator:
             rel_l2_err=rel_l2,
             cosine=cosine,
             rmse=math.sqrt(self.ssd / n) if n else 0.0,
+            rms_a=math.sqrt(self.ssa / n) if n else 0.0,
             mismatches=self.mismatches,
             mismatch_frac=self.mismatches / self.numel if self.numel else 0.0,
             max_tol_ratio=math.inf if self.nonfinite_mismatches else self.max_tol_ratio,

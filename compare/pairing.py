@@ -52,23 +52,27 @@ def _at_rank(dump: Dump, rank: int) -> Dump:
     return Dump(dump.path, steps)
 
 
-def tensor_rows(dump: Dump, steps: Optional[Iterable[str]] = None,
-                modules: Optional[Iterable[str]] = None,
-                kinds: Optional[Iterable[str]] = None) -> pd.DataFrame:
-    """Index rows of tensors (stored, described by statistics, dropped or unsupported),
-    filtered by step (``"S"`` or ``"E:S"``), module glob and kind."""
+def tensor_rows(dump: Dump, steps: Optional[Iterable[str]] = None) -> pd.DataFrame:
+    """Index rows of tensors (stored, described by statistics, dropped or unsupported) of the
+    chosen steps (``"S"`` or ``"E:S"``; all by default)."""
     index = dump.index
     rows = index[(index["dataset"] != "") | index["stat_nan"].notna()
                  | index["status"].isin([fmt.ST_DROPPED, fmt.ST_UNSUPPORTED])]
     if steps:
         wanted = list(steps)
         rows = rows[[_step_matches(e, s, wanted) for e, s in zip(rows["epoch"], rows["step"])]]
+    return rows.assign(rank=rows["rank"].fillna(-1).astype(int))
+
+
+def select(rows: pd.DataFrame, modules: Optional[Iterable[str]] = None,
+           kinds: Optional[Iterable[str]] = None) -> pd.DataFrame:
+    """``rows`` of modules matching a glob of ``modules`` (path or key) and of ``kinds``."""
     if modules:
         patterns = list(modules)
         rows = rows[[fmt.module_matches(m, c, patterns) for m, c in zip(rows["module"], rows["cls"])]]
     if kinds:
         rows = rows[rows["kind"].isin(list(kinds))]
-    return rows.assign(rank=rows["rank"].fillna(-1).astype(int))
+    return rows
 
 
 def _step_matches(epoch: int, step: int, wanted: list[str]) -> bool:

@@ -1,4 +1,5 @@
-"""Error per record in execution order, with the tolerance line and the first divergence."""
+"""Pictures of a comparison: added error per record, error per module and step, one tensor
+over steps."""
 from __future__ import annotations
 
 import importlib.util
@@ -19,51 +20,71 @@ def check_plot_path(path: Path) -> None:
         raise DumpError(f"{path}: plotting needs matplotlib; pip install 'h5cmp[plot]'")
 
 
-def plot_errors(result: pd.DataFrame, summary: Summary, path: Path) -> None:
-    """Save a PNG of each pair's tolerance ratio, max |b-a| / (atol + rtol |b|) (log scale), in
-    execution order: forward and backward records in two colours, the tolerance (ratio 1) as a
-    line, the first divergence marked. Points above the line are outside tolerance."""
-    check_plot_path(path)
+def _pyplot():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
 
+
+def plot_errors(result: pd.DataFrame, summary: Summary, path: Path) -> None:
+    """Save a PNG of each record's added error against its expected level (log scale), in
+    execution order: forward and backward records in two shapes, failing records red,
+    inherited ones orange, step boundaries as dotted lines, the first divergence marked."""
+    check_plot_path(path)
+    plt = _pyplot()
     from . import format as fmt
+    from . import status as st
     rows = result.reset_index(drop=True)
     x = np.arange(len(rows))
-    floor = 1e-12
-    err = rows["max_tol_ratio"].astype(float).clip(lower=floor, upper=1e12).fillna(floor)
-    backward = rows["kind"].isin(fmt.BACKWARD_KINDS)
-    fig, ax = plt.subplots(figsize=(12, 4.5))
-    ax.scatter(x[~backward], err[~backward], s=10, label="forward", color="tab:blue")
-    ax.scatter(x[backward], err[backward], s=10, label="backward", color="tab:orange")
-    ax.axhline(1.0, color="gray", linestyle="--", label="tolerance")
+    added = rows["added_rel_error"].astype(float).to_numpy()
+    expected = rows["expected_rel_error"].astype(float).to_numpy()
+    positive = np.concatenate([added[added > 0], expected[expected > 0]])
+    low = float(positive.min()) / 3 if len(positive) else 1e-12
+    high = float(positive.max()) * 3 if len(positive) else 1.0
+    shown = np.clip(np.nan_to_num(added, nan=low), low, high)
+    fig, ax = plt.subplots(figsize=(12, 4.8))
+    ax.step(x, np.clip(np.nan_to_num(expected, nan=low), low, high), where="mid",
+            color="gray", linewidth=1, label="expected added error (calibrated)")
+    backward = rows["kind"].isin(fmt.BACKWARD_KINDS).to_numpy()
+    colour = np.where(rows["status"].isin(st.FAILING), "tab:red",
+                      np.where(rows["status"] == st.INHERITED, "tab:orange", "tab:blue"))
+    for mask, marker, name in ((~backward, "o", "forward"), (backward, "^", "backward")):
+        ax.scatter(x[mask], shown[mask], s=12, c=colour[mask], marker=marker, label=name)
+    steps = rows[["epoch", "step"]].astype(str).agg(":".join, axis=1)
+    starts = np.flatnonzero(steps.ne(steps.shift()).to_numpy())
+    for i in starts:
+        ax.axvline(i - 0.5, color="black", linestyle=":", linewidth=0.8)
+        ax.annotate(f"step {steps[i]}", (i, 1.0), xycoords=("data", "axes fraction"),
+                    xytext=(3, -12), textcoords="offset points", fontsize=8)
     if summary.first is not None:
-        i = int(rows.index[(rows["seq"] == summary.first.row["seq"])
-                           & (rows["step"] == summary.first.row["step"])
-                           & (rows["kind"] == summary.first.row["kind"])
-                           & (rows["module"] == summary.first.row["module"])][0])
-        ax.axvline(i, color="red", linewidth=1)
-        ax.annotate(f"first divergence: {summary.first.row['module'] or '<root>'} "
-                    f"{summary.first.row['kind']}", (i, err[i]), color="red",
-                    xytext=(5, -14), textcoords="offset points")
+        first = summary.first.row
+        i = int(np.flatnonzero((rows["seq"] == first["seq"]) & (rows["step"] == first["step"])
+                               & (rows["epoch"] == first["epoch"]) & (rows["kind"] == first["kind"])
+                               & (rows["module"] == first["module"])
+                               & (rows["index"] == first["index"]))[0])
+        ax.axvline(i, color="tab:red", linewidth=1)
+        ax.annotate(f"first divergence: {first['module'] or '<root>'} {first['kind']}",
+                    (i, 0.0), xycoords=("data", "axes fraction"), xytext=(4, 6),
+                    textcoords="offset points", color="tab:red", fontsize=9)
     ax.set_yscale("log")
+    ax.set_ylim(low, high)
     ax.set_xlabel("record (execution order)")
-    ax.set_ylabel("max |b-a| / (atol + rtol |b|)")
-    ax.set_title(str(summary).splitlines()[0])
-    ax.legend(loc="upper left")
+    ax.set_ylabel("added relative error")
+    ax.set_title(summary.verdict()[:110], fontsize=10)
+    ax.legend(loc="upper left", fontsize=8, bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def plot_heatmap(result: pd.DataFrame, path: Path, metric: str = "rel_l2_err") -> None:
+def plot_heatmap(result: pd.DataFrame, path: Path) -> None:
     """Save a PNG heat map: modules (rows, execution order) x steps, forward and backward
-    (columns), of the largest ``metric`` over the module's records there (log colour scale)."""
+    (columns), of the largest relative error over the module's records there (log colour
+    scale fitted to the data). Records compared by values and by statistics (an estimate) are
+    drawn in separate maps."""
     check_plot_path(path)
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     from matplotlib.colors import LogNorm
 
     from . import format as fmt
@@ -72,18 +93,30 @@ def plot_heatmap(result: pd.DataFrame, path: Path, metric: str = "rel_l2_err") -
                          when=result["epoch"].astype(str) + ":" + result["step"].astype(str)
                          + direction)
     order = list(dict.fromkeys(rows.sort_values(["epoch", "step", "seq"])["key"]))
-    table = rows.pivot_table(index="key", columns="when", values=metric, aggfunc="max")
-    columns = rows.drop_duplicates("when").sort_values(["epoch", "step", "kind"], key=lambda c: (
-        c.isin(fmt.BACKWARD_KINDS) if c.name == "kind" else c))["when"]
-    table = table.reindex(index=order, columns=list(columns)).clip(lower=1e-12)
-    fig, ax = plt.subplots(figsize=(max(6.0, 3 + 0.6 * table.shape[1]), 1.5 + 0.22 * len(table)))
-    image = ax.imshow(table.to_numpy(dtype=float), aspect="auto", cmap="magma_r",
-                      norm=LogNorm(vmin=1e-12, vmax=max(1.0, float(np.nanmax(table.to_numpy())))))
-    ax.set_yticks(range(len(table)), table.index, fontsize=7)
-    ax.set_xticks(range(table.shape[1]), table.columns, rotation=90, fontsize=7)
-    ax.set_xlabel("epoch:step, direction")
-    fig.colorbar(image, ax=ax, label=f"max {metric}")
-    ax.set_title(f"{metric} per module and step")
+    columns = list(rows.drop_duplicates("when").sort_values(["epoch", "step", "kind"], key=lambda c: (
+        c.isin(fmt.BACKWARD_KINDS) if c.name == "kind" else c))["when"])
+    maps = [(title, rows[mask]) for title, mask in (
+        ("relative L2 error (values)", rows["rel_l2_err"].notna()),
+        ("relative error estimated from statistics", rows["rel_l2_err"].isna()
+         & rows["rel_err_from_stats"].notna())) if mask.any()]
+    if not maps:
+        maps = [("relative error", rows)]
+    fig, axes = plt.subplots(1, len(maps), squeeze=False, figsize=(
+        max(6.0, 3 + 0.6 * len(columns)) * len(maps), 1.8 + 0.22 * len(order)))
+    for ax, (title, part) in zip(axes[0], maps):
+        table = part.pivot_table(index="key", columns="when", values="rel_error", aggfunc="max")
+        table = table.reindex(index=order, columns=columns)
+        values = table.to_numpy(dtype=float)
+        positive = values[values > 0]
+        low = float(positive.min()) if len(positive) else 1e-12
+        high = max(float(positive.max()) if len(positive) else 1.0, low * 10)
+        image = ax.imshow(np.where(values > 0, values, np.nan), aspect="auto", cmap="viridis",
+                          norm=LogNorm(vmin=low, vmax=high))
+        ax.set_yticks(range(len(table)), table.index, fontsize=7)
+        ax.set_xticks(range(table.shape[1]), table.columns, rotation=90, fontsize=7)
+        ax.set_xlabel("epoch:step, direction (blank: equal or not recorded)")
+        ax.set_title(title, fontsize=10)
+        fig.colorbar(image, ax=ax, location="right", fraction=0.05, pad=0.02, label="max rel error")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -94,9 +127,7 @@ def plot_tensor_steps(dump, module: str, kind: str, index: int, path: Path,
     """Save a PNG following one tensor (module, call, kind, index) over a dump's steps: its
     min/max and mean ± std per step, and, where values are stored, their histograms."""
     check_plot_path(path)
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     from .dump import load_dump
     from .errors import DumpError

@@ -1,4 +1,4 @@
-"""Rendering a comparison: the text table, and exports to CSV, JSON, HTML, XLSX and PNG."""
+"""Rendering a comparison: the text table, and exports to CSV, JSON, HTML and XLSX."""
 from __future__ import annotations
 
 import html
@@ -8,66 +8,93 @@ import math
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import pandas as pd
 
 from . import format as fmt
+from . import status as st
 from .errors import DumpError
-from .metrics import FAILING
-from .summary import Summary
+from .summary import Summary, direction_of
 
-TABLE_COLUMNS = ["step", "module", "kind", "dtype", "shape", "max_abs_err", "rel_l2_err",
-                 "cosine", "mismatch", "status"]
 EXPORT_FORMATS = (".csv", ".json", ".html", ".xlsx")
+ORDERS = ("added", "execution")  # failing rows worst first, or as they ran
+# The columns a reader sees first (the HTML page can show the others).
+DISPLAY_COLUMNS = ["step", "direction", "record", "dtype", "shape", "rel_error", "added",
+                   "status", "reason"]
 
 
 def _shape(value) -> str:
     return "x".join(map(str, value)) if isinstance(value, tuple) else "-"
 
 
-def _num(value) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3g}"
+def number(value, digits: int = 3) -> str:
+    """``value`` with ``digits`` significant digits ("-" for missing, "inf" for infinite)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return f"{value:.{digits}g}"
 
 
-def table_rows(result: pd.DataFrame, show_all: bool = False, top: Optional[int] = None) -> pd.DataFrame:
-    """The rows the text table shows: failing rows in execution order (every row with
-    ``show_all``), at most ``top``, formatted as strings."""
-    rows = result if show_all else result[result["status"].isin(FAILING)]
-    if top is not None:
-        rows = rows.head(top)
-    dtype = rows["dtype_a"].fillna("-")
-    mixed = rows["dtype_b"].notna() & (rows["dtype_b"] != rows["dtype_a"])
-    dtype = dtype.where(~mixed, dtype + "/" + rows["dtype_b"].fillna("-"))
-    shape = rows["shape_a"].where(rows["shape_a"].notna(), rows["shape_b"]).map(_shape)
+def _added(ratio, added) -> str:
+    if pd.isna(added):
+        return "-"
+    if not np.isfinite(ratio):
+        return f"{number(added)} (new)" if added > 0 else "0"
+    return f"{number(added)} ({ratio:.1f}x)"
+
+
+def display_rows(result: pd.DataFrame) -> pd.DataFrame:
+    """``result`` as strings in ``DISPLAY_COLUMNS``, one row per record."""
+    dtype = result["dtype_a"].fillna("-")
+    mixed = result["dtype_b"].notna() & (result["dtype_b"] != result["dtype_a"])
+    dtype = dtype.where(~mixed, dtype + "/" + result["dtype_b"].fillna("-"))
+    shape = result["shape_a"].where(result["shape_a"].notna(), result["shape_b"]).map(_shape)
     return pd.DataFrame({
-        "step": rows["epoch"].astype(str) + ":" + rows["step"].astype(str),
-        "module": [f"{fmt.module_key(m, k)}#{c}"
-                   for m, k, c in zip(rows["module"], rows["cls"], rows["call_idx"])],
-        "kind": rows["kind"] + "[" + rows["index"].astype(str) + "]"
-        + rows["occurrence"].map(lambda o: f"@{o}" if o else ""),
+        "step": [f"{e}:{s}" for e, s in zip(result["epoch"], result["step"])],
+        "direction": result["kind"].map(direction_of),
+        "record": [fmt.record_label(*r) for r in result[
+            ["module", "cls", "call_idx", "kind", "index", "occurrence"]].itertuples(index=False)],
         "dtype": dtype,
         "shape": shape,
-        "max_abs_err": rows["max_abs_err"].map(_num),
-        "rel_l2_err": rows["rel_l2_err"].map(_num),
-        "cosine": rows["cosine"].map(lambda c: "-" if pd.isna(c) else f"{c:.6f}"),
-        "mismatch": [("-" if pd.isna(m) else f"{m / n:.1%}" if n else "0%")
-                     for m, n in zip(rows["mismatches"], rows["numel"])],
-        "status": rows["status"],
-    }, columns=TABLE_COLUMNS)
+        "rel_error": result["rel_error"].map(number),
+        "added": [_added(r, a) if s != st.EQUAL else "-" for r, a, s in zip(
+            result["added_ratio"], result["added_rel_error"], result["status"])],
+        "status": result["status"],
+        "reason": result["reason"].fillna(""),
+    }, columns=DISPLAY_COLUMNS, index=result.index)
+
+
+def table_rows(result: pd.DataFrame, show_all: bool = False, top: Optional[int] = None,
+               order: str = "added") -> pd.DataFrame:
+    """The rows the text table shows: failing rows, worst added error first (``order=
+    "added"``) or in execution order; with ``show_all`` every row in execution order; at most
+    ``top``."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    rows = result if show_all else result[result["status"].isin(st.FAILING)]
+    if order == "added" and not show_all:
+        rows = rows.sort_values(["added_ratio", "added_rel_error"], ascending=False, kind="stable",
+                                na_position="last")
+    if top is not None:
+        rows = rows.head(top)
+    return display_rows(rows).drop(columns="reason")
 
 
 def render_text(result: pd.DataFrame, summary: Summary, show_all: bool = False,
-                top: Optional[int] = 20) -> str:
-    """The CLI report: the table (failing rows, or all) then the summary."""
-    rows = table_rows(result, show_all, top)
-    shown = "all rows" if show_all else "rows outside tolerance"
-    total = len(result) if show_all else int(result["status"].isin(FAILING).sum())
-    parts = []
+                top: Optional[int] = 20, order: str = "added") -> str:
+    """The CLI report: the verdict and the summary, then the table (failing rows, or all)."""
+    rows = table_rows(result, show_all, top, order)
+    total = len(result) if show_all else int(result["status"].isin(st.FAILING).sum())
+    parts = [str(summary)]
     if len(rows):
-        limit = f" (first {len(rows)} of {total})" if len(rows) < total else ""
-        parts.append(f"{shown} in execution order{limit}:")
-        parts.append(rows.to_string(index=False))
-        parts.append("")
-    parts.append(str(summary))
+        what = ("all rows in execution order" if show_all else
+                "failing rows, worst added error first" if order == "added" else
+                "failing rows in execution order")
+        limit = f" (first {len(rows)} of {total}; --top N for more)" if len(rows) < total else ""
+        parts += ["", f"{what}{limit}:", rows.to_string(index=False)]
     return "\n".join(parts)
 
 
@@ -91,26 +118,71 @@ def _png_data_uri(draw) -> str:
         return "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
 
 
-def html_report(result: pd.DataFrame, summary: Summary, flat: pd.DataFrame) -> str:
-    """A self-contained HTML page: the summary, the plots (when matplotlib is installed, as
-    embedded PNGs) and the table of every pair, failing rows highlighted."""
+_PAGE_STYLE = """
+body{font-family:sans-serif;margin:1.5em} pre{background:#f6f6f6;padding:.6em}
+table{border-collapse:collapse;font-size:12px} td,th{border:1px solid #ccc;padding:2px 5px}
+th{cursor:pointer;background:#eee;position:sticky;top:0} tr.fail td{background:#fbdada}
+tr.inherited td{background:#fdf0d5} td.num{text-align:right;font-variant-numeric:tabular-nums}
+.extra{display:none} body.all .extra{display:table-cell} #controls{margin:.5em 0}
+"""
+# Sorting (click a header; numbers by value) and filtering (text box, failing only), no library.
+_PAGE_SCRIPT = """
+const t=document.getElementById('pairs'),b=t.tBodies[0],rows=[...b.rows];
+function val(c){const v=c.dataset.v;return v===undefined?c.textContent:parseFloat(v)}
+[...t.tHead.rows[0].cells].forEach((h,i)=>h.onclick=()=>{const d=h.dataset.d=h.dataset.d==='1'?'-1':'1';
+ rows.sort((x,y)=>{const a=val(x.cells[i]),c=val(y.cells[i]);return (a>c?1:a<c?-1:0)*d});
+ rows.forEach(r=>b.appendChild(r))});
+function filt(){const q=document.getElementById('q').value.toLowerCase(),
+ f=document.getElementById('failing').checked;
+ rows.forEach(r=>r.style.display=(r.textContent.toLowerCase().includes(q)&&(!f||r.classList.contains('fail')))?'':'none')}
+"""
+
+
+def _html_table(result: pd.DataFrame) -> str:
+    shown = display_rows(result)
+    extra = [c for c in result.columns if c not in ("status", "reason", "rel_error")]
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in DISPLAY_COLUMNS)
+    head += "".join(f"<th class='extra'>{html.escape(c)}</th>" for c in extra)
+    body = []
+    for (_, row), (_, raw) in zip(shown.iterrows(), result.iterrows()):
+        cls = ("fail" if raw["status"] in st.FAILING else
+               "inherited" if raw["status"] == st.INHERITED else "")
+        cells = []
+        for c in DISPLAY_COLUMNS:
+            sort = raw["rel_error"] if c == "rel_error" else raw["added_ratio"] if c == "added" \
+                else None
+            attr = "" if sort is None or pd.isna(sort) else f" data-v='{float(sort)!r}'"
+            cells.append(f"<td{attr}{' class=num' if attr else ''}>{html.escape(str(row[c]))}</td>")
+        for c in extra:
+            value = raw[c]
+            text = _shape(value) if isinstance(value, tuple) else (
+                number(value) if isinstance(value, (float, np.floating)) else str(value))
+            cells.append(f"<td class='extra'>{html.escape(text)}</td>")
+        body.append(f"<tr class='{cls}'>{''.join(cells)}</tr>")
+    return f"<table id='pairs'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def html_report(result: pd.DataFrame, summary: Summary) -> str:
+    """A self-contained HTML page: the verdict and summary, the plots (when matplotlib is
+    installed, as embedded PNGs) and the table of every pair (readable columns by default,
+    all on demand; click a header to sort, type to filter)."""
     figures = ""
     if importlib.util.find_spec("matplotlib") is None:
         figures = "<p>(plots need matplotlib: pip install 'h5cmp[plot]')</p>"
     else:
         from .plot import plot_errors, plot_heatmap
-        for title, draw in (("Error per record", lambda p: plot_errors(result, summary, p)),
+        for title, draw in (("Added error per record", lambda p: plot_errors(result, summary, p)),
                             ("Error per module and step", lambda p: plot_heatmap(result, p))):
             figures += f"<h2>{title}</h2><img alt='{title}' src='{_png_data_uri(draw)}'>"
-    failing = flat["status"].isin(FAILING)
-    table = flat.style.apply(
-        lambda row: ["background:#fbdada" if failing[row.name] else "" for _ in row], axis=1
-    ).format(precision=4, na_rep="-").hide(axis="index").to_html()
+    controls = ("<div id='controls'><input id='q' placeholder='filter rows' oninput='filt()'> "
+                "<label><input type='checkbox' id='failing' onchange='filt()'> failing only</label> "
+                "<label><input type='checkbox' onchange=\"document.body.classList.toggle('all')\">"
+                " all columns</label></div>")
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>h5cmp report</title>"
-            f"<style>body{{font-family:sans-serif}} table{{border-collapse:collapse;font-size:12px}}"
-            f" td,th{{border:1px solid #ccc;padding:2px 4px}}</style></head><body>"
-            f"<h1>h5cmp report</h1><pre>{html.escape(str(summary))}</pre>{figures}"
-            f"<h2>Tensor pairs</h2>{table}</body></html>")
+            f"<style>{_PAGE_STYLE}</style></head><body><h1>h5cmp report</h1>"
+            f"<p><b>{html.escape(summary.verdict())}</b></p><pre>{html.escape(str(summary))}</pre>"
+            f"{figures}<h2>Tensor pairs</h2>{controls}{_html_table(result)}"
+            f"<script>{_PAGE_SCRIPT}</script></body></html>")
 
 
 def export(result: pd.DataFrame, summary: Summary, path: Path) -> None:
@@ -120,13 +192,14 @@ def export(result: pd.DataFrame, summary: Summary, path: Path) -> None:
     if suffix == ".csv":
         flat.to_csv(path, index=False)
     elif suffix == ".json":
-        payload = {"summary": {"counts": summary.counts, "total": summary.total,
+        payload = {"summary": {"verdict": summary.verdict(), "counts": summary.counts,
+                               "total": summary.total,
                                "first_divergence": None if summary.first is None else
                                summary.first.describe()},
                    "rows": json.loads(flat.to_json(orient="records"))}
         path.write_text(json.dumps(payload, indent=1))
     elif suffix == ".html":
-        path.write_text(html_report(result, summary, flat))
+        path.write_text(html_report(result, summary))
     else:
         check_output_path(path)
         flat.to_excel(path, index=False)

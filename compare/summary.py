@@ -1,42 +1,56 @@
-"""Summary of a comparison: counts per status and the first divergence, with its origin."""
+"""Summary of a comparison: a one-line verdict, counts per status, the first divergence with
+its reason, and the suspects ranked by added error."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import pandas as pd
 
-from compare import format as fmt
+from . import format as fmt
+from . import status as st
+from .sources import earlier_sources
+from .verdict import precision_of
 
-from .metrics import FAILING, STATUSES, VALUE_FAILURES
+SUSPECTS = 5  # suspects listed by the text summary
 
-# Rows of the same call that a record's values depend on.
-_UPSTREAM = {
-    fmt.OUTPUT: (fmt.INPUT, fmt.PARAM),
-    fmt.GRAD_INPUT: (fmt.GRAD_OUTPUT, fmt.INPUT, fmt.PARAM),
-    fmt.PARAM_GRAD: (fmt.GRAD_OUTPUT, fmt.INPUT),
-}
-ORIGIN, INHERITED, BETWEEN_MODULES = "origin", "inherited", "between_modules"
+
+def direction_of(kind: str) -> str:
+    return "backward" if kind in fmt.BACKWARD_KINDS else "forward"
+
+
+def record_label(row) -> str:
+    """:func:`compare.format.record_label` of a result row."""
+    return fmt.record_label(row["module"], row["cls"], row["call_idx"], row["kind"], row["index"],
+                            row["occurrence"])
+
+
+def _ratio(value: float) -> str:
+    """An added error in units of the expected one, e.g. ``31x``; "new" where none is expected."""
+    return "new" if not np.isfinite(value) else f"{value:.0f}x" if value >= 10 else f"{value:.1f}x"
 
 
 @dataclass
 class Divergence:
-    """The earliest failing pair in execution order, and where its error comes from.
+    """The earliest failing record in execution order, and where its error comes from.
 
-    ``verdict``: ``origin`` (this call's inputs agree, its result does not: the error starts
-    here), ``inherited`` (an input of this call already differs), or ``between_modules`` (the
-    record is itself an input or incoming gradient: the difference arose in code outside any
-    hooked submodule, e.g. in ``parent``'s own forward, the loss, or the data).
+    ``verdict``: ``origin`` (a record the module computes, its output or the gradient it sends
+    back, carries more error than its sources and the precisions explain: the error starts in
+    this module), or ``between_modules`` (the record is an input or an incoming gradient: the
+    difference arose in code outside any hooked submodule, e.g. in the parent's own forward,
+    the loss, or the data). ``upstream``: the records it is computed from.
     """
 
     row: pd.Series
     verdict: str
     upstream: pd.DataFrame
     producer: Optional[pd.DataFrame] = None  # output rows of the call that made this input
+    aliases: pd.DataFrame = field(default_factory=pd.DataFrame)  # later records of the tensor
 
     @property
     def direction(self) -> str:
-        return "backward" if self.row["kind"] in fmt.BACKWARD_KINDS else "forward"
+        return direction_of(self.row["kind"])
 
     @property
     def parent(self) -> str:
@@ -50,79 +64,124 @@ class Divergence:
         where = (f"step {r['epoch']}:{r['step']}, {self.direction}, module "
                  f"{r['module'] or '<root>'} ({r['cls']}) call {r['call_idx']}, "
                  f"{r['kind']}[{r['index']}] {r['path']}")
-        errors = (f"max_abs_err={r['max_abs_err']:.3g} rel_l2_err={r['rel_l2_err']:.3g} "
-                  f"mismatches={int(r['mismatches']) if pd.notna(r['mismatches']) else 'n/a'}"
-                  f"/{int(r['numel']) if pd.notna(r['numel']) else 'n/a'} status={r['status']}")
-        if self.verdict == ORIGIN:
-            exact = (self.upstream["status"] == "equal").all()
-            why = ("it has no recorded inputs" if self.upstream.empty else
-                   "its inputs are bit-identical" if exact else
-                   f"its inputs agree within tolerance (largest rel_l2_err "
-                   f"{self.upstream['rel_l2_err'].max():.3g})")
-            because = f"the error starts in this module: {why}"
-        elif self.verdict == INHERITED:
-            bad = self.upstream[self.upstream["status"].isin(FAILING)]
-            names = ", ".join(bad["kind"] + "[" + bad["index"].astype(str) + "]")
-            because = f"inherited: its {names} already differ"
+        numel = int(r["numel"]) if pd.notna(r["numel"]) else "n/a"
+        figures = (f"rel error {r['rel_error']:.3g}, max_abs_err {r['max_abs_err']:.3g}, "
+                   f"{numel} elements, status {r['status']}")
+        lines = [f"first divergence: {where}", f"  {figures}"]
+        if r["reason"]:
+            lines.append(f"  why: {r['reason']}")
+        if len(self.aliases):
+            lines.append("  the same tensor is also " + ", ".join(
+                record_label(a) for _, a in self.aliases.iterrows()))
+        if self.verdict == st.ORIGIN:
+            lines.append("  the error starts in this module (its own computation)")
         else:
             origin = f"{self.parent}'s own code" if self.parent else "the code calling the model"
-            because = (f"the difference is already in this {r['kind']}: it arose outside any hooked "
-                       f"submodule (in {origin}, the loss, or the data)")
+            lines.append(f"  the difference is already in this {r['kind']}: it arose outside any "
+                         f"hooked submodule (in {origin}, the loss, or the data)")
             if self.producer is not None and len(self.producer):
                 p = self.producer.iloc[0]
                 state = ("which matched: the change happened between the two modules"
-                         if not self.producer["status"].isin(FAILING).any()
+                         if not self.producer["status"].isin(st.FAILING | {st.INHERITED}).any()
                          else "which already differed")
-                because += (f"\n  {r['kind']}[{r['index']}] came from "
-                            f"{fmt.module_key(p['module'], p['cls'])} (call {p['call']}), {state}")
-        return f"first divergence: {where}\n  {errors}\n  {because}"
+                lines.append(f"  {r['kind']}[{r['index']}] came from "
+                             f"{fmt.module_key(p['module'], p['cls'])} (call {p['call']}), {state}")
+        return "\n".join(lines)
 
 
 @dataclass
 class Summary:
-    """Counts of rows per status and the first divergence (None when every pair passes)."""
+    """Counts of rows per status, the verdict, the first divergence (None when every pair
+    passes) and the suspects: failing records ranked by added error over the expected level."""
 
     counts: dict[str, int]
     total: int
     first: Optional[Divergence]
+    precision: str = ""
+    suspects: pd.DataFrame = field(default_factory=pd.DataFrame)
+    largest: Optional[pd.Series] = None   # the passing record with the largest added_ratio
+    weights: Optional[pd.Series] = None   # the parameter that differs most, if any
+    later_step: bool = False              # weights differ in a step after the first compared
 
     @property
     def ok(self) -> bool:
-        return all(self.counts[s] == 0 for s in FAILING)
+        return all(self.counts[s] == 0 for s in st.FAILING)
+
+    def verdict(self) -> str:
+        """One line: agreement within the precisions, or where B first diverges."""
+        weights = ""
+        if self.weights is not None:
+            w = self.weights
+            weights = (f"; weights differ (up to {w['rel_error']:.3g} in "
+                       f"{w['module'] or '<root>'}{', before this step' if self.later_step else ''})")
+        if self.first is not None:
+            r = self.first.row
+            return (f"B diverges from A: first at step {r['epoch']}:{r['step']} "
+                    f"{self.first.direction} in {r['module'] or '<root>'} "
+                    f"({r['kind']}[{r['index']}]){weights}")
+        if not self.ok:
+            bad = ", ".join(f"{self.counts[s]} {s}" for s in st.STATUSES
+                            if s in st.FAILING and self.counts[s])
+            return f"B cannot be fully compared with A: {bad}{weights}"
+        within = f"within {self.precision} rounding" if self.precision else "exactly"
+        if self.largest is None:
+            return f"B agrees with A {within}{weights}"
+        r = self.largest
+        return (f"B agrees with A {within} (largest added error {r['added_rel_error']:.3g}, "
+                f"{_ratio(r['added_ratio'])} typical, in {r['module'] or '<root>'} "
+                f"{r['kind']}[{r['index']}]){weights}")
 
     def __str__(self) -> str:
-        parts = ", ".join(f"{self.counts[s]} {s}" for s in STATUSES if self.counts[s])
-        head = f"{self.total} tensor pairs: {parts or 'none'}"
+        parts = ", ".join(f"{self.counts[s]} {s}" for s in st.STATUSES if self.counts[s])
+        lines = [self.verdict(), f"{self.total} tensor pairs: {parts or 'none'}"]
         if self.first is not None:
-            return f"{head}\n{self.first.describe()}"
-        return f"{head}\nall compared tensors agree within tolerance" if self.ok else head
+            lines.append(self.first.describe())
+        if len(self.suspects) > 1:
+            lines.append("suspects, worst first (added error in units of the expected one; "
+                         "new: none expected):")
+            for r in self.suspects.head(SUSPECTS).itertuples():
+                lines.append(f"  {_ratio(r.added_ratio):>5}  step {r.epoch}:{r.step} "
+                             f"{direction_of(r.kind):<8} {r.label} (added {r.added_rel_error:.3g})")
+            if len(self.suspects) > SUSPECTS:
+                lines.append(f"  ... {len(self.suspects) - SUSPECTS} more")
+        return "\n".join(lines)
 
 
 def summarize(result: pd.DataFrame) -> Summary:
-    """Summary of a :func:`compare.compare_dumps` result."""
-    counts = {s: int((result["status"] == s).sum()) for s in STATUSES}
-    failing = result[result["status"].isin(VALUE_FAILURES)]
-    first = None
-    if len(failing):
-        row = failing.iloc[0]
-        first = _diagnose(result, row)
-    return Summary(counts, len(result), first)
+    """Summary of a :func:`compare.compare_dumps` result (give it every row: a result filtered
+    by module or kind may leave out the first divergence)."""
+    counts = {s: int((result["status"] == s).sum()) for s in st.STATUSES}
+    failing = result[result["status"].isin(st.VALUE_FAILURES)]
+    first = _diagnose(result, failing.iloc[0]) if len(failing) else None
+    values = result[result["status"].isin([st.EQUAL, st.CLOSE, st.INHERITED, st.DIFF])]
+    pairs = set(zip(values["dtype_a"], values["dtype_b"]))
+    lowest = {precision_of(a, b) for a, b in pairs if a != b}
+    precision = ", ".join(sorted(lowest)) if lowest else (
+        "" if (values["status"] == st.EQUAL).all() else ", ".join(sorted({a for a, _ in pairs})))
+    passing = result[(result["status"] == st.CLOSE) & np.isfinite(result["added_ratio"])]
+    largest = passing.loc[passing["added_ratio"].idxmax()] if len(passing) and \
+        passing["added_ratio"].notna().any() else None
+    params = result[(result["kind"] == fmt.PARAM) & (result["status"] == st.INHERITED)]
+    weights = params.loc[params["rel_error"].idxmax()] if len(params) else None
+    steps = result[["epoch", "step"]].drop_duplicates()
+    later = weights is not None and (weights["epoch"], weights["step"]) != tuple(
+        steps.sort_values(["epoch", "step"]).iloc[0])
+    suspects = failing[failing["status"] == st.DIFF].sort_values(
+        ["added_ratio", "added_rel_error"], ascending=False, kind="stable")
+    suspects = suspects.assign(label=[record_label(r) for _, r in suspects.iterrows()])
+    return Summary(counts, len(result), first, precision, suspects, largest, weights, later)
 
 
 def _diagnose(result: pd.DataFrame, row: pd.Series) -> Divergence:
     same_step = result[(result["epoch"] == row["epoch"]) & (result["step"] == row["step"])
                        & (result["rank"].fillna(-1) == (-1 if pd.isna(row["rank"]) else row["rank"]))]
-    same_call = same_step[(same_step["module"] == row["module"])
-                          & (same_step["call_idx"] == row["call_idx"])]
-    kinds = _UPSTREAM.get(row["kind"])
-    if kinds is None:
+    position = same_step.index.get_loc(row.name)
+    upstream = same_step.iloc[earlier_sources(same_step)[position]]
+    aliases = same_step[same_step["same_as"] == record_label(row)]
+    if row["kind"] in (fmt.INPUT, fmt.GRAD_OUTPUT):
         producer = None
         if row["kind"] == fmt.INPUT and row["producer"] >= 0:
             producer = same_step[(same_step["call"] == row["producer"])
                                  & (same_step["kind"] == fmt.OUTPUT)]
-        return Divergence(row, BETWEEN_MODULES, same_call.iloc[0:0], producer)
-    same_pass = (same_call["occurrence"] == row["occurrence"]) | same_call["kind"].isin(
-        fmt.FORWARD_KINDS)
-    upstream = same_call[same_call["kind"].isin(kinds) & same_pass]
-    failed = upstream["status"].isin(FAILING)
-    return Divergence(row, INHERITED if failed.any() else ORIGIN, upstream)
+        return Divergence(row, st.BETWEEN_MODULES, upstream, producer, aliases)
+    return Divergence(row, st.ORIGIN, upstream, aliases=aliases)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from compare import compare_dumps, load_dump, summarize
-from compare.summary import BETWEEN_MODULES, ORIGIN
+from compare.status import BETWEEN_MODULES, ORIGIN
 
 from helpers import dump_run
 
@@ -45,7 +45,10 @@ def test_forward_error_origin_is_the_planted_module(runs):
     assert (first.upstream["status"] == "equal").all() and len(first.upstream) >= 1
     assert "the error starts in this module" in first.describe()
     downstream = result[(result["step"] == 0) & (result["module"] == "out") & (result["kind"] == "output")]
-    assert downstream["status"].item() == "DIFF"
+    assert downstream["status"].item() == "inherited"
+    assert "carries the error of" in downstream["reason"].item()
+    # the only failing records are mid's outputs (steps 0 and 1): the rest carry them
+    assert set(result[result["status"] == "DIFF"]["module"]) == {"mid"}
 
 
 def test_backward_error_origin_is_the_planted_module(runs):
@@ -117,10 +120,16 @@ def test_jobs_and_chunks_do_not_change_results(runs):
     pd.testing.assert_frame_equal(base, chunked, rtol=1e-12)
 
 
-def test_overrides_tolerance(runs):
+def test_user_tolerances_mean_what_they_say(runs):
     loose = compare_dumps(runs["ref"], runs["fwd"], rtol=1e-2, atol=1e-2)
     assert summarize(loose).ok
     assert set(loose["status"]) <= {"equal", "close"}
+    tight = compare_dumps(runs["ref"], runs["fwd"], rtol=1e-5, atol=0.0)
+    outside = tight["mismatches"] > 0
+    assert (tight[~outside]["status"].isin(["equal", "close"])).all()
+    assert (tight[outside]["status"].isin(["DIFF", "inherited"])).all()
+    first = summarize(tight).first
+    assert first.row.name == tight[outside].index[0]  # the first row outside the tolerance
 
 
 def test_compare_side_never_imports_torch(runs):

@@ -1,0 +1,147 @@
+"""Which recorded tensors each recorded tensor is computed from, as far as a dump can tell.
+
+A dump records module calls, not every op, so the sources of a record are the recorded tensors
+its values depend on, at module granularity (same step and rank; backward kinds of the same
+backward pass):
+
+=============  ==========================================================================
+record         sources
+=============  ==========================================================================
+output         the call's inputs and parameters, and the outputs of its direct child calls
+input          the outputs of the call that produced it (``producer``); if unknown, what the
+               parent call had by then: its inputs and parameters, and the outputs of the
+               children that ran before this call
+grad_output    the call's outputs (what the loss was computed from), the grad_inputs of the
+               calls that consumed them, the parent's grad_output, and the grad_inputs of the
+               children of the parent that ran after the call
+grad_input     the call's grad_output, inputs, outputs and parameters, and the grad_inputs of
+               its direct child calls
+param_grad     grad_output, inputs and outputs of every call of the module
+param          none: the weights come from before the step
+=============  ==========================================================================
+
+An input of the root call has none either (the data); the root's grad_output comes from its
+outputs (through the loss).
+The parent of a call is the latest earlier call whose module path contains it
+(``blocks.0`` contains ``blocks.0.attn``; the root, path ``""``, contains every module).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+
+from . import format as fmt
+
+STEP_KEY = ["epoch", "step", "rank"]
+
+
+def _contains(outer: str, inner: str) -> bool:
+    return outer == "" or inner.startswith(outer + ".")
+
+
+def parent_calls(calls: pd.DataFrame) -> dict[int, Optional[int]]:
+    """``call -> parent call`` (None for outermost calls) of one step's calls (columns
+    ``call, module``), by module path and call order."""
+    parents: dict[int, Optional[int]] = {}
+    stack: list[tuple[int, str]] = []
+    for call, module in calls.sort_values("call")[["call", "module"]].itertuples(index=False):
+        while stack and not _contains(stack[-1][1], module):
+            stack.pop()
+        parents[int(call)] = stack[-1][0] if stack else None
+        stack.append((int(call), module))
+    return parents
+
+
+class _Step:
+    """Row positions of one step's records, looked up by call and kind."""
+
+    def __init__(self, rows: pd.DataFrame):
+        self.rows = rows
+        self.by_call_kind: dict[tuple, list[int]] = defaultdict(list)
+        self.by_module_kind: dict[tuple, list[int]] = defaultdict(list)
+        self.consumers: dict[int, set[int]] = defaultdict(set)
+        for pos, call, module, kind, occurrence, producer in zip(
+                rows["pos"], rows["call"], rows["module"], rows["kind"], rows["occurrence"],
+                rows["producer"]):
+            pass_ = occurrence if kind in fmt.BACKWARD_KINDS else None
+            self.by_call_kind[(call, kind, pass_)].append(pos)
+            self.by_module_kind[(module, kind, pass_)].append(pos)
+            if kind == fmt.INPUT and producer >= 0:
+                self.consumers[int(producer)].add(int(call))
+        calls = rows.drop_duplicates("call")
+        self.module_of = dict(zip(calls["call"], calls["module"]))
+        self.parent = parent_calls(calls)
+        self.children: dict[int, list[int]] = defaultdict(list)
+        for call, parent in sorted(self.parent.items()):
+            if parent is not None:
+                self.children[parent].append(call)
+
+    def of(self, calls, kind: str, pass_=None) -> list[int]:
+        out: list[int] = []
+        for c in calls:
+            out += self.by_call_kind.get((c, kind, pass_), ())
+        return out
+
+    def siblings(self, call: int) -> list[int]:
+        parent = self.parent[call]
+        return [] if parent is None else self.children[parent]
+
+    def sources(self, call: int, module: str, kind: str, occurrence: int, producer: int
+                ) -> list[int]:
+        fwd = (call,)
+        parent = self.parent[call]
+        if kind == fmt.OUTPUT:
+            return (self.of(fwd, fmt.INPUT) + self.of(fwd, fmt.PARAM)
+                    + self.of(self.children[call], fmt.OUTPUT))
+        if kind == fmt.INPUT:
+            if producer >= 0:
+                return self.of((producer,), fmt.OUTPUT)
+            if parent is None:
+                return []
+            before = [c for c in self.siblings(call) if c < call]
+            return (self.of((parent,), fmt.INPUT) + self.of((parent,), fmt.PARAM)
+                    + self.of(before, fmt.OUTPUT))
+        if kind == fmt.GRAD_OUTPUT:
+            if parent is None:
+                return self.of(fwd, fmt.OUTPUT)
+            after = [c for c in self.siblings(call) if c > call]
+            consumers = self.consumers.get(call, ())
+            return (self.of(fwd, fmt.OUTPUT)
+                    + self.of(sorted(set(after) | set(consumers)), fmt.GRAD_INPUT, occurrence)
+                    + self.of((parent,), fmt.GRAD_OUTPUT, occurrence))
+        if kind == fmt.GRAD_INPUT:
+            return (self.of(fwd, fmt.GRAD_OUTPUT, occurrence) + self.of(fwd, fmt.INPUT)
+                    + self.of(fwd, fmt.OUTPUT) + self.of(fwd, fmt.PARAM)
+                    + self.of(self.children[call], fmt.GRAD_INPUT, occurrence))
+        if kind == fmt.PARAM_GRAD:
+            calls = [c for c, m in self.module_of.items() if m == module]
+            return (self.of(calls, fmt.GRAD_OUTPUT, occurrence) + self.of(calls, fmt.INPUT)
+                    + self.of(calls, fmt.OUTPUT))
+        return []
+
+
+def record_sources(frame: pd.DataFrame) -> list[np.ndarray]:
+    """For each row of ``frame`` (a comparison result, or any frame with the index columns
+    ``epoch, step, rank, call, module, kind, occurrence, producer``), the positions of the
+    rows it is computed from (see the module docstring), as integer arrays."""
+    out: list[np.ndarray] = [np.empty(0, np.int64)] * len(frame)
+    rows = frame.assign(pos=np.arange(len(frame)), rank=frame["rank"].fillna(-1))
+    for _, step_rows in rows.groupby(STEP_KEY, sort=False):
+        step = _Step(step_rows)
+        for pos, call, module, kind, occurrence, producer in zip(
+                step_rows["pos"], step_rows["call"], step_rows["module"], step_rows["kind"],
+                step_rows["occurrence"], step_rows["producer"]):
+            found = step.sources(int(call), module, kind, int(occurrence), int(producer))
+            out[pos] = np.array(sorted(set(found) - {pos}), dtype=np.int64)
+    return out
+
+
+def earlier_sources(frame: pd.DataFrame) -> list[np.ndarray]:
+    """:func:`record_sources` restricted to rows earlier in execution order (``seq``): what a
+    record can have received. Later "sources" appear where several modules see one tensor
+    (a container's output is its last child's)."""
+    seq = frame["seq"].to_numpy(np.int64)
+    return [s[seq[s] < seq[i]] for i, s in enumerate(record_sources(frame))]

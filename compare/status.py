@@ -1,0 +1,39 @@
+"""The one vocabulary of a comparison: row statuses and what they mean for the verdict.
+
+=================  ======================================================================
+status             meaning
+=================  ======================================================================
+``equal``          bit-identical
+``close``          differs, within what the precisions involved explain (or within the
+                   user's ``rtol``/``atol``)
+``inherited``      differs beyond that, but only by carrying an error that arose upstream
+                   (a failing record it is computed from), or, for weights, before this step
+``DIFF``           differs by more than its sources and the precisions explain: an error
+                   arises here
+``nan_mismatch``   NaN/Inf at different places, not explained by its sources
+``shape_mismatch`` the two sides' shapes differ
+``missing_in_a``   the record exists in B only (and ``missing_in_b`` in A only)
+``dropped``        a side's dumper dropped the tensor (memory limit): nothing to compare
+``unsupported``    a side could not store the values (its index ``value`` says why)
+=================  ======================================================================
+
+A comparison fails when any row has a failing status; its first failing row in execution
+order is the first divergence.
+"""
+EQUAL, CLOSE, INHERITED, DIFF = "equal", "close", "inherited", "DIFF"
+NAN_MISMATCH, SHAPE_MISMATCH = "nan_mismatch", "shape_mismatch"
+MISSING_IN_A, MISSING_IN_B = "missing_in_a", "missing_in_b"
+DROPPED, UNSUPPORTED = "dropped", "unsupported"
+STATUSES = (EQUAL, CLOSE, INHERITED, DIFF, NAN_MISMATCH, SHAPE_MISMATCH, MISSING_IN_A,
+            MISSING_IN_B, DROPPED, UNSUPPORTED)
+
+PASSING = frozenset({EQUAL, CLOSE})
+# Reported, not failures: an inherited error is blamed on its origin; an unsupported tensor is
+# one the dumper cannot store by design, not a difference between the runs.
+NOT_BLAMED = frozenset({INHERITED, UNSUPPORTED})
+FAILING = frozenset(STATUSES) - PASSING - NOT_BLAMED
+# Failing statuses judged from the values (the others say a record could not be compared).
+VALUE_FAILURES = frozenset({DIFF, NAN_MISMATCH, SHAPE_MISMATCH})
+
+# Where the error of a divergence comes from (the summary's and localize's verdicts).
+ORIGIN, BETWEEN_MODULES = "origin", "between_modules"

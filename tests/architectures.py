@@ -1,0 +1,204 @@
+"""Real architectures for the verdict tests and ``scripts/bench_localize.py``: Hugging Face
+``transformers`` models built from tiny configs with random weights (no download), a
+torchvision-style ResNet with in-place ReLU, an ``nn.LSTM`` language model and a deep residual
+MLP. Every builder is deterministic in its seed.
+
+``run_step(arch, precision, directory, ...)`` dumps one training step (forward, loss, backward)
+of ``arch`` at ``precision``: ``float32``; ``float64`` (the model and float inputs in double);
+``bfloat16`` / ``float16`` (float32 weights under ``torch.autocast("cpu", dtype=...)``).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+PRECISIONS = ("float32", "float64", "bfloat16", "float16")
+
+
+@dataclasses.dataclass
+class Arch:
+    """A model factory, its batch and its loss, all deterministic."""
+
+    make: Callable[[], nn.Module]
+    batch: Callable[[torch.Generator], dict]
+    loss: Callable[[nn.Module, dict], torch.Tensor]
+
+
+def _hf(config_name: str, model_name: str, **config) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        import transformers
+        cfg = getattr(transformers, config_name)(**config)
+        return getattr(transformers, model_name)(cfg).train()
+    return make
+
+
+def _tokens(vocab: int = 96, batch: int = 2, length: int = 12):
+    def batch_of(gen: torch.Generator) -> dict:
+        ids = torch.randint(0, vocab, (batch, length), generator=gen)
+        return {"input_ids": ids, "labels": ids}
+    return batch_of
+
+
+def _hf_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    return model(**batch).loss
+
+
+_TINY = dict(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=32)
+_NO_DROPOUT_BERT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+_NO_DROPOUT_GPT2 = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet BasicBlock: conv-bn-relu(in place)-conv-bn, + shortcut, relu."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                            nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class ResNet(nn.Module):
+    """A small torchvision-style ResNet (stem, two stages of BasicBlocks, pool, fc)."""
+
+    def __init__(self, width: int = 8, classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.layer1 = nn.Sequential(BasicBlock(width, width), BasicBlock(width, width))
+        self.layer2 = nn.Sequential(BasicBlock(width, 2 * width, 2), BasicBlock(2 * width, 2 * width))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(2 * width, classes)
+
+    def forward(self, x):
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer2(self.layer1(x))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+class LSTMLanguageModel(nn.Module):
+    def __init__(self, vocab: int = 96, width: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.lstm = nn.LSTM(width, width, num_layers=2, batch_first=True)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, input_ids):
+        out, _ = self.lstm(self.embed(input_ids))
+        return self.head(self.norm(out))
+
+
+class ResidualMLPBlock(nn.Module):
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.act = nn.GELU()
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(self.act(self.up(self.norm(x))))
+
+
+def _deep_mlp(depth: int = 12, width: int = 32) -> nn.Module:
+    return nn.Sequential(nn.Linear(16, width), *[ResidualMLPBlock(width) for _ in range(depth)],
+                         nn.LayerNorm(width), nn.Linear(width, 4))
+
+
+def _image_batch(gen: torch.Generator) -> dict:
+    return {"x": torch.randn(4, 3, 16, 16, generator=gen),
+            "y": torch.randint(0, 10, (4,), generator=gen)}
+
+
+def _classification_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch["x"]).float(), batch["y"])
+
+
+def _lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    logits = model(batch["input_ids"]).float()
+    return nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+
+def _vector_batch(gen: torch.Generator) -> dict:
+    return {"x": torch.randn(16, 16, generator=gen), "y": torch.randint(0, 4, (16,), generator=gen)}
+
+
+def _vit_batch(gen: torch.Generator) -> dict:
+    return {"pixel_values": torch.randn(2, 3, 16, 16, generator=gen),
+            "labels": torch.randint(0, 10, (2,), generator=gen)}
+
+
+ARCHITECTURES: dict[str, Arch] = {
+    "llama": Arch(_hf("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=2, **_TINY),
+                  _tokens(), _hf_loss),
+    "gpt2": Arch(_hf("GPT2Config", "GPT2LMHeadModel", vocab_size=96, n_embd=48, n_layer=2,
+                     n_head=4, n_positions=32, **_NO_DROPOUT_GPT2), _tokens(), _hf_loss),
+    "bert": Arch(_hf("BertConfig", "BertForMaskedLM", **_TINY, **_NO_DROPOUT_BERT), _tokens(),
+                 _hf_loss),
+    "mixtral": Arch(_hf("MixtralConfig", "MixtralForCausalLM", num_key_value_heads=2,
+                        num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager",
+                        **_TINY), _tokens(), _hf_loss),
+    "vit": Arch(_hf("ViTConfig", "ViTForImageClassification", image_size=16, patch_size=4,
+                    hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                    intermediate_size=96, num_labels=10, **_NO_DROPOUT_BERT), _vit_batch, _hf_loss),
+    "resnet": Arch(ResNet, _image_batch, _classification_loss),
+    "lstm": Arch(LSTMLanguageModel, _tokens(), _lm_loss),
+    "mlp": Arch(_deep_mlp, _vector_batch, _classification_loss),
+}
+
+
+def build(arch: str, precision: str, seed: int = 0) -> tuple[nn.Module, dict]:
+    """The model of ``arch`` (weights from ``seed``) and its batch, at ``precision``."""
+    spec = ARCHITECTURES[arch]
+    torch.manual_seed(seed)
+    model = spec.make()
+    batch = spec.batch(torch.Generator().manual_seed(seed + 1))
+    if precision == "float64":
+        model = model.double()
+        batch = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+    return model, batch
+
+
+def precision_context(precision: str):
+    """What the step runs under: autocast for the 16-bit precisions, nothing otherwise."""
+    if precision in ("bfloat16", "float16"):
+        return torch.autocast("cpu", dtype=getattr(torch, precision))
+    return contextlib.nullcontext()
+
+
+def run_step(arch: str, precision: str, directory, *, seed: int = 0,
+             plant: Optional[dict] = None, dumper_options: Optional[dict] = None):
+    """Dump one training step of ``arch`` at ``precision`` into ``directory``; ``plant`` is
+    passed to ``dumper.perturb`` (e.g. ``{"include": "model.layers.0.mlp", "scale": 1.1,
+    "where": "output"}``). Returns the loss."""
+    from dumper import HookerAndDumper, perturb
+    model, batch = build(arch, precision, seed)
+    planted = perturb(model, **plant) if plant else None
+    dumper = HookerAndDumper(directory, **(dumper_options or {}))
+    with dumper.hooks(model, 0, 0):
+        with precision_context(precision):
+            loss = ARCHITECTURES[arch].loss(model, batch)
+        loss.backward()
+    if planted is not None:
+        planted.remove()
+    return float(loss)
