@@ -12,7 +12,7 @@ _EXPORTS = {
     "compare_dumps": "comparison", "load_dump": "dump", "Dump": "dump", "StepFile": "dump",
     "DumpError": "errors", "format_tree": "inspect", "summarize": "summary", "Summary": "summary",
     "Divergence": "summary", "Tolerance": "tolerance", "pair_tolerance": "tolerance",
-    "localize": "localize", "describe_origins": "localize", "judge": "verdict",
+    "localize": "injection", "describe_origins": "injection", "judge": "verdict",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -137,7 +137,7 @@ def compare_command(a: Path, b: Path, opts: Options) -> int:
     if not opts.quiet:
         click.echo(render_text(shown, summary, opts.show_all, opts.top, opts.order))
     if opts.injected is not None:
-        from .localize import describe_origins, localize
+        from .injection import describe_origins, localize
         origins = localize(dump_a, dump_b, opts.injected, opts.rtol, opts.atol,
                            steps=opts.steps, modules=opts.modules, free_result=result)
         if not opts.quiet:

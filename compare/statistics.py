@@ -54,14 +54,18 @@ def _nan_propagating(pick, x: float, y: float) -> float:
 
 def _estimate(sa: dict, sb: dict) -> float:
     """Relative L2 error estimated from statistics (see :func:`compare_stats`); 0 when they
-    agree, inf when A is all zeros and B is not."""
-    changes = [abs(sb[k] - sa[k]) for k in ("min", "max", "mean", "std")
-               if not (math.isnan(sa[k]) or math.isnan(sb[k]))]
-    norm_change = abs(sb["norm"] - sa["norm"])
+    agree, inf when A is all zeros and B is not. Each statistic's change is taken relative to
+    its own scale: an error of relative size e in every element changes each by about e."""
     if not sa["norm"] or math.isnan(sa["norm"]):
-        return 0.0 if norm_change == 0 and not any(changes) else math.inf
+        same = all(sa[k] == sb[k] or (math.isnan(sa[k]) and math.isnan(sb[k]))
+                   for k in ("min", "max", "mean", "std", "norm"))
+        return 0.0 if same else math.inf
     rms = math.hypot(sa["mean"], sa["std"])  # sqrt(norm² / n), population std
-    return max([norm_change / sa["norm"]] + [c / rms for c in changes])
+    scales = {"norm": sa["norm"], "std": rms, "mean": rms, "min": max(abs(sa["min"]), rms),
+              "max": max(abs(sa["max"]), rms)}
+    changes = [abs(sb[k] - sa[k]) / scale for k, scale in scales.items()
+               if not (math.isnan(sa[k]) or math.isnan(sb[k]))]
+    return max(changes, default=0.0)
 
 
 def compare_stats(a: tuple, b: tuple, tol: Tolerance) -> dict:
@@ -71,9 +75,10 @@ def compare_stats(a: tuple, b: tuple, tol: Tolerance) -> dict:
     satisfy ``|b - a| <= atol + rtol |b|`` for ``close`` (all identical: ``equal``). Figures:
     ``stat_rel_diff``, the largest ``|b - a| / max(|a|, atol)`` over those five;
     ``norm_rel_diff``, ``| ||b|| - ||a|| | / ||a||``; and ``rel_err_from_stats``, the verdict's
-    estimate of the relative L2 error: the largest of ``norm_rel_diff`` and the changes of
-    min, max, mean and std relative to A's root mean square. ``rel_l2_err`` itself cannot be
-    known from statistics and stays NaN.
+    estimate of the relative L2 error: the largest of ``norm_rel_diff``, the changes of std and
+    mean relative to A's root mean square, and of min and max relative to their own size (at
+    least the root mean square). ``rel_l2_err`` itself cannot be known from statistics and
+    stays NaN.
     """
     sa, sb = dict(zip(STAT_NAMES, a)), dict(zip(STAT_NAMES, b))
     values = ("min", "max", "mean", "std", "norm")

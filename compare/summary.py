@@ -101,7 +101,7 @@ class Summary:
     suspects: pd.DataFrame = field(default_factory=pd.DataFrame)
     largest: Optional[pd.Series] = None   # the passing record with the largest added_ratio
     weights: Optional[pd.Series] = None   # the parameter that differs most, if any
-    later_step: bool = False              # weights differ in a step after the first compared
+    later_step: bool = False              # they differ in a step after the first of training
 
     @property
     def ok(self) -> bool:
@@ -112,8 +112,9 @@ class Summary:
         weights = ""
         if self.weights is not None:
             w = self.weights
+            when = ", from earlier steps" if self.later_step else ""
             weights = (f"; weights differ (up to {w['rel_error']:.3g} in "
-                       f"{w['module'] or '<root>'}{', before this step' if self.later_step else ''})")
+                       f"{w['module'] or '<root>'}{when})")
         if self.first is not None:
             r = self.first.row
             return (f"B diverges from A: first at step {r['epoch']}:{r['step']} "
@@ -158,14 +159,13 @@ def summarize(result: pd.DataFrame) -> Summary:
     lowest = {precision_of(a, b) for a, b in pairs if a != b}
     precision = ", ".join(sorted(lowest)) if lowest else (
         "" if (values["status"] == st.EQUAL).all() else ", ".join(sorted({a for a, _ in pairs})))
-    passing = result[(result["status"] == st.CLOSE) & np.isfinite(result["added_ratio"])]
+    passing = result[(result["status"] == st.CLOSE) & np.isfinite(result["added_ratio"])
+                     & (result["same_as"] == "")]
     largest = passing.loc[passing["added_ratio"].idxmax()] if len(passing) and \
         passing["added_ratio"].notna().any() else None
     params = result[(result["kind"] == fmt.PARAM) & (result["status"] == st.INHERITED)]
     weights = params.loc[params["rel_error"].idxmax()] if len(params) else None
-    steps = result[["epoch", "step"]].drop_duplicates()
-    later = weights is not None and (weights["epoch"], weights["step"]) != tuple(
-        steps.sort_values(["epoch", "step"]).iloc[0])
+    later = weights is not None and (weights["epoch"], weights["step"]) != (0, 0)
     suspects = failing[failing["status"] == st.DIFF].sort_values(
         ["added_ratio", "added_rel_error"], ascending=False, kind="stable")
     suspects = suspects.assign(label=[record_label(r) for _, r in suspects.iterrows()])

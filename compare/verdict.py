@@ -5,8 +5,8 @@ known by their statistics, an estimate from them). Its *input error* is the larg
 the records it is computed from (:mod:`compare.sources`, earlier in execution order), and its
 *added error* is what it carries beyond that, ``sqrt(max(rel_error² - input_error², 0))``.
 
-The *expected* added error of a record is calibrated from the dump: the median added error of
-comparable records (same direction, kind, module class and the dtypes it was computed in; the
+The *expected* added error of a record is calibrated from the dump: the typical (lower-quartile)
+added error of comparable records (same direction, kind, module class and the dtypes it was computed in; the
 whole direction and dtype pair when fewer than ``MIN_GROUP`` are comparable), at least the
 rounding of the lower precision involved at the tensor's scale. Records computed in the same
 dtype on both sides by the same kernels (same device type, torch and TF32 settings, on the CPU
@@ -16,7 +16,9 @@ sources are, expect no added error at all: any difference there is a divergence.
 A record is
 
 - ``DIFF`` when ``rel_error > sqrt((GAIN * input_error)² + (SPREAD * expected)²)``: more than
-  its inputs' error, amplified up to ``GAIN`` times, and its own computation explain;
+  its inputs' error, amplified up to ``GAIN`` times, and its own computation explain
+  (``EXACT_GAIN`` instead of ``GAIN`` where no added error is expected, and downstream of a
+  failing record, whose consequences are only news when they more than double);
 - ``inherited`` when not, but it carries an error from a failing (or inherited) source beyond
   what it would carry from healthy sources;
 - ``close`` otherwise, ``equal`` when bit-identical.
@@ -45,12 +47,18 @@ from .sources import STEP_KEY, earlier_sources, parent_calls
 # added errors are calibrated (their typical size includes each kind of record's usual
 # amplification), and where none is expected (amplification is all there is to allow for).
 GAIN, EXACT_GAIN = 1.1, 2.0
+# Errors estimated from statistics (min, max: single elements) scatter around the true one by
+# a few times: records judged from them get this much more room.
+STATS_GAIN = 2.0
 SPREAD = 6.0    # how far above the typical added error of comparable records one may go
 MIN_GROUP = 5   # comparable records needed to calibrate a group of its own
+TYPICAL_QUANTILE = 0.25  # of the added errors of comparable records: the expected level
 EXACT_SHARE = 0.5  # share of bit-identical records (with identical sources) for an exact pair
 # Statistics computed by different code (the dumper on the device, the reader from values)
 # agree to float64 rounding: estimates below this are no evidence of a difference.
 STATS_RESOLUTION = 1e-12
+STATS_NOTE = ("; estimated from statistics (a difference that keeps min, max, mean, std and "
+              "norm cannot be seen)")
 
 
 class Rounding(NamedTuple):
@@ -96,6 +104,7 @@ def judge(result: pd.DataFrame, rtol: Optional[float] = None, atol: Optional[flo
     frame = result.reset_index(drop=True)
     n = len(frame)
     err = _rel_error(frame)
+    stats = frame["rel_l2_err"].isna().to_numpy() & frame["rel_err_from_stats"].notna().to_numpy()
     compared = frame["status"].isin(_COMPARED).to_numpy()
     seq = frame["seq"].to_numpy(np.int64)
     sources = [s[compared[s]] for s in earlier_sources(frame)]
@@ -117,8 +126,13 @@ def judge(result: pd.DataFrame, rtol: Optional[float] = None, atol: Optional[flo
     # is decided from, and what it selects then differs arbitrarily: no bound on either.
     discrete = np.array([rounding_of(a).unit == 0 and rounding_of(b).unit == 0
                          for a, b in zip(frame["dtype_a"], frame["dtype_b"])])
+    # Weights looked up by indices (an embedding, routed experts): the rows used may have
+    # drifted far more than the whole weight tensor, so differing weights explain any error.
+    params = (frame["kind"] == fmt.PARAM).to_numpy()
     unbounded = (discrete & (err_in > 0)) | np.array(
-        [bool(np.any(discrete[s] & (err[s] > 0))) for s in map(sources_of, range(n))])
+        [bool(np.any(discrete[s] & (err[s] > 0)))
+         or (bool(np.any(discrete[s])) and bool(np.any(params[s] & (err[s] > 0))))
+         for s in map(sources_of, range(n))])
     has_sources = np.array([len(sources_of(i)) > 0 for i in range(n)])
     repeat = np.array([i in alias_of and first_of[alias_of[i]] != i for i in range(n)])
     expected, expected_label = _expected(frame, err, err_in, added,
@@ -133,7 +147,6 @@ def judge(result: pd.DataFrame, rtol: Optional[float] = None, atol: Optional[flo
     source = np.full(n, "", object)
     same_as = np.full(n, "", object)
     label_of = labels(frame)
-    params = (frame["kind"] == fmt.PARAM).to_numpy()
     for i in np.lexsort((seq, frame["rank"].fillna(-1), frame["step"], frame["epoch"])):
         if not compared[i]:
             continue
@@ -152,14 +165,20 @@ def judge(result: pd.DataFrame, rtol: Optional[float] = None, atol: Optional[flo
         bad = s[_is_bad(status[s]) | tainted[s]] if len(s) else s
         tainted[i] = len(bad) > 0
         healthy_in = healthy[s].max() if len(s) else 0.0
-        bound = math.inf if unbounded[i] else math.hypot(gain[i] * err_in[i], SPREAD * expected[i])
+        # downstream of a failing record, only more than doubling what it carries is news
+        g = (EXACT_GAIN if tainted[i] else gain[i]) * (STATS_GAIN if stats[i] else 1.0)
+        bound = math.inf if unbounded[i] else math.hypot(g * err_in[i], SPREAD * expected[i])
         envelope = math.hypot(healthy_in, SPREAD * expected[i])
         healthy[i] = min(err[i], envelope)
         nonfinite = frame.at[i, "status"] == st.NAN_MISMATCH
         if frame.at[i, "status"] == st.EQUAL:
             continue
         if params[i]:  # weights come from before the step: not this step's doing
-            within = user_tol and frame.at[i, "mismatches"] == 0 and not nonfinite
+            if user_tol:
+                within = frame.at[i, "mismatches"] == 0 and not nonfinite
+            else:  # the same weights in two dtypes differ by one rounding
+                within = err[i] <= rounding_of(precision_of(frame.at[i, "dtype_a"],
+                                                             frame.at[i, "dtype_b"])).unit
             status[i] = st.CLOSE if within else st.INHERITED
             reason[i] = "" if within else f"weights differ by {err[i]:.3g} before this step"
             continue
@@ -182,7 +201,7 @@ def judge(result: pd.DataFrame, rtol: Optional[float] = None, atol: Optional[flo
             status[i] = st.CLOSE
         if status[i] in st.FAILING:
             reason[i] = _why(err[i], err_in[i], added[i], expected[i], expected_label[i],
-                             source[i], nonfinite, user_tol)
+                             source[i], nonfinite, user_tol) + (STATS_NOTE if stats[i] else "")
         elif status[i] == st.INHERITED:
             worst_bad = bad[np.argmax(err[bad])] if len(bad) else None
             reason[i] = ("" if worst_bad is None else
@@ -293,13 +312,13 @@ def _expected(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
             prows = prows.to_numpy()
             pool = added_s[prows[calibrating[prows]]]
             pool = pool[pool > 0]
-            pool_level = float(pool.median()) if len(pool) >= MIN_GROUP else 0.0
+            pool_level = _typical(pool) if len(pool) >= MIN_GROUP else 0.0
             for _, grows in group_key[prows].groupby(group_key[prows]).groups.items():
                 grows = grows.to_numpy()
                 members = added_s[grows[calibrating[grows]]]
                 members = members[members > 0]
                 own = len(members) >= MIN_GROUP
-                level = float(members.median()) if own else pool_level
+                level = _typical(members) if own else pool_level
                 what = (f"{frame.at[grows[0], 'cls']} {frame.at[grows[0], 'kind']} records"
                         if own else f"{frame.at[grows[0], 'kind']} records")
                 expected[grows] = level
@@ -308,6 +327,14 @@ def _expected(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
         expected[rows[at_floor]] = floor[at_floor]
         label[rows[at_floor]] = f"{precision} rounding at this tensor's scale"
     return expected, label
+
+
+def _typical(added: pd.Series) -> float:
+    """The typical added error of comparable records: their lower quartile. Where one large
+    error runs through most of a small model, what its consequences seem to add (its
+    amplification fluctuating) contaminates the upper half; the lower quartile still shows the
+    records' own rounding, which varies little between healthy records of one kind."""
+    return float(added.quantile(TYPICAL_QUANTILE))
 
 
 def _mostly_exact(err: np.ndarray, err_in: np.ndarray, rows: np.ndarray) -> bool:

@@ -129,8 +129,9 @@ class RecordMaker:
         self._pool, self._budget, self._drop = pool, budget, drop_when_full
 
     def tensor(self, seq: int, call: CallInfo, kind: str, index: int, path: str,
-               t: torch.Tensor, owned: bool = False) -> Record:
-        """Record for tensor leaf ``t``, whose values (or statistics) are taken now.
+               t: torch.Tensor, owned: bool = False, stats: bool = False) -> Record:
+        """Record for tensor leaf ``t``, whose values (or statistics, for a statistics-only
+        call or with ``stats``) are taken now.
 
         ``owned``: ``t`` is a private tensor nothing else references or modifies (e.g. a sum
         made by the dumper); on the CPU it becomes the snapshot itself, without a copy."""
@@ -140,7 +141,7 @@ class RecordMaker:
                      fmt.ST_UNSUPPORTED if reason else fmt.ST_OK, reason)
         if reason:
             return rec
-        if call.stats_only:
+        if call.stats_only or stats:
             try:
                 stats = tensor_stats(t)
             except Exception as exc:  # a tensor type nobody foresaw must not stop training

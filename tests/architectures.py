@@ -3,9 +3,9 @@
 torchvision-style ResNet with in-place ReLU, an ``nn.LSTM`` language model and a deep residual
 MLP. Every builder is deterministic in its seed.
 
-``run_step(arch, precision, directory, ...)`` dumps one training step (forward, loss, backward)
+``run_step(arch, precision, directory, ...)`` dumps a training step (forward, loss, backward)
 of ``arch`` at ``precision``: ``float32``; ``float64`` (the model and float inputs in double);
-``bfloat16`` / ``float16`` (float32 weights under ``torch.autocast("cpu", dtype=...)``).
+``bfloat16`` / ``float16`` (float32 weights under ``torch.autocast(device, dtype=...)``).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ class Arch:
 def _hf(config_name: str, model_name: str, **config) -> Callable[[], nn.Module]:
     def make() -> nn.Module:
         import transformers
+        transformers.logging.set_verbosity_error()  # tiny configs draw harmless warnings
         cfg = getattr(transformers, config_name)(**config)
         return getattr(transformers, model_name)(cfg).train()
     return make
@@ -167,8 +168,10 @@ ARCHITECTURES: dict[str, Arch] = {
 }
 
 
-def build(arch: str, precision: str, seed: int = 0) -> tuple[nn.Module, dict]:
-    """The model of ``arch`` (weights from ``seed``) and its batch, at ``precision``."""
+def build(arch: str, precision: str, seed: int = 0, device: str = "cpu"
+          ) -> tuple[nn.Module, dict]:
+    """The model of ``arch`` (weights from ``seed``) and its batch, at ``precision``, on
+    ``device``."""
     spec = ARCHITECTURES[arch]
     torch.manual_seed(seed)
     model = spec.make()
@@ -176,29 +179,35 @@ def build(arch: str, precision: str, seed: int = 0) -> tuple[nn.Module, dict]:
     if precision == "float64":
         model = model.double()
         batch = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
-    return model, batch
+    return model.to(device), {k: v.to(device) for k, v in batch.items()}
 
 
-def precision_context(precision: str):
+def precision_context(precision: str, device: str = "cpu"):
     """What the step runs under: autocast for the 16-bit precisions, nothing otherwise."""
     if precision in ("bfloat16", "float16"):
-        return torch.autocast("cpu", dtype=getattr(torch, precision))
+        return torch.autocast(torch.device(device).type, dtype=getattr(torch, precision))
     return contextlib.nullcontext()
 
 
 def run_step(arch: str, precision: str, directory, *, seed: int = 0,
-             plant: Optional[dict] = None, dumper_options: Optional[dict] = None):
-    """Dump one training step of ``arch`` at ``precision`` into ``directory``; ``plant`` is
-    passed to ``dumper.perturb`` (e.g. ``{"include": "model.layers.0.mlp", "scale": 1.1,
-    "where": "output"}``). Returns the loss."""
+             plant: Optional[dict] = None, dumper_options: Optional[dict] = None,
+             steps: int = 1, lr: float = 0.05, device: str = "cpu") -> float:
+    """Train ``arch`` at ``precision`` for ``steps`` SGD steps on one batch and dump the last
+    one into ``directory``; ``plant`` is passed to ``dumper.perturb`` (e.g. ``{"include":
+    "model.layers.0.mlp", "scale": 1.1, "where": "output"}``) and stays for every step.
+    Returns the last loss."""
     from dumper import HookerAndDumper, perturb
-    model, batch = build(arch, precision, seed)
+    model, batch = build(arch, precision, seed, device)
     planted = perturb(model, **plant) if plant else None
-    dumper = HookerAndDumper(directory, **(dumper_options or {}))
-    with dumper.hooks(model, 0, 0):
-        with precision_context(precision):
-            loss = ARCHITECTURES[arch].loss(model, batch)
-        loss.backward()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    dumper = HookerAndDumper(directory, steps=[steps - 1], **(dumper_options or {}))
+    for step in range(steps):
+        with dumper.hooks(model, 0, step):
+            with precision_context(precision, device):
+                loss = ARCHITECTURES[arch].loss(model, batch)
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
     if planted is not None:
         planted.remove()
-    return float(loss)
+    return float(loss.detach())

@@ -113,7 +113,8 @@ def test_shared_module_calls_are_numbered_and_paired(tmp_path):
     shared = index[index["module"] == "shared"]
     assert sorted(shared["call_idx"].unique()) == [0, 1]
     for call_idx, rows in shared.groupby("call_idx"):
-        assert set(rows["kind"]) == {"input", "output", "grad_input", "grad_output"}
+        weights = {"param"} if call_idx == 0 else set()  # statistics of the weights, once
+        assert set(rows["kind"]) == {"input", "output", "grad_input", "grad_output"} | weights
         assert rows["group"].nunique() == 1
     # the second call's backward runs first
     back = shared[shared["kind"] == "grad_output"].sort_values("seq")
@@ -213,7 +214,7 @@ def test_inference_and_no_grad_steps_are_dumped(tmp_path, context, mode):
             out = model(x)
     assert torch.equal(out, expected)
     index = load_dump(tmp_path).index
-    assert set(index["kind"]) == {"input", "output"}
+    assert set(index["kind"]) == {"input", "output", "param"}
     if mode == "tensors":
         assert torch.equal(read_tensors(tmp_path)[("0", 0, "output", 0)], before_relu)
     else:

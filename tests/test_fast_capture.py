@@ -147,7 +147,7 @@ def test_statistics_equal_numpy_references(tmp_path):
     _dump(tmp_path / "stats", Planted(), batch, mode="stats")
     values = read_tensors(tmp_path / "tensors")
     stats = load_dump(tmp_path / "stats").index
-    stats = stats[stats["stat_nan"].notna()]
+    stats = stats[stats["stat_nan"].notna() & (stats["kind"] != "param")]  # weights: see below
     assert len(stats) == len(values) and (stats["dataset"] == "").all()
     for row in stats.itertuples():
         ref = stats_of_chunks([values[(row.module, row.call_idx, row.kind, row.index)]
@@ -157,6 +157,20 @@ def test_statistics_equal_numpy_references(tmp_path):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, equal_nan=True)
     assert (stats["stat_nan"] > 0).any()
     del model
+
+
+def test_weights_are_described_by_statistics_by_default(tmp_path):
+    """Without params=True every dumped step still carries statistics of each module's own
+    parameters (once per module), so that a comparison can tell drifted weights apart."""
+    model = Planted()
+    _dump(tmp_path, model, torch.randn(8, 6))
+    index = load_dump(tmp_path).index
+    params = index[index["kind"] == "param"]
+    expected = [(name, p) for name, p in model.named_parameters()]
+    assert len(params) == len(expected) and (params["dataset"] == "").all()
+    for row, (name, p) in zip(params.itertuples(), expected):
+        assert f"{row.module}.{row.path}" == name
+        assert row.stat_norm == pytest.approx(p.detach().double().norm().item(), rel=1e-12)
 
 
 def _planted_tensor(n, dtype, plant):

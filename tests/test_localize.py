@@ -14,7 +14,7 @@ from torch import nn
 from compare import compare_dumps, load_dump, summarize
 from compare.cli import main as h5cmp
 from compare.dataflow import edges, to_dot
-from compare.localize import localize
+from compare.injection import localize
 from compare.status import INHERITED, ORIGIN
 from dumper import HookerAndDumper, Injector, io_shapes, module_keys, perturb
 

@@ -59,9 +59,10 @@ def localize(reference: PathLike | Dump, free: PathLike | Dump, injected: PathLi
 
 def _upstream_injected(loc: pd.DataFrame) -> pd.Series:
     """Whether each row's call had its upstream (inputs for outputs, incoming gradients for
-    grad_inputs) replaced: present, and differing from the reference by the cast at most."""
-    cast = loc["dtype_b"].map(lambda d: rounding_of(d).unit).fillna(0.0)
-    within = (loc["status"] == st.EQUAL) | (loc["rel_error"] <= cast)
+    grad_inputs) replaced: present, and no element further from the reference than rounding
+    it to B's dtype moves it (half a unit roundoff)."""
+    half_unit = loc["dtype_b"].map(lambda d: rounding_of(d).unit / 2).fillna(0.0)
+    within = (loc["status"] == st.EQUAL) | (loc["max_rel_err"] <= half_unit * (1 + 1e-9))
     calls = loc.assign(rank=loc["rank"].fillna(-1), within=within)
     injected = pd.Series(False, index=loc.index)
     for produced, upstream in PRODUCED.items():

@@ -1,0 +1,193 @@
+"""The verdict on real architectures: healthy pairs across precisions pass, planted errors are
+found where they were planted, their consequences are inherited, not failed."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from compare import compare_dumps, localize, summarize
+from compare.cli import main as h5cmp
+from compare.status import FAILING, INHERITED, ORIGIN
+from dumper import HookerAndDumper, Injector, perturb
+
+from architectures import run_step
+
+pytest.importorskip("transformers")
+warnings.filterwarnings("ignore", module="transformers")
+
+# precision pairs (A, B) and the relative size of the error planted in B
+VARIANTS = {
+    "same": ("float32", "float32", 1e-3),
+    "fp64": ("float64", "float32", 3e-2),
+    "bf16": ("float32", "bfloat16", 0.1),
+    "fp16": ("float32", "float16", 3e-2),
+}
+# per architecture: a module to plant in forward (its output) and one in backward (the
+# gradient arriving at its output), chosen among the model's own layers
+PLANTS = {
+    "gpt2": ("transformer.h.1.mlp.c_fc", "transformer.h.0.attn.c_proj"),
+    "llama": ("model.layers.0.self_attn.o_proj", "model.layers.1.mlp.up_proj"),
+    "resnet": ("layer1.1.conv2", "fc"),
+    "lstm": ("lstm", "head"),
+}
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory):
+    """``dumps(arch, precision, plant=None, run="a")``: the directory of that run, made once
+    (``run`` tells apart two runs of the same code)."""
+    root = tmp_path_factory.mktemp("verdict")
+    made = {}
+
+    def get(arch, precision, plant=None, run="a"):
+        key = (arch, precision, None if plant is None else str(sorted(plant.items())), run)
+        if key not in made:
+            made[key] = root / f"run{len(made)}"
+            run_step(arch, precision, made[key], plant=plant)
+        return made[key]
+    return get
+
+
+def _named(first, module: str) -> bool:
+    """The first divergence, or a record of the same tensor, is ``module`` or inside it."""
+    names = [first.row["module"], *first.aliases.get("module", [])]
+    return any(n == module or n.startswith(module + ".") for n in names)
+
+
+CASES = [(arch, variant) for arch in PLANTS for variant in VARIANTS
+         if not (arch == "lstm" and variant == "fp16")]  # oneDNN's CPU LSTM has no float16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, variant", CASES)
+def test_healthy_pair_passes_and_plants_are_found(dumps, arch, variant):
+    prec_a, prec_b, size = VARIANTS[variant]
+    a = dumps(arch, prec_a)
+    healthy = summarize(compare_dumps(a, dumps(arch, prec_b, run="b")))
+    assert healthy.ok and healthy.first is None, healthy
+    assert healthy.verdict().startswith("B agrees with A")
+    for module, where in zip(PLANTS[arch], ("output", "grad_output")):
+        planted = dumps(arch, prec_b, {"include": [module], "where": where, "scale": 1 + size})
+        result = compare_dumps(a, planted)
+        summary = summarize(result)
+        assert summary.first is not None and _named(summary.first, module), (where, summary)
+        assert summary.first.direction == ("forward" if where == "output" else "backward")
+        # quiet: the origin fails, what carries it is inherited
+        assert (result["status"].isin(FAILING)).sum() <= 3, result[result["status"].isin(FAILING)]
+        assert (result["status"] == INHERITED).any()
+
+
+def test_identical_rerun_is_all_equal(dumps, tmp_path):
+    run_step("gpt2", "float32", tmp_path / "again")
+    result = compare_dumps(dumps("gpt2", "float32"), tmp_path / "again")
+    assert (result["status"] == "equal").all()
+    assert summarize(result).verdict() == "B agrees with A exactly"
+
+
+class TinyGrads(torch.nn.Module):
+    """Gradients of ~1e-6 (the loss is scaled down), as with small losses or loss scaling."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 32)
+        self.b = torch.nn.Linear(32, 32)
+        self.c = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+@pytest.mark.parametrize("dtype_a, size, scale", [
+    (torch.float32, 1e-3, 1e-6),   # same precision: a 1e-3 error in gradients of ~1e-9
+    (torch.float64, 3e-2, 1e-4),   # float64 reference: a 3e-2 error in gradients of ~3e-7
+])
+def test_small_magnitude_gradient_errors_are_found(tmp_path, dtype_a, size, scale):
+    batch = torch.randn(8, 16)
+
+    def run(name, dtype, plant):
+        torch.manual_seed(0)
+        model = TinyGrads().to(dtype)
+        if plant:
+            perturb(model, "b", where="grad_output", scale=1 + size)
+        with HookerAndDumper(tmp_path / name).hooks(model, 0, 0):
+            (model(batch.to(dtype)).pow(2).mean() * scale).backward()
+        return tmp_path / name
+
+    a = run("a", dtype_a, False)
+    result = compare_dumps(a, run("planted", torch.float32, True))
+    grads = result[result["kind"] == "grad_output"]
+    assert grads["max_abs_err"].max() < 1e-5  # what a fixed atol=1e-5 would have let through
+    first = summarize(result).first
+    assert first is not None and first.row["module"] == "b" and first.direction == "backward"
+    assert summarize(compare_dumps(a, run("healthy", torch.float32, False))).ok
+
+
+def test_statistics_dumps_get_the_same_judgement(tmp_path):
+    stats = {"mode": "stats"}
+    run_step("gpt2", "float32", tmp_path / "a", dumper_options=stats)
+    run_step("gpt2", "bfloat16", tmp_path / "b", dumper_options=stats)
+    healthy = compare_dumps(tmp_path / "a", tmp_path / "b")
+    assert summarize(healthy).ok
+    assert healthy["rel_l2_err"].isna().all() and healthy["norm_rel_diff"].notna().any()
+    plant = {"include": ["transformer.h.0.mlp.c_fc"], "where": "output", "scale": 1.1}
+    run_step("gpt2", "bfloat16", tmp_path / "p", dumper_options=stats, plant=plant)
+    first = summarize(compare_dumps(tmp_path / "a", tmp_path / "p")).first
+    assert first.row["module"] == "transformer.h.0.mlp.c_fc" and first.row["kind"] == "output"
+    assert "estimated from statistics" in first.row["reason"]
+
+
+def test_drifted_weights_explain_later_steps(tmp_path):
+    """After a few steps, fp32 and bf16 runs have different weights: the report says so and
+    blames no module whose error the weights explain."""
+    run_step("gpt2", "float32", tmp_path / "a", steps=4)
+    run_step("gpt2", "bfloat16", tmp_path / "b", steps=4)
+    result = compare_dumps(tmp_path / "a", tmp_path / "b")
+    summary = summarize(result)
+    assert summary.ok, summary
+    weights = result[result["kind"] == "param"]
+    assert (weights["status"] == INHERITED).any()
+    assert "weights differ" in summary.verdict()
+
+
+def test_kind_filter_does_not_change_the_verdict(dumps):
+    a = dumps("gpt2", "float32")
+    planted = dumps("gpt2", "bfloat16", {"include": ["transformer.h.1.mlp.c_fc"],
+                                         "where": "output", "scale": 1.1})
+    full = CliRunner().invoke(h5cmp, [str(a), str(planted)]).output
+    only = CliRunner().invoke(h5cmp, [str(a), str(planted), "--kind", "grad_input"]).output
+    verdict = "B diverges from A: first at step 0:0 forward in transformer.h.1.mlp.c_fc"
+    assert full.startswith(verdict) and only.startswith(verdict)
+    assert "it has no recorded inputs" not in only
+    table = only.split("\n\nfailing rows", 1)[1] if "\n\nfailing rows" in only else ""
+    assert " output[" not in table
+
+
+def test_injected_local_errors_get_the_same_judgement(tmp_path):
+    """bf16 modules each add a little rounding error locally: with reference inputs injected,
+    only the planted module is an origin, and no backward record is reported for a forward
+    injection."""
+    plant = {"include": ["transformer.h.0.mlp.c_fc"], "where": "output", "scale": 1.1}
+    run_step("gpt2", "float32", tmp_path / "a")
+    run_step("gpt2", "bfloat16", tmp_path / "b", plant=plant)
+    injector = Injector(tmp_path / "a", kinds=["input"])
+    from architectures import build, precision_context, ARCHITECTURES
+    model, batch = build("gpt2", "bfloat16")
+    planted = perturb(model, **plant)
+    injector.register(model, 0, 0)
+    with HookerAndDumper(tmp_path / "i").hooks(model, 0, 0):
+        with precision_context("bfloat16"):
+            ARCHITECTURES["gpt2"].loss(model, batch).backward()
+    injector.remove()
+    planted.remove()
+    table = localize(tmp_path / "a", tmp_path / "b", tmp_path / "i")
+    assert set(table["kind"]) == {"output"}
+    origins = table[table["verdict"] == ORIGIN]
+    assert origins["module"].tolist() == ["transformer.h.0.mlp.c_fc"]
+    assert np.isfinite(origins["local_added_ratio"]).all() and (origins["local_added_ratio"] > 10).all()
+    out = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "b"), "--injected",
+                                     str(tmp_path / "i")]).output
+    assert "1 origin" in out and "origin: step 0:0 forward transformer.h.0.mlp.c_fc" in out
