@@ -66,9 +66,11 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
             metrics.update(result)
             if progress:
                 progress(len(result))
-    kernels = all(fmt.same_kernels(files_a[k].attrs, files_b[k].attrs)
-                  for k in files_a.keys() & files_b.keys())
-    judged = judge(_result_frame(pairs, metrics), rtol, atol, same_kernels=kernels)
+    paired = files_a.keys() & files_b.keys()
+    kernels = all(fmt.same_kernels(files_a[k].attrs, files_b[k].attrs) for k in paired)
+    tf32 = tuple(tuple(any(fmt.tf32_allowed(files[k].attrs)[i] for k in paired) for i in (0, 1))
+                 for files in (files_a, files_b))
+    judged = judge(_result_frame(pairs, metrics), rtol, atol, same_kernels=kernels, tf32=tf32)
     return select(judged, modules, kinds)[RESULT_COLUMNS].reset_index(drop=True)
 
 

@@ -162,6 +162,15 @@ def same_kernels(attrs_a: dict, attrs_b: dict) -> bool:
     return deterministic and kernels(attrs_a) == kernels(attrs_b)
 
 
+def tf32_allowed(attrs: dict) -> tuple[bool, bool]:
+    """Whether a step ran on CUDA with float32 (matmuls, convolutions and cuDNN RNNs) allowed to
+    use TF32 (10-bit mantissas): those are then that precise only."""
+    cuda = str(attrs.get("device", "")).startswith("cuda")
+    matmul = bool(attrs.get("tf32_matmul")) or attrs.get("float32_matmul_precision",
+                                                         "highest") != "highest"
+    return cuda and matmul, cuda and bool(attrs.get("tf32_cudnn"))
+
+
 def format_shape(shape: tuple[int, ...]) -> str:
     return ",".join(str(s) for s in shape)
 

@@ -15,10 +15,11 @@ sources are, expect no added error at all: any difference there is a divergence.
 
 A record is
 
-- ``DIFF`` when ``rel_error > sqrt((GAIN * input_error)² + (SPREAD * expected)²)``: more than
-  its inputs' error, amplified up to ``GAIN`` times, and its own computation explain
-  (``EXACT_GAIN`` instead of ``GAIN`` where no added error is expected, and downstream of a
-  failing record, whose consequences are only news when they more than double);
+- ``DIFF`` when ``rel_error > sqrt((gain * input_error)² + (SPREAD * expected)²)``: more than
+  its inputs' error, amplified as comparable records amplify theirs (``gain``: calibrated
+  between ``GAIN`` and ``EXACT_GAIN``), and its own computation explain (``EXACT_GAIN``
+  where no added error is expected, and downstream of a failing record, whose consequences
+  are only news when they more than double);
 - ``inherited`` when not, but it carries an error from a failing (or inherited) source beyond
   what it would carry from healthy sources;
 - ``close`` otherwise, ``equal`` when bit-identical.
@@ -77,7 +78,12 @@ ROUNDING = {
     "float8_e8m0fnu": Rounding(1.0, 2.0 ** -128), "float4_e2m1fn_x2": Rounding(2.0 ** -2, 2.0 ** -2),
 }
 ROUNDING.update({"complex128": ROUNDING["float64"], "complex64": ROUNDING["float32"],
-                 "complex32": ROUNDING["float16"]})
+                 "complex32": ROUNDING["float16"],
+                 # float32 matmuls and convolutions on CUDA with TF32 allowed: 10-bit mantissas
+                 "tensorfloat32": Rounding(2.0 ** -11, 2.0 ** -150)})
+# Modules whose float32 computation TF32 may touch: those owning a weight matrix (matmuls) or a
+# weight of more dimensions (convolutions; batched experts), and cuDNN's RNNs.
+RNN_CLASSES = r"LSTM|GRU|RNN"
 EXACT_DTYPE = Rounding(0.0, 0.0)  # integers, bool
 
 
@@ -96,11 +102,15 @@ def precision_of(dtype_a: str, dtype_b: str) -> str:
 
 
 def judge(result: pd.DataFrame, rtol: Optional[float] = None, atol: Optional[float] = None,
-          same_kernels: bool = False) -> pd.DataFrame:
+          same_kernels: bool = False,
+          tf32: tuple[tuple[bool, bool], tuple[bool, bool]] = ((False, False), (False, False))
+          ) -> pd.DataFrame:
     """``result`` (rows in execution order) with the verdict columns (``VERDICT_COLUMNS``) and
     each compared record's ``status`` set by the error model (see the module docstring).
     ``same_kernels``: both runs ran the same kernels (:func:`compare.format.same_kernels`), so
-    records of equal dtypes are expected bit-identical."""
+    records of equal dtypes may be bit-identical (they are expected to be if the dump shows it
+    where their sources are); ``tf32``: per side, whether float32 matmuls, and convolutions,
+    may have used TF32 (:func:`compare.format.tf32_allowed`)."""
     frame = result.reset_index(drop=True)
     n = len(frame)
     err = _rel_error(frame)
@@ -135,9 +145,9 @@ def judge(result: pd.DataFrame, rtol: Optional[float] = None, atol: Optional[flo
          for s in map(sources_of, range(n))])
     has_sources = np.array([len(sources_of(i)) > 0 for i in range(n)])
     repeat = np.array([i in alias_of and first_of[alias_of[i]] != i for i in range(n)])
-    expected, expected_label = _expected(frame, err, err_in, added,
-                                         compared & has_sources & ~repeat, same_kernels)
-    gain = np.where(expected_label == EXACT_LABEL, EXACT_GAIN, GAIN)
+    expected, expected_label, gain = _expected(frame, err, err_in, added,
+                                               compared & has_sources & ~repeat, same_kernels,
+                                               tf32)
 
     user_tol = rtol is not None or atol is not None
     status = frame["status"].to_numpy(object).copy()
@@ -253,58 +263,107 @@ def _lowest(dtypes) -> str:
     return max(dtypes, key=lambda d: rounding_of(d).unit)
 
 
-def _computed_in(frame: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+def _weighted(frame: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """Per row, whether its module owns a parameter of 2 dimensions (a matmul's weight; cuDNN
+    RNNs count as convolutions) or of more (a convolution's, or batched experts')."""
+    params = frame[frame["kind"] == fmt.PARAM]
+    dims = params["shape_a"].where(params["shape_a"].notna(), params["shape_b"]).map(
+        lambda s: len(s) if isinstance(s, tuple) else 0)
+    most = dims.groupby(params["module"]).max()
+    ndim = frame["module"].map(most).fillna(0)
+    rnn = frame["cls"].fillna("").str.contains(RNN_CLASSES, regex=True)
+    return (ndim == 2) & ~rnn, (ndim > 2) | (rnn & (ndim >= 2))
+
+
+def _computed_in(frame: pd.DataFrame, tf32: tuple[tuple[bool, bool], tuple[bool, bool]]
+                 ) -> tuple[pd.Series, pd.Series]:
     """The dtype each record was computed in, per side: its own, or lower where its call
     evidently computes in a lower precision: its children output it (a container of bfloat16
     layers, or of experts whose matmuls it does itself), or, for a gradient, the call output it
     (autocast computes the gradient of a float32 input of a bfloat16 matmul in bfloat16, then
-    casts it)."""
+    casts it); a gradient arriving at an output, its consumers' lowest; an input made by its
+    parent's own code, the parent's lowest. Where ``tf32`` allows it, float32 matmul and
+    convolution modules compute in ``tensorfloat32``."""
     sides = [frame["dtype_a"].fillna(""), frame["dtype_b"].fillna("")]
     frame = frame.assign(rank=frame["rank"].fillna(-1))
     outputs = frame[frame["kind"] == fmt.OUTPUT]
     keys = list(zip(frame["epoch"], frame["step"], frame["rank"], frame["call"]))
+    consumers: dict[tuple, list[tuple]] = {}  # call -> the calls its outputs were input to
+    for key, kind, producer in zip(keys, frame["kind"], frame["producer"]):
+        if kind == fmt.INPUT and producer >= 0:
+            consumers.setdefault((*key[:3], producer), []).append(key)
+    parents: dict[tuple, Optional[tuple]] = {}
+    for (epoch, step, rank), calls in frame.groupby(STEP_KEY):
+        for call, parent in parent_calls(calls.drop_duplicates("call")).items():
+            parents[(epoch, step, rank, call)] = (
+                None if parent is None else (epoch, step, rank, parent))
+    matmul, conv = _weighted(frame)
     for side, column in enumerate(("dtype_a", "dtype_b")):
-        own_out = {key: _lowest(rows[column].dropna()) for key, rows in
-                   outputs[outputs[column].notna()].groupby([*STEP_KEY, "call"])}
+        own = sides[side]
+        uses_tf32 = (matmul & tf32[side][0]) | (conv & tf32[side][1])
+        own = own.where(~(uses_tf32 & (own == "float32")), "tensorfloat32")
+        tf32_calls = {k for k, used in zip(keys, uses_tf32) if used}
+        own_out = {}  # lowest output dtype of each call
+        for key, out in zip(keys, own.where(frame["kind"] == fmt.OUTPUT, "")):
+            if out:
+                own_out[key] = _lowest([out] + ([own_out[key]] if key in own_out else []))
         inner: dict[tuple, str] = {}  # lowest output dtype of a call's descendants
-        for (epoch, step, rank), calls in frame.groupby(STEP_KEY):
-            parents = parent_calls(calls.drop_duplicates("call"))
-            for call in sorted(parents, reverse=True):  # children before their parents
-                key, parent = (epoch, step, rank, call), parents[call]
-                low = [d for d in (own_out.get(key, ""), inner.get(key, "")) if d]
-                if parent is not None and low:
-                    up = (epoch, step, rank, parent)
-                    inner[up] = _lowest(low + ([inner[up]] if up in inner else []))
+        for key in sorted(parents, reverse=True):  # children before their parents
+            low = [d for d in (own_out.get(key, ""), inner.get(key, "")) if d]
+            up = parents[key]
+            if up is not None and low:
+                inner[up] = _lowest(low + ([inner[up]] if up in inner else []))
         lowered = []
-        for key, kind, own in zip(keys, frame["kind"], sides[side]):
-            candidates = [own, inner.get(key, "")]
+        for key, kind, producer, dtype in zip(keys, frame["kind"], frame["producer"], own):
+            candidates = [dtype, inner.get(key, "")]
             if kind in fmt.BACKWARD_KINDS:
                 candidates.append(own_out.get(key, ""))
-            lowered.append(_lowest([d for d in candidates if d]) if own else own)
+            if kind == fmt.GRAD_OUTPUT:  # made by its consumers' backward
+                candidates += [d for c in consumers.get(key, ()) for d in
+                               (own_out.get(c, ""), inner.get(c, ""))]
+            if kind == fmt.INPUT and producer < 0 and parents.get(key) is not None:
+                candidates.append(inner.get(parents[key], ""))  # the parent's own matmuls too
+                if parents[key] in tf32_calls and dtype == "float32":
+                    candidates.append("tensorfloat32")
+            lowered.append(_lowest([d for d in candidates if d]) if dtype else dtype)
         sides[side] = pd.Series(lowered, frame.index)
     return sides[0], sides[1]
 
 
+class Expectation(NamedTuple):
+    """Per row: the expected added error, what it was calibrated on, and the gain allowed."""
+
+    level: np.ndarray
+    label: np.ndarray
+    gain: np.ndarray
+
+
 def _expected(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: np.ndarray,
-              calibrating: np.ndarray, same_kernels: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Expected added error per row and a label of what it was calibrated on."""
+              calibrating: np.ndarray, same_kernels: bool,
+              tf32: tuple[tuple[bool, bool], tuple[bool, bool]]) -> Expectation:
+    """Calibrate, per group of comparable records, the expected added error (see the module
+    docstring) and the gain: how much such records amplify an error they receive (the upper
+    quartile of ``rel_error / input_rel_error`` where the input's error dominates, at least 1,
+    times ``GAIN``, at most ``EXACT_GAIN``; ``EXACT_GAIN`` where no error is expected)."""
     direction = np.where(frame["kind"].isin(list(fmt.BACKWARD_KINDS)), "backward", "forward")
-    dtype_a, dtype_b = _computed_in(frame)
+    dtype_a, dtype_b = _computed_in(frame, tf32)
     pair = dtype_a + "/" + dtype_b
     pool_key = pd.Series(direction, index=frame.index) + " " + pair + " " + frame["kind"]
     group_key = pool_key + " " + frame["cls"].fillna("")
     scale = frame["rms_a"].to_numpy(float)
-    expected = np.zeros(len(frame))
-    label = np.full(len(frame), "", object)
+    out = Expectation(np.zeros(len(frame)), np.full(len(frame), "", object),
+                      np.full(len(frame), GAIN))
     added_s = pd.Series(added)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = pd.Series(np.where((err_in > 0) & (added <= err_in), err / err_in, np.nan))
     for _, rows in pair.groupby(pair).groups.items():
         rows = rows.to_numpy()
         low_a, low_b = dtype_a[rows[0]], dtype_b[rows[0]]
         precision = precision_of(low_a, low_b)
-        if low_a == low_b and (same_kernels or _mostly_exact(err, err_in, rows[calibrating[rows]])):
-            label[rows] = EXACT_LABEL
+        if low_a == low_b and same_kernels and _mostly_exact(err, err_in, rows[calibrating[rows]]):
+            out.label[rows], out.gain[rows] = EXACT_LABEL, EXACT_GAIN
             continue
-        rounding = rounding_of(precision) if low_a != low_b else EXACT_DTYPE
+        rounding = rounding_of(precision)  # one rounding, at least, where kernels differ
         with np.errstate(divide="ignore", invalid="ignore"):
             floor = np.hypot(rounding.unit, np.where(
                 scale[rows] > 0, rounding.underflow / scale[rows], 0.0))
@@ -318,15 +377,18 @@ def _expected(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
                 members = added_s[grows[calibrating[grows]]]
                 members = members[members > 0]
                 own = len(members) >= MIN_GROUP
-                level = _typical(members) if own else pool_level
                 what = (f"{frame.at[grows[0], 'cls']} {frame.at[grows[0], 'kind']} records"
                         if own else f"{frame.at[grows[0], 'kind']} records")
-                expected[grows] = level
-                label[grows] = f"typical {precision} added error of {what} in this dump"
-        at_floor = expected[rows] < floor
-        expected[rows[at_floor]] = floor[at_floor]
-        label[rows[at_floor]] = f"{precision} rounding at this tensor's scale"
-    return expected, label
+                out.level[grows] = _typical(members) if own else pool_level
+                out.label[grows] = f"typical {precision} added error of {what} in this dump"
+                gains = ratio[grows[calibrating[grows]]].dropna()
+                if len(gains) >= MIN_GROUP:  # their amplification, with GAIN's margin
+                    out.gain[grows] = min(max(float(gains.quantile(0.75)), 1.0) * GAIN,
+                                          EXACT_GAIN)
+        at_floor = out.level[rows] < floor
+        out.level[rows[at_floor]] = floor[at_floor]
+        out.label[rows[at_floor]] = f"{precision} rounding at this tensor's scale"
+    return out
 
 
 def _typical(added: pd.Series) -> float:

@@ -209,8 +209,9 @@ class Perturbation:
                 return leaf
             if self.where == fmt.OUTPUT:
                 return self._apply(leaf)
-            if leaf.requires_grad:
-                self._hooks.handles.append(leaf.register_hook(self._apply))
+            if leaf.requires_grad:  # autograd may deliver no gradient (None): leave it so
+                self._hooks.handles.append(leaf.register_hook(
+                    lambda grad: None if grad is None else self._apply(grad)))
             return leaf
         return map_tensors(output, each)
 

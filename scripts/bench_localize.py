@@ -6,10 +6,13 @@ healthy pairs? Not a timed test.
 For every architecture of ``tests/architectures.py`` (Hugging Face models from tiny configs,
 a torchvision-style ResNet, an LSTM, a deep residual MLP) and every variant
 
-    same   A float32,  B float32,                       plant 1e-3
-    fp64   A float64,  B float32,                       plant 3e-2 and 1e-3
-    bf16   A float32,  B bfloat16 autocast (CPU),       plant 0.1
-    fp16   A float32,  B float16 autocast (CPU),        plant 3e-2
+    same      A float32,  B float32,                         plant 1e-3
+    fp64      A float64,  B float32,                         plant 3e-2 and 1e-3
+    bf16      A float32,  B bfloat16 autocast (CPU),         plant 0.1
+    fp16      A float32,  B float16 autocast (CPU),          plant 3e-2
+    gpu       A float32 on the CPU, B float32 on CUDA,       plant 1e-3    (--variants ...)
+    tf32      as gpu, with TF32 matmuls,                     plant 3e-2
+    gpu-bf16  A float32 on the CPU, B bfloat16 autocast on CUDA, plant 0.1
 
 it dumps one training step of A, of a healthy B and of B with an error planted by
 ``dumper.perturb`` in a random module (forward: its output scaled by 1 + plant; backward: the
@@ -26,6 +29,8 @@ architecture whether an identical rerun is all ``equal``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import random
 import statistics
 import sys
@@ -36,17 +41,46 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+import torch  # noqa: E402
+
 from architectures import ARCHITECTURES, build, run_step  # noqa: E402
 from compare import compare_dumps, summarize  # noqa: E402
 from compare.status import FAILING  # noqa: E402
 
-VARIANTS = {  # name: (precision of A, precision of B, plant sizes)
-    "same": ("float32", "float32", (1e-3,)),
-    "fp64": ("float64", "float32", (3e-2, 1e-3)),
-    "bf16": ("float32", "bfloat16", (0.1,)),
-    "fp16": ("float32", "float16", (3e-2,)),
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A on the CPU at precision ``a``; B at precision ``b`` on ``device`` (with TF32 float32
+    matmuls if ``tf32``); errors of each relative size in ``sizes`` planted in B."""
+
+    a: str
+    b: str
+    sizes: tuple
+    device: str = "cpu"
+    tf32: bool = False
+
+
+VARIANTS = {
+    "same": Variant("float32", "float32", (1e-3,)),
+    "fp64": Variant("float64", "float32", (3e-2, 1e-3)),
+    "bf16": Variant("float32", "bfloat16", (0.1,)),
+    "fp16": Variant("float32", "float16", (3e-2,)),
+    # on an accelerator (--variants gpu,tf32,gpu-bf16): CPU against CUDA
+    "gpu": Variant("float32", "float32", (1e-3,), "cuda"),
+    "tf32": Variant("float32", "float32", (3e-2,), "cuda", tf32=True),
+    "gpu-bf16": Variant("float32", "bfloat16", (0.1,), "cuda"),
 }
+CPU_VARIANTS = ("same", "fp64", "bf16", "fp16")
 DIRECTIONS = {"forward": "output", "backward": "grad_output"}
+
+
+@contextlib.contextmanager
+def _tf32(enabled: bool):
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def _quiet_transformers() -> None:
@@ -88,27 +122,34 @@ def run(archs: list[str], variants: list[str], plants: int, seed: int, tmp: Path
         run_step(arch, "float32", tmp / f"{arch}-rerun")
         run_step(arch, "float32", tmp / f"{arch}-rerun-b")
         rerun = compare_dumps(tmp / f"{arch}-rerun", tmp / f"{arch}-rerun-b")
-        outcome["reruns"].append((arch, bool((rerun["status"] == "equal").all())))
+        differ = rerun[rerun["status"] != "equal"]
+        outcome["reruns"].append((arch, differ.empty))
+        for r in differ.head(3).itertuples():
+            print(f"  rerun of {arch} differs: {r.module or '<root>'} {r.kind}[{r.index}] "
+                  f"{r.status} {r.rel_error:.3g}", file=sys.stderr)
         for variant in variants:
-            prec_a, prec_b, sizes = VARIANTS[variant]
-            a, b = tmp / f"{arch}-{prec_a}", tmp / f"{arch}-{prec_b}-b"
+            v = VARIANTS[variant]
+
+            def run_b(path: Path, **kwargs) -> None:
+                with _tf32(v.tf32):
+                    run_step(arch, v.b, path, device=v.device, **kwargs)
+            a, b = tmp / f"{arch}-{v.a}", tmp / f"{arch}-{variant}-b"
             try:
-                for path, prec in ((a, prec_a), (b, prec_b)):
-                    if not path.exists():
-                        run_step(arch, prec, path)
+                if not a.exists():
+                    run_step(arch, v.a, a)
+                run_b(b)
             except RuntimeError as exc:  # e.g. oneDNN's LSTM under float16 autocast on CPU
                 outcome["unsupported"].append(f"{arch} {variant}: {str(exc).splitlines()[0]}")
                 continue
             healthy = summarize(compare_dumps(a, b))
             outcome["healthy"].append((variant, arch, healthy))
-            for size in sizes:
+            for size in v.sizes:
                 for k in range(plants):
                     direction = ("forward", "backward")[k % 2]
                     module = rng.choice(modules)
                     where = DIRECTIONS[direction]
                     planted = tmp / f"{arch}-{variant}-{size}-{k}"
-                    run_step(arch, prec_b, planted,
-                             plant={"include": [module], "where": where, "scale": 1 + size})
+                    run_b(planted, plant={"include": [module], "where": where, "scale": 1 + size})
                     visibility = _visibility(b, planted, a, module, where, size)
                     result = compare_dumps(a, planted)
                     summary = summarize(result)
@@ -151,8 +192,7 @@ def report(outcome: dict) -> None:
     print("\nhealthy pairs (false alarm = any failing row):")
     for variant in dict.fromkeys(v for v, _, _ in outcome["healthy"]):
         rows = [(arch, s) for v, arch, s in outcome["healthy"] if v == variant]
-        alarms = [f"{arch} ({s.first.row['module'] or '<root>'} {s.first.row['kind']})"
-                  for arch, s in rows if not s.ok]
+        alarms = [f"{arch} ({s.verdict()})" for arch, s in rows if not s.ok]
         print(f"  {variant:<6} {len(alarms)} false alarms in {len(rows)} pairs"
               + (f": {', '.join(alarms)}" if alarms else ""))
     for line in outcome["unsupported"]:
@@ -166,7 +206,8 @@ def main() -> None:
     _quiet_transformers()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--archs", default=",".join(ARCHITECTURES))
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(CPU_VARIANTS),
+                        help=f"of {', '.join(VARIANTS)}")
     parser.add_argument("--plants", type=int, default=4,
                         help="plants per architecture, variant and plant size")
     parser.add_argument("--seed", type=int, default=0)
