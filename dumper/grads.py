@@ -74,13 +74,15 @@ class GradInputCollector:
 
     def _find_consumers(self, roots: list[Node], lo: int, hi: int) -> dict[Node, list[tuple[int, int]]]:
         consumers: dict[Node, list[tuple[int, int]]] = {}
-        seen: set[int] = set()
+        # visited nodes by id, the wrappers kept alive: some torch releases (2.11) make a new
+        # Python wrapper per access, and a freed one's id can be reused by another node's
+        seen: dict[int, Node] = {}
         stack = [n for n in roots if lo <= n._sequence_nr() < hi]
         while stack:
             node = stack.pop()
             if id(node) in seen:
                 continue
-            seen.add(id(node))
+            seen[id(node)] = node
             for slot, (nxt, nr) in enumerate(node.next_functions):
                 if nxt is None:
                     continue

@@ -348,3 +348,49 @@ def test_torchscript_modules(tmp_path):
         with dumper.hooks(outer, 0, 0):
             outer(torch.randn(2, 4)).sum().backward()
     assert set(load_dump(tmp_path).index["module"]) == {"", "1"}
+
+
+class _Core:
+    """A C++ autograd node, as torch sees it: a sequence number and the nodes it feeds."""
+
+    def __init__(self, seq, inputs=()):
+        self.seq, self.inputs, self.wrapper = seq, list(inputs), None
+
+
+class _Wrapper:
+    """Its Python wrapper as torch 2.11 makes them: cached only while someone holds it, so a
+    freed wrapper's id is soon reused by the next node's."""
+
+    def __init__(self, core):
+        self.core = core
+
+    @staticmethod
+    def of(core):
+        wrapper = core.wrapper() if core.wrapper is not None else None
+        if wrapper is None:
+            import weakref
+            wrapper = _Wrapper(core)
+            core.wrapper = weakref.ref(wrapper)
+        return wrapper
+
+    def _sequence_nr(self):
+        return self.core.seq
+
+    @property
+    def next_functions(self):
+        return tuple((_Wrapper.of(c), 0) for c in self.core.inputs)
+
+
+def test_input_consumers_are_found_when_node_wrappers_are_not_cached():
+    """A module's grad_input is read from the nodes of its call that consume the input. Walking
+    the graph must not take a freed wrapper's reused id for a node already seen (torch 2.11
+    lost the root's grad_input that way)."""
+    from dumper.grads import GradInputCollector
+    leaf = _Core(2 ** 64 - 1)
+    chain = _Core(1, [leaf])
+    for seq in range(2, 40):  # a long chain of nodes the call made, the first consuming x
+        chain = _Core(seq, [chain])
+    edge = _Wrapper.of(leaf)  # the input's edge, held as the collector holds it
+    collector = GradInputCollector({(id(edge), 0): 0}, [edge], lambda *a: None)
+    found = collector._find_consumers([_Wrapper.of(chain)], 1, 40)
+    assert [node.core.seq for node in found] == [1]
