@@ -47,10 +47,16 @@ def plot_errors(result: pd.DataFrame, summary: Summary, path: Path) -> None:
     ax.step(x, np.clip(np.nan_to_num(expected, nan=low), low, high), where="mid",
             color="gray", linewidth=1, label="expected added error (calibrated)")
     backward = rows["kind"].isin(fmt.BACKWARD_KINDS).to_numpy()
-    colour = np.where(rows["status"].isin(st.FAILING), "tab:red",
-                      np.where(rows["status"] == st.INHERITED, "tab:orange", "tab:blue"))
-    for mask, marker, name in ((~backward, "o", "forward"), (backward, "^", "backward")):
-        ax.scatter(x[mask], shown[mask], s=12, c=colour[mask], marker=marker, label=name)
+    colours = {"failing": "tab:red", st.INHERITED: "tab:orange", "equal or close": "tab:blue"}
+    colour = np.where(rows["status"].isin(st.FAILING), colours["failing"],
+                      np.where(rows["status"] == st.INHERITED, colours[st.INHERITED],
+                               colours["equal or close"]))
+    for mask, marker in ((~backward, "o"), (backward, "^")):
+        ax.scatter(x[mask], shown[mask], s=12, c=colour[mask], marker=marker)
+    for name, marker in (("forward", "o"), ("backward", "^")):
+        ax.scatter([], [], marker=marker, color="gray", label=name)
+    for name, c in colours.items():
+        ax.scatter([], [], marker="s", color=c, label=name)
     steps = rows[["epoch", "step"]].astype(str).agg(":".join, axis=1)
     starts = np.flatnonzero(steps.ne(steps.shift()).to_numpy())
     for i in starts:
@@ -71,7 +77,9 @@ def plot_errors(result: pd.DataFrame, summary: Summary, path: Path) -> None:
     ax.set_ylim(low, high)
     ax.set_xlabel("record (execution order)")
     ax.set_ylabel("added relative error")
-    ax.set_title(summary.verdict()[:110], fontsize=10)
+    verdict = summary.verdict()
+    ax.set_title(verdict if len(verdict) <= 100 else verdict[:verdict.rfind(";", 0, 100) + 1]
+                 or verdict[:100], fontsize=10)
     ax.legend(loc="upper left", fontsize=8, bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
