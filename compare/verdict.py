@@ -153,7 +153,10 @@ def judge(result: pd.DataFrame, rtol: Optional[float] = None, atol: Optional[flo
                                                tf32)
 
     user_tol = rtol is not None or atol is not None
-    status = frame["status"].to_numpy(object).copy()
+    measured = frame["status"].to_numpy(object)  # what the metrics saw: equal, nan_mismatch...
+    mismatches = frame["mismatches"].to_numpy(float)
+    dtype_a, dtype_b = frame["dtype_a"].to_numpy(object), frame["dtype_b"].to_numpy(object)
+    status = measured.copy()
     healthy = err.copy()         # the error a record would carry from healthy sources
     tainted = np.zeros(n, bool)  # carries an error from a failing or inherited source
     reason = np.full(n, "", object)
@@ -183,27 +186,26 @@ def judge(result: pd.DataFrame, rtol: Optional[float] = None, atol: Optional[flo
         bound = math.inf if unbounded[i] else math.hypot(g * err_in[i], SPREAD * expected[i])
         envelope = math.hypot(healthy_in, SPREAD * expected[i])
         healthy[i] = min(err[i], envelope)
-        nonfinite = frame.at[i, "status"] == st.NAN_MISMATCH
-        if frame.at[i, "status"] == st.EQUAL:
+        nonfinite = measured[i] == st.NAN_MISMATCH
+        if measured[i] == st.EQUAL:
             continue
         if params[i]:  # weights come from before the step: not this step's doing
             if user_tol:
-                within = frame.at[i, "mismatches"] == 0 and not nonfinite
+                within = mismatches[i] == 0 and not nonfinite
             else:  # the same weights in two dtypes differ by one rounding
-                within = err[i] <= rounding_of(precision_of(frame.at[i, "dtype_a"],
-                                                             frame.at[i, "dtype_b"])).unit
+                within = err[i] <= rounding_of(precision_of(dtype_a[i], dtype_b[i])).unit
             status[i] = st.CLOSE if within else st.INHERITED
             reason[i] = "" if within else f"weights differ by {err[i]:.3g} before this step"
             continue
         if user_tol:
-            within = frame.at[i, "mismatches"] == 0 and not nonfinite
+            within = mismatches[i] == 0 and not nonfinite
             outside_in = bad[~_within_user(frame, bad)] if len(bad) else bad
             explains = len(outside_in) and err[i] <= math.hypot(
                 gain[i] * err[outside_in].max(), SPREAD * expected[i])
             status[i] = (st.CLOSE if within else st.INHERITED if explains
-                         else frame.at[i, "status"])
+                         else measured[i])
         elif nonfinite:
-            explains = any(frame.at[j, "status"] == st.NAN_MISMATCH or
+            explains = any(measured[j] == st.NAN_MISMATCH or
                            (tainted[j] and not math.isfinite(err[j])) for j in bad)
             status[i] = st.INHERITED if explains else st.NAN_MISMATCH
         elif err[i] > bound:
@@ -252,11 +254,11 @@ def _alias_groups(frame: pd.DataFrame, err: np.ndarray, compared: np.ndarray) ->
     every error figure identical), as ``{group: positions}`` for groups of two or more."""
     candidates = frame[compared & (err > 0) & np.isfinite(err)]
     key = [*STEP_KEY, "numel", "rel_l2_err", "max_abs_err", "mean_abs_err", "stat_rel_diff"]
-    groups = {}
-    for g, rows in candidates.fillna({c: -1 for c in key}).groupby(key, sort=False):
-        if len(rows) > 1:
-            groups[len(groups)] = rows.index.to_numpy()
-    return groups
+    members: dict[tuple, list[int]] = {}
+    for position, figures in zip(candidates.index, candidates[key].fillna(-1).itertuples(
+            index=False, name=None)):
+        members.setdefault(figures, []).append(position)
+    return dict(enumerate(np.array(rows) for rows in members.values() if len(rows) > 1))
 
 
 EXACT_LABEL = "none: records of these dtypes are bit-identical in this dump"
