@@ -102,6 +102,7 @@ class Summary:
     largest: Optional[pd.Series] = None   # the passing record with the largest added_ratio
     weights: Optional[pd.Series] = None   # the parameter that differs most, if any
     later_step: bool = False              # they differ in a step after the first of training
+    from_stats: int = 0                   # records judged from statistics (estimates)
 
     @property
     def ok(self) -> bool:
@@ -134,7 +135,9 @@ class Summary:
 
     def __str__(self) -> str:
         parts = ", ".join(f"{self.counts[s]} {s}" for s in st.STATUSES if self.counts[s])
-        lines = [self.verdict(), f"{self.total} tensor pairs: {parts or 'none'}"]
+        estimated = (f" ({self.from_stats} judged from statistics: estimates, blind to what "
+                     f"keeps them)" if self.from_stats else "")
+        lines = [self.verdict(), f"{self.total} tensor pairs: {parts or 'none'}{estimated}"]
         if self.first is not None:
             lines.append(self.first.describe())
         if len(self.suspects) > 1:
@@ -169,7 +172,10 @@ def summarize(result: pd.DataFrame) -> Summary:
     suspects = failing[failing["status"] == st.DIFF].sort_values(
         ["added_ratio", "added_rel_error"], ascending=False, kind="stable")
     suspects = suspects.assign(label=[record_label(r) for _, r in suspects.iterrows()])
-    return Summary(counts, len(result), first, precision, suspects, largest, weights, later)
+    from_stats = int((result["rel_l2_err"].isna() & result["rel_err_from_stats"].notna()
+                      & (result["kind"] != fmt.PARAM)).sum())
+    return Summary(counts, len(result), first, precision, suspects, largest, weights, later,
+                   from_stats)
 
 
 def _diagnose(result: pd.DataFrame, row: pd.Series) -> Divergence:
