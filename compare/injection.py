@@ -18,7 +18,7 @@ from . import format as fmt
 from . import status as st
 from .comparison import compare_dumps
 from .dump import Dump, PathLike
-from .verdict import rounding_of
+from .precision import rounding_of
 
 FINE = "fine"
 ORIGINS_SHOWN = 10  # origins listed by describe_origins

@@ -11,7 +11,7 @@ import pandas as pd
 from . import format as fmt
 from . import status as st
 from .sources import earlier_sources
-from .verdict import precision_of
+from .precision import precision_of
 
 SUSPECTS = 5  # suspects listed by the text summary
 

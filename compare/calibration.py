@@ -1,0 +1,102 @@
+"""Calibration: the added error, and the gain, that comparable records of a dump show.
+
+Records are comparable when they have the same direction (forward or backward), kind, module
+class and the dtypes they were computed in (:func:`compare.precision.computed_in`). Their
+expected added error is the lower quartile of their added errors (of all records of that
+kind and dtype pair when fewer than ``MIN_GROUP`` are comparable), at least one rounding of the
+lower precision at the tensor's scale. Where both runs ran the same kernels on equal dtypes
+and the dump shows bit-identical records where their sources are, none is expected.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import pandas as pd
+
+from . import format as fmt
+from .precision import computed_in, precision_of, rounding_of
+
+# How much a record may amplify the relative error of its sources without being blamed: where
+# added errors are calibrated (their typical size includes each kind of record's usual
+# amplification), and where none is expected (amplification is all there is to allow for).
+GAIN, EXACT_GAIN = 1.1, 2.0
+MIN_GROUP = 5   # comparable records needed to calibrate a group of its own
+TYPICAL_QUANTILE = 0.25  # of the added errors of comparable records: the expected level
+EXACT_SHARE = 0.5  # share of bit-identical records (with identical sources) for an exact pair
+EXACT_LABEL = "none: records of these dtypes are bit-identical in this dump"
+
+
+class Expectation(NamedTuple):
+    """Per row: the expected added error, what it was calibrated on, and the gain allowed."""
+
+    level: np.ndarray
+    label: np.ndarray
+    gain: np.ndarray
+
+
+def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: np.ndarray,
+              calibrating: np.ndarray, same_kernels: bool,
+              tf32: tuple[tuple[bool, bool], tuple[bool, bool]]) -> Expectation:
+    """Per row, the expected added error of its group of comparable records (see the module
+    docstring), and the gain allowed: how much such records amplify an error they receive (the upper
+    quartile of ``rel_error / input_rel_error`` where the input's error dominates, at least 1,
+    times ``GAIN``, at most ``EXACT_GAIN``; ``EXACT_GAIN`` where no error is expected)."""
+    direction = np.where(frame["kind"].isin(list(fmt.BACKWARD_KINDS)), "backward", "forward")
+    dtype_a, dtype_b = computed_in(frame, tf32)
+    pair = dtype_a + "/" + dtype_b
+    pool_key = pd.Series(direction, index=frame.index) + " " + pair + " " + frame["kind"]
+    group_key = pool_key + " " + frame["cls"].fillna("")
+    scale = frame["rms_a"].to_numpy(float)
+    out = Expectation(np.zeros(len(frame)), np.full(len(frame), "", object),
+                      np.full(len(frame), GAIN))
+    added_s = pd.Series(added)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = pd.Series(np.where((err_in > 0) & (added <= err_in), err / err_in, np.nan))
+    for _, rows in pair.groupby(pair).groups.items():
+        rows = rows.to_numpy()
+        low_a, low_b = dtype_a[rows[0]], dtype_b[rows[0]]
+        precision = precision_of(low_a, low_b)
+        if low_a == low_b and same_kernels and _mostly_exact(err, err_in, rows[calibrating[rows]]):
+            out.label[rows], out.gain[rows] = EXACT_LABEL, EXACT_GAIN
+            continue
+        rounding = rounding_of(precision)  # one rounding, at least, where kernels differ
+        with np.errstate(divide="ignore", invalid="ignore"):
+            floor = np.hypot(rounding.unit, np.where(
+                scale[rows] > 0, rounding.underflow / scale[rows], 0.0))
+        for _, prows in pool_key[rows].groupby(pool_key[rows]).groups.items():
+            prows = prows.to_numpy()
+            pool = added_s[prows[calibrating[prows]]]
+            pool = pool[pool > 0]
+            pool_level = _typical(pool) if len(pool) >= MIN_GROUP else 0.0
+            for _, grows in group_key[prows].groupby(group_key[prows]).groups.items():
+                grows = grows.to_numpy()
+                members = added_s[grows[calibrating[grows]]]
+                members = members[members > 0]
+                own = len(members) >= MIN_GROUP
+                what = (f"{frame.at[grows[0], 'cls']} {frame.at[grows[0], 'kind']} records"
+                        if own else f"{frame.at[grows[0], 'kind']} records")
+                out.level[grows] = _typical(members) if own else pool_level
+                out.label[grows] = f"typical {precision} added error of {what} in this dump"
+                gains = ratio[grows[calibrating[grows]]].dropna()
+                if len(gains) >= MIN_GROUP:  # their amplification, with GAIN's margin
+                    out.gain[grows] = min(max(float(gains.quantile(0.75)), 1.0) * GAIN,
+                                          EXACT_GAIN)
+        at_floor = out.level[rows] < floor
+        out.level[rows[at_floor]] = floor[at_floor]
+        out.label[rows[at_floor]] = f"{precision} rounding at this tensor's scale"
+    return out
+
+
+def _typical(added: pd.Series) -> float:
+    """The typical added error of comparable records: their lower quartile. Where one large
+    error runs through most of a small model, what its consequences seem to add (its
+    amplification fluctuating) contaminates the upper half; the lower quartile still shows the
+    records' own rounding, which varies little between healthy records of one kind."""
+    return float(added.quantile(TYPICAL_QUANTILE))
+
+
+def _mostly_exact(err: np.ndarray, err_in: np.ndarray, rows: np.ndarray) -> bool:
+    """Whether most records whose sources are bit-identical are bit-identical too."""
+    clean = rows[err_in[rows] == 0]
+    return len(clean) > 0 and float(np.mean(err[clean] == 0)) >= EXACT_SHARE

@@ -1,0 +1,115 @@
+"""Precisions: what a rounding to each dtype may add, and which dtype each record of a
+comparison was computed in (autocast and TF32 compute in less than a record's dtype says)."""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import pandas as pd
+
+from . import format as fmt
+from .sources import STEP_KEY, parent_calls
+
+
+class Rounding(NamedTuple):
+    """What one rounding to a floating-point dtype may add: relatively (the unit roundoff) and,
+    near zero, absolutely (half the smallest subnormal)."""
+
+    unit: float
+    underflow: float
+
+
+ROUNDING = {
+    "float64": Rounding(2.0 ** -53, 2.0 ** -1075), "float32": Rounding(2.0 ** -24, 2.0 ** -150),
+    "float16": Rounding(2.0 ** -11, 2.0 ** -25), "bfloat16": Rounding(2.0 ** -8, 2.0 ** -134),
+    "float8_e4m3fn": Rounding(2.0 ** -4, 2.0 ** -10), "float8_e4m3fnuz": Rounding(2.0 ** -4, 2.0 ** -11),
+    "float8_e5m2": Rounding(2.0 ** -3, 2.0 ** -17), "float8_e5m2fnuz": Rounding(2.0 ** -3, 2.0 ** -18),
+    "float8_e8m0fnu": Rounding(1.0, 2.0 ** -128), "float4_e2m1fn_x2": Rounding(2.0 ** -2, 2.0 ** -2),
+}
+ROUNDING.update({"complex128": ROUNDING["float64"], "complex64": ROUNDING["float32"],
+                 "complex32": ROUNDING["float16"],
+                 # float32 matmuls and convolutions on CUDA with TF32 allowed: 10-bit mantissas
+                 "tensorfloat32": Rounding(2.0 ** -11, 2.0 ** -150)})
+# Modules whose float32 computation TF32 may touch: those owning a weight matrix (matmuls) or a
+# weight of more dimensions (convolutions; batched experts), and cuDNN's RNNs.
+RNN_CLASSES = r"LSTM|GRU|RNN"
+EXACT_DTYPE = Rounding(0.0, 0.0)  # integers, bool
+
+
+
+def rounding_of(dtype: str) -> Rounding:
+    return ROUNDING.get(dtype, EXACT_DTYPE)
+
+
+def precision_of(dtype_a: str, dtype_b: str) -> str:
+    """The lower precision of a pair (the one whose rounding dominates), e.g. ``bfloat16``."""
+    return dtype_a if rounding_of(dtype_a).unit >= rounding_of(dtype_b).unit else dtype_b
+
+
+def lowest(dtypes) -> str:
+    return max(dtypes, key=lambda d: rounding_of(d).unit)
+
+
+def weighted(frame: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """Per row, whether its module owns a parameter of 2 dimensions (a matmul's weight; cuDNN
+    RNNs count as convolutions) or of more (a convolution's, or batched experts')."""
+    params = frame[frame["kind"] == fmt.PARAM]
+    dims = params["shape_a"].where(params["shape_a"].notna(), params["shape_b"]).map(
+        lambda s: len(s) if isinstance(s, tuple) else 0)
+    most = dims.groupby(params["module"]).max()
+    ndim = frame["module"].map(most).fillna(0)
+    rnn = frame["cls"].fillna("").str.contains(RNN_CLASSES, regex=True)
+    return (ndim == 2) & ~rnn, (ndim > 2) | (rnn & (ndim >= 2))
+
+
+def computed_in(frame: pd.DataFrame, tf32: tuple[tuple[bool, bool], tuple[bool, bool]]
+                 ) -> tuple[pd.Series, pd.Series]:
+    """The dtype each record was computed in, per side: its own, or lower where its call
+    evidently computes in a lower precision: its children output it (a container of bfloat16
+    layers, or of experts whose matmuls it does itself), or, for a gradient, the call output it
+    (autocast computes the gradient of a float32 input of a bfloat16 matmul in bfloat16, then
+    casts it); a gradient arriving at an output, its consumers' lowest; an input made by its
+    parent's own code, the parent's lowest. Where ``tf32`` allows it, float32 matmul and
+    convolution modules compute in ``tensorfloat32``."""
+    sides = [frame["dtype_a"].fillna(""), frame["dtype_b"].fillna("")]
+    frame = frame.assign(rank=frame["rank"].fillna(-1))
+    keys = list(zip(frame["epoch"], frame["step"], frame["rank"], frame["call"]))
+    consumers: dict[tuple, list[tuple]] = {}  # call -> the calls its outputs were input to
+    for key, kind, producer in zip(keys, frame["kind"], frame["producer"]):
+        if kind == fmt.INPUT and producer >= 0:
+            consumers.setdefault((*key[:3], producer), []).append(key)
+    parents: dict[tuple, Optional[tuple]] = {}
+    for (epoch, step, rank), calls in frame.groupby(STEP_KEY):
+        for call, parent in parent_calls(calls.drop_duplicates("call")).items():
+            parents[(epoch, step, rank, call)] = (
+                None if parent is None else (epoch, step, rank, parent))
+    matmul, conv = weighted(frame)
+    for side, column in enumerate(("dtype_a", "dtype_b")):
+        own = sides[side]
+        uses_tf32 = (matmul & tf32[side][0]) | (conv & tf32[side][1])
+        own = own.where(~(uses_tf32 & (own == "float32")), "tensorfloat32")
+        tf32_calls = {k for k, used in zip(keys, uses_tf32) if used}
+        own_out = {}  # lowest output dtype of each call
+        for key, out in zip(keys, own.where(frame["kind"] == fmt.OUTPUT, "")):
+            if out:
+                own_out[key] = lowest([out] + ([own_out[key]] if key in own_out else []))
+        inner: dict[tuple, str] = {}  # lowest output dtype of a call's descendants
+        for key in sorted(parents, reverse=True):  # children before their parents
+            low = [d for d in (own_out.get(key, ""), inner.get(key, "")) if d]
+            up = parents[key]
+            if up is not None and low:
+                inner[up] = lowest(low + ([inner[up]] if up in inner else []))
+        lowered = []
+        for key, kind, producer, dtype in zip(keys, frame["kind"], frame["producer"], own):
+            candidates = [dtype, inner.get(key, "")]
+            if kind in fmt.BACKWARD_KINDS:
+                candidates.append(own_out.get(key, ""))
+            if kind == fmt.GRAD_OUTPUT:  # made by its consumers' backward
+                candidates += [d for c in consumers.get(key, ()) for d in
+                               (own_out.get(c, ""), inner.get(c, ""))]
+            if kind == fmt.INPUT and producer < 0 and parents.get(key) is not None:
+                candidates.append(inner.get(parents[key], ""))  # the parent's own matmuls too
+                if parents[key] in tf32_calls and dtype == "float32":
+                    candidates.append("tensorfloat32")
+            lowered.append(lowest([d for d in candidates if d]) if dtype else dtype)
+        sides[side] = pd.Series(lowered, frame.index)
+    return sides[0], sides[1]
