@@ -11,9 +11,10 @@ import pandas as pd
 from . import format as fmt
 from .dump import Dump
 from .errors import DumpError
-from .status import CLOSE, EQUAL, FAILING
+from .status import CLOSE, EQUAL, FAILING, INHERITED
 
-_COLOURS = {EQUAL: "#b7e1a1", CLOSE: "#e2f0cb", "fail": "#f4a6a6", None: "#e0e0e0"}
+_COLOURS = {EQUAL: "#b7e1a1", CLOSE: "#e2f0cb", INHERITED: "#fbd9a6", "fail": "#f4a6a6",
+            None: "#e0e0e0"}
 
 
 def edges(index: pd.DataFrame) -> pd.DataFrame:
@@ -31,7 +32,8 @@ def _call_status(result: Optional[pd.DataFrame], epoch: int, step: int) -> dict[
     status = {}
     for call, group in rows.groupby("call"):
         s = set(group["status"])
-        status[int(call)] = "fail" if s & FAILING else CLOSE if CLOSE in s else EQUAL
+        status[int(call)] = ("fail" if s & FAILING else INHERITED if INHERITED in s
+                             else CLOSE if CLOSE in s else EQUAL)
     return status
 
 
@@ -39,7 +41,8 @@ def to_dot(dump: Dump, epoch: Optional[int] = None, step: Optional[int] = None,
            result: Optional[pd.DataFrame] = None) -> str:
     """DOT text of the call graph of step ``(epoch, step)`` (default: the dump's first step).
     Nodes are module calls, coloured by the compare status of their outputs when ``result``
-    (from ``compare_dumps``) is given: green equal, pale green close, red failing."""
+    (from ``compare_dumps``) is given: green equal, pale green close, orange inherited, red
+    failing."""
     steps = [s for s in dump.steps if epoch is None or (s.epoch, s.step) == (epoch, step)]
     if not steps:
         raise DumpError(f"{dump.path}: no step {epoch}:{step} to draw")
