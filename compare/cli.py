@@ -75,7 +75,9 @@ class Options:
 @click.option("--order", type=click.Choice(["added", "execution"]), default="added",
               show_default=True, help="Failing rows worst added error first, or as they ran.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing; only the exit code tells.")
-def main(a: Path, b: Optional[Path], track: Optional[str], **options) -> None:
+@click.option("--debug", is_flag=True, envvar="H5CMP_DEBUG",
+              help="Show the traceback of an internal error (also H5CMP_DEBUG=1).")
+def main(a: Path, b: Optional[Path], track: Optional[str], debug: bool, **options) -> None:
     """Compare dumps A and B (files or directories of step files) tensor by tensor, judge each
     record against what the precisions involved explain, and report the first divergence.
     With only A, list its steps, module calls and tensors.
@@ -94,6 +96,14 @@ def main(a: Path, b: Optional[Path], track: Optional[str], **options) -> None:
         sys.exit(compare_command(a, b, Options(**options)))
     except DumpError as exc:
         click.echo(f"h5cmp: error: {exc}", err=True)
+        sys.exit(EXIT_ERROR)
+    except Exception as exc:  # a bug of ours: never exit 1, which means "differences found"
+        if debug:
+            raise
+        first_line = next(iter(str(exc).splitlines()), "")
+        click.echo(f"h5cmp: internal error: {type(exc).__name__}: {first_line}; this is a bug "
+                   f"in h5cmp: rerun with --debug (or H5CMP_DEBUG=1) for the traceback and "
+                   f"report it", err=True)
         sys.exit(EXIT_ERROR)
 
 
@@ -123,6 +133,13 @@ def compare_command(a: Path, b: Path, opts: Options) -> int:
                                jobs=opts.jobs, progress=bar.update)
     summary = summarize(result)  # of every record: the filters below only choose what is shown
     shown = select(result, opts.modules, opts.kinds).reset_index(drop=True)
+    if shown.empty:
+        from .errors import DumpError
+        chosen = " and ".join(f"{name} {', '.join(values)}" for name, values in (
+            ("--module", opts.modules), ("--kind", opts.kinds)) if values)
+        some = ", ".join(list(dict.fromkeys(m or "<root>" for m in result["module"]))[:5])
+        raise DumpError(f"{a} / {b}: nothing to show: no record matches {chosen} (modules "
+                        f"include {some}; globs match a path or path.Class)")
     for output in opts.outputs:
         export(shown, summary, output)
     if opts.plot is not None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import math
 import os
 import queue
 import threading
@@ -16,7 +17,7 @@ from .errors import DumpError
 from . import format as fmt
 from .metrics import METRIC_COLUMNS, ErrorAccumulator
 from .pairing import align_ranks, pair_records, select, tensor_rows
-from .statistics import compare_stats, stats_of_chunks
+from .statistics import compare_stats, sketch_of_chunks, stats_of_chunks
 from .status import DROPPED, MISSING_IN_A, MISSING_IN_B, SHAPE_MISMATCH, UNSUPPORTED
 from .tolerance import pair_tolerance
 from .verdict import VERDICT_COLUMNS, judge
@@ -53,7 +54,13 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     """
     dump_a, dump_b, _ = align_ranks(load_dump(a), load_dump(b), rank)
     _check_distinct(dump_a, dump_b)
-    pairs = pair_records(tensor_rows(dump_a, steps), tensor_rows(dump_b, steps))
+    rows_a, rows_b = tensor_rows(dump_a, steps), tensor_rows(dump_b, steps)
+    if rows_a.empty and rows_b.empty:
+        held = sorted({f"{s.epoch}:{s.step}" for s in dump_a.steps + dump_b.steps})
+        raise DumpError(f"{dump_a.path} / {dump_b.path}: nothing to compare: no tensor record"
+                        + (f" in step {', '.join(steps)} (the dumps hold steps "
+                           f"{', '.join(held)})" if steps else " in either dump"))
+    pairs = pair_records(rows_a, rows_b)
     files_a = {(s.epoch, s.step, s.rank if s.rank is not None else -1): s for s in dump_a.steps}
     files_b = {(s.epoch, s.step, s.rank if s.rank is not None else -1): s for s in dump_b.steps}
     tasks = _tasks(pairs, files_a, files_b, max(1, jobs), chunk_elements, rtol, atol)
@@ -71,7 +78,9 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     tf32 = tuple(tuple(any(fmt.tf32_allowed(files[k].attrs)[i] for k in paired) for i in (0, 1))
                  for files in (files_a, files_b))
     judged = judge(_result_frame(pairs, metrics), rtol, atol, same_kernels=kernels, tf32=tf32)
-    return select(judged, modules, kinds)[RESULT_COLUMNS].reset_index(drop=True)
+    result = select(judged, modules, kinds)[RESULT_COLUMNS].reset_index(drop=True)
+    result.attrs.update(judged.attrs)
+    return result
 
 
 class _PairRef(NamedTuple):
@@ -92,6 +101,8 @@ class _PairRef(NamedTuple):
     status_b: str
     stats_a: tuple
     stats_b: tuple
+    sketch_a: tuple
+    sketch_b: tuple
 
     @property
     def both_values(self) -> bool:
@@ -121,11 +132,11 @@ def _tasks(pairs: pd.DataFrame, files_a: dict, files_b: dict, jobs: int, chunk_e
     pieces = max(1, -(-jobs * 2 // max(1, len(groups)))) if jobs > 1 else 1
     tasks = []
     for key, rows in groups:
-        stats_a = rows[[c + "_a" for c in fmt.STAT_COLUMNS]].itertuples(index=False, name=None)
-        stats_b = rows[[c + "_b" for c in fmt.STAT_COLUMNS]].itertuples(index=False, name=None)
-        columns = list(_PairRef._fields[1:-2])
-        records = [_PairRef(*t, sa, sb) for t, sa, sb in
-                   zip(rows[columns].itertuples(name=None), stats_a, stats_b)]
+        numbers = [rows[[c + side for c in names]].itertuples(index=False, name=None)
+                   for names in (fmt.STAT_COLUMNS, fmt.SKETCH_COLUMNS) for side in ("_a", "_b")]
+        columns = list(_PairRef._fields[1:-4])
+        records = [_PairRef(*t, *n) for t, *n in zip(rows[columns].itertuples(name=None),
+                                                      *numbers)]
         for part in np.array_split(np.arange(len(records)), min(pieces, len(records))):
             tasks.append((files_a[key].path, files_b[key].path, files_a[key].group_name,
                           files_b[key].group_name, [records[i] for i in part], chunk_elements,
@@ -171,15 +182,22 @@ def _compare_described(step_a, step_b, r: _PairRef, chunk_elements: int, rtol, a
         return {"status": status, "rtol": tol.rtol, "atol": tol.atol}
     if tuple(r.shape_a) != tuple(r.shape_b):
         return {"status": SHAPE_MISMATCH, "rtol": tol.rtol, "atol": tol.atol}
-    sides = []
-    for step, dataset, group, dtype, encoding, stats in (
-            (step_a, r.dataset_a, r.group_a, r.dtype_a, r.encoding_a, r.stats_a),
-            (step_b, r.dataset_b, r.group_b, r.dtype_b, r.encoding_b, r.stats_b)):
+    sides, sketches = [], []
+    # the sides known by statistics all have a sketch: sketch the sides with values as well
+    sketched = all(not any(map(math.isnan, sketch)) for dataset, sketch in (
+        (r.dataset_a, r.sketch_a), (r.dataset_b, r.sketch_b)) if not dataset)
+    for step, dataset, group, dtype, encoding, stats, sketch in (
+            (step_a, r.dataset_a, r.group_a, r.dtype_a, r.encoding_a, r.stats_a, r.sketch_a),
+            (step_b, r.dataset_b, r.group_b, r.dtype_b, r.encoding_b, r.stats_b, r.sketch_b)):
         if dataset:
-            stats = stats_of_chunks(read_chunks(step[group][dataset], dtype, encoding,
-                                                chunk_elements))
+            def chunks():
+                return read_chunks(step[group][dataset], dtype, encoding, chunk_elements)
+            stats = stats_of_chunks(chunks())
+            if sketched:
+                sketch = sketch_of_chunks(chunks())
         sides.append(stats)
-    result = compare_stats(sides[0], sides[1], tol)
+        sketches.append(sketch)
+    result = compare_stats(sides[0], sides[1], tol, *sketches)
     result["numel"] = int(np.prod(r.shape_a))
     return {**result, "rtol": tol.rtol, "atol": tol.atol}
 

@@ -174,7 +174,9 @@ def _index_frame(table: np.ndarray) -> pd.DataFrame:
     if len(table) == 0:  # a step in which no module ran
         return pd.DataFrame({n: pd.Series(dtype=object if k == "str" else k)
                              for n, k in fmt.INDEX_COLUMNS})
-    cols = {name: _strings(table[name]) if kind == "str" else table[name]
+    present = set(table.dtype.names)
+    cols = {name: _strings(table[name]) if kind == "str" else
+            table[name] if name in present else np.full(len(table), np.nan)  # version 1
             for name, kind in fmt.INDEX_COLUMNS}
     frame = pd.DataFrame(cols, columns=list(names))
     frame["shape"] = frame["shape"].map(fmt.parse_shape)

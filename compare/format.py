@@ -11,8 +11,8 @@ import re
 from typing import Optional
 
 FORMAT_NAME = "h5cmp-dump"
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = frozenset({1})
+FORMAT_VERSION = 2
+SUPPORTED_VERSIONS = frozenset({1, 2})  # version 1: no sketch columns (read as NaN)
 
 # ---- files -------------------------------------------------------------------------
 FILE_SUFFIX = ".hdf5"
@@ -91,6 +91,17 @@ KINDS = (INPUT, OUTPUT, GRAD_INPUT, GRAD_OUTPUT, PARAM, PARAM_GRAD)
 FORWARD_KINDS = frozenset({INPUT, OUTPUT, PARAM})
 BACKWARD_KINDS = frozenset({GRAD_INPUT, GRAD_OUTPUT, PARAM_GRAD})
 
+
+def step_label(epoch: int, step: int, rank=None) -> str:
+    """How reports name a step: ``0:2``, with ``rank 1`` appended for a distributed one."""
+    has_rank = rank is not None and rank == rank and rank >= 0  # None, NaN or -1: not distributed
+    return f"{epoch}:{step}" + (f" rank {int(rank)}" if has_rank else "")
+
+
+def direction_of(kind: str) -> str:
+    """``"forward"`` or ``"backward"``: when records of ``kind`` are made."""
+    return "backward" if kind in BACKWARD_KINDS else "forward"
+
 # Encodings of a stored dataset.
 ENC_RAW = "raw"    # stored in the numpy dtype of the same name as the torch dtype
 ENC_BITS = "bits"  # the tensor's bytes reinterpreted as an unsigned/int type; decode by `dtype`
@@ -131,8 +142,13 @@ INDEX_COLUMNS: tuple[tuple[str, str], ...] = (
     ("stat_nan", "float64"),  # number of NaN elements
     ("stat_inf", "float64"),  # number of +-Inf elements
     ("stat_zero", "float64"),  # number of zero elements
+    # Sketch (parameter statistics; NaN where not computed): SKETCH_SIZE signed sums, see
+    # compare.statistics.sketch_of_chunks. Since format version 2.
+    *((f"sketch_{k}", "float64") for k in range(8)),
 )
 STAT_COLUMNS = tuple(name for name, _ in INDEX_COLUMNS if name.startswith("stat_"))
+SKETCH_COLUMNS = tuple(name for name, _ in INDEX_COLUMNS if name.startswith("sketch_"))
+SINCE_VERSION_2 = frozenset(SKETCH_COLUMNS)  # columns a version-1 index lacks
 INDEX_COLUMN_NAMES = tuple(name for name, _ in INDEX_COLUMNS)
 
 # Root attributes of every step file.

@@ -20,11 +20,10 @@ from .comparison import compare_dumps
 from .dump import Dump, PathLike
 from .precision import rounding_of
 
-FINE = "fine"
 ORIGINS_SHOWN = 10  # origins listed by describe_origins
 # What a module produces, and what must have been injected for its error to be local.
 PRODUCED = {fmt.OUTPUT: fmt.INPUT, fmt.GRAD_INPUT: fmt.GRAD_OUTPUT}
-KEY = ["epoch", "step", "rank", "module", "cls", "call_idx", "kind", "index"]
+KEY = ["epoch", "step", "rank", "module", "cls", "call_idx", "kind", "index", "occurrence"]
 CALL = ["epoch", "step", "rank", "module", "call_idx"]
 
 
@@ -48,8 +47,8 @@ def localize(reference: PathLike | Dump, free: PathLike | Dump, injected: PathLi
                            | {f"{c}_accumulated": f"accumulated_{c}" for c in cols})
     merged["verdict"] = np.where(
         merged["local_status"].isin(st.FAILING), st.ORIGIN,
-        np.where(merged["accumulated_status"].isin(st.FAILING | {st.INHERITED}), st.INHERITED,
-                 FINE))
+        np.where(merged["accumulated_status"].isin(st.CARRYING), st.INHERITED,
+                 st.FINE))
     if modules:
         patterns = list(modules)
         merged = merged[[fmt.module_matches(m, c, patterns)
@@ -80,12 +79,12 @@ def describe_origins(frame: pd.DataFrame, shown: int = ORIGINS_SHOWN) -> str:
         "local_added_ratio", ascending=False, kind="stable")
     lines = [f"{len(frame)} produced tensors with injected inputs: {len(origins)} origin, "
              f"{int((frame['verdict'] == st.INHERITED).sum())} inherited, "
-             f"{int((frame['verdict'] == FINE).sum())} fine"]
+             f"{int((frame['verdict'] == st.FINE).sum())} fine"]
     for r in origins.head(shown).itertuples():
-        direction = "backward" if r.kind == fmt.GRAD_INPUT else "forward"
         ratio = ("" if not np.isfinite(r.local_added_ratio)
                  else f", {r.local_added_ratio:.0f}x the typical local error")
-        lines.append(f"  origin: step {r.epoch}:{r.step} {direction} "
+        lines.append(f"  origin: step {fmt.step_label(r.epoch, r.step, r.rank)} "
+                     f"{fmt.direction_of(r.kind)} "
                      f"{fmt.record_label(r.module, r.cls, r.call_idx, r.kind, r.index)} "
                      f"local rel error {r.local_rel_error:.3g}{ratio} "
                      f"(accumulated {r.accumulated_rel_error:.3g})")

@@ -10,6 +10,7 @@ Definitions (a = reference side A, b = side B; sums over elements finite on both
   rmse          sqrt(mean |b - a|^2)          rms_a         sqrt(mean |a|^2), A's scale
   mismatches    elements with |b - a| > atol + rtol |b|, plus non-finite positions that differ
   max_tol_ratio max |b - a| / (atol + rtol |b|): above 1 is outside tolerance (inf if exact)
+  sign_flips    elements positive on one side only (what a ReLU or a max decides differs)
 Non-finite elements (NaN, ±Inf) are counted per side and matched by position.
 """
 from __future__ import annotations
@@ -25,7 +26,8 @@ from .tolerance import Tolerance
 
 METRIC_COLUMNS = ("numel", "rms_a", "max_abs_err", "mean_abs_err", "max_rel_err", "rel_l2_err", "cosine",
                   "rmse", "mismatches", "mismatch_frac", "max_tol_ratio", "nan_a", "nan_b",
-                  "inf_a", "inf_b", "stat_rel_diff", "norm_rel_diff", "rel_err_from_stats")
+                  "inf_a", "inf_b", "sign_flips", "stat_rel_diff", "norm_rel_diff",
+                  "rel_err_from_stats", "sketched")
 
 
 BLOCK = 1 << 16  # elements per computation block: every pass over a block stays in cache
@@ -82,6 +84,7 @@ class ErrorAccumulator:
     dot: float = 0.0
     mismatches: int = 0
     nonfinite_mismatches: int = 0
+    sign_flips: int = 0
     all_equal: bool = True
     counts: dict = field(default_factory=lambda: dict(nan_a=0, nan_b=0, inf_a=0, inf_b=0))
 
@@ -138,6 +141,8 @@ class ErrorAccumulator:
         self.max_abs = max(self.max_abs, max_abs)
         self.sum_abs += float(absd.sum())
         self.ssd += _dot(absd, absd)
+        if not np.iscomplexobj(a):
+            self.sign_flips += int(np.count_nonzero(np.greater(a, 0, out=mask) != (b > 0)))
         np.abs(b, out=tmp)                                      # mismatch: |d| > atol + rtol |b|
         np.multiply(tmp, self.tol.rtol, out=tmp)
         np.add(tmp, self.tol.atol, out=tmp)
@@ -171,6 +176,7 @@ class ErrorAccumulator:
             cosine = self.dot / (norm_a * norm_b)
         out = dict(
             stat_rel_diff=math.nan, norm_rel_diff=math.nan, rel_err_from_stats=math.nan,
+            sketched=math.nan,
             numel=self.numel,
             max_abs_err=self.max_abs,
             mean_abs_err=self.sum_abs / n if n else 0.0,
@@ -180,6 +186,7 @@ class ErrorAccumulator:
             rmse=math.sqrt(self.ssd / n) if n else 0.0,
             rms_a=math.sqrt(self.ssa / n) if n else 0.0,
             mismatches=self.mismatches,
+            sign_flips=self.sign_flips,
             mismatch_frac=self.mismatches / self.numel if self.numel else 0.0,
             max_tol_ratio=math.inf if self.nonfinite_mismatches else self.max_tol_ratio,
             **self.counts,

@@ -8,12 +8,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .errors import DumpError
+from .errors import DumpError, check_writable
 from .summary import Summary
 
 
 def check_plot_path(path: Path) -> None:
     """Raise :class:`DumpError` now if :func:`plot_errors` could not write ``path``."""
+    check_writable(path)
     if path.suffix.lower() != ".png":
         raise DumpError(f"{path}: the plot is written as PNG; name the file *.png")
     if importlib.util.find_spec("matplotlib") is None:
@@ -39,7 +40,8 @@ def plot_errors(result: pd.DataFrame, summary: Summary, path: Path) -> None:
     x = np.arange(len(rows))
     added = rows["added_rel_error"].astype(float).to_numpy()
     expected = rows["expected_rel_error"].astype(float).to_numpy()
-    positive = np.concatenate([added[added > 0], expected[expected > 0]])
+    positive = np.concatenate([added[(added > 0) & np.isfinite(added)],
+                               expected[expected > 0]])
     low = float(positive.min()) / 3 if len(positive) else 1e-12
     high = float(positive.max()) * 3 if len(positive) else 1.0
     shown = np.clip(np.nan_to_num(added, nan=low), low, high)
@@ -63,12 +65,11 @@ def plot_errors(result: pd.DataFrame, summary: Summary, path: Path) -> None:
         ax.axvline(i - 0.5, color="black", linestyle=":", linewidth=0.8)
         ax.annotate(f"step {steps[i]}", (i, 1.0), xycoords=("data", "axes fraction"),
                     xytext=(3, -12), textcoords="offset points", fontsize=8)
-    if summary.first is not None:
-        first = summary.first.row
-        i = int(np.flatnonzero((rows["seq"] == first["seq"]) & (rows["step"] == first["step"])
-                               & (rows["epoch"] == first["epoch"]) & (rows["kind"] == first["kind"])
-                               & (rows["module"] == first["module"])
-                               & (rows["index"] == first["index"]))[0])
+    at = [] if summary.first is None else np.flatnonzero(np.logical_and.reduce(
+        [(rows[c].fillna(-1) == (-1 if pd.isna(summary.first.row[c]) else summary.first.row[c]))
+         for c in ("epoch", "step", "rank", "seq", "module", "kind", "index", "occurrence")]))
+    if len(at):  # (not when the rows drawn leave it out)
+        first, i = summary.first.row, int(at[0])
         ax.axvline(i, color="tab:red", linewidth=1)
         ax.annotate(f"first divergence: {first['module'] or '<root>'} {first['kind']}",
                     (i, 0.0), xycoords=("data", "axes fraction"), xytext=(4, 6),
@@ -96,7 +97,7 @@ def plot_heatmap(result: pd.DataFrame, path: Path) -> None:
     from matplotlib.colors import LogNorm
 
     from . import format as fmt
-    direction = result["kind"].map(lambda k: " bwd" if k in fmt.BACKWARD_KINDS else " fwd")
+    direction = result["kind"].map(lambda k: " " + fmt.direction_of(k)[:3])
     rows = result.assign(key=[fmt.module_key(m, c) for m, c in zip(result["module"], result["cls"])],
                          when=result["epoch"].astype(str) + ":" + result["step"].astype(str)
                          + direction)
@@ -115,9 +116,10 @@ def plot_heatmap(result: pd.DataFrame, path: Path) -> None:
         table = part.pivot_table(index="key", columns="when", values="rel_error", aggfunc="max")
         table = table.reindex(index=order, columns=columns)
         values = table.to_numpy(dtype=float)
-        positive = values[values > 0]
+        positive = values[(values > 0) & np.isfinite(values)]
         low = float(positive.min()) if len(positive) else 1e-12
         high = max(float(positive.max()) if len(positive) else 1.0, low * 10)
+        values = np.where(np.isinf(values), high, values)  # NaN/Inf where A has none: the top
         image = ax.imshow(np.where(values > 0, values, np.nan), aspect="auto", cmap="viridis",
                           norm=LogNorm(vmin=low, vmax=high))
         ax.set_yticks(range(len(table)), table.index, fontsize=7)
@@ -138,7 +140,6 @@ def plot_tensor_steps(dump, module: str, kind: str, index: int, path: Path,
     plt = _pyplot()
 
     from .dump import load_dump
-    from .errors import DumpError
     from .statistics import STAT_NAMES, stats_of_chunks
     dump = load_dump(dump)
     rows = dump.index[(dump.index["module"] == module) & (dump.index["kind"] == kind)

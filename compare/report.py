@@ -13,8 +13,8 @@ import pandas as pd
 
 from . import format as fmt
 from . import status as st
-from .errors import DumpError
-from .summary import Summary, direction_of
+from .errors import DumpError, check_writable
+from .summary import Summary
 
 EXPORT_FORMATS = (".csv", ".json", ".html", ".xlsx")
 ORDERS = ("added", "execution")  # failing rows worst first, or as they ran
@@ -53,8 +53,9 @@ def display_rows(result: pd.DataFrame) -> pd.DataFrame:
     dtype = dtype.where(~mixed, dtype + "/" + result["dtype_b"].fillna("-"))
     shape = result["shape_a"].where(result["shape_a"].notna(), result["shape_b"]).map(_shape)
     return pd.DataFrame({
-        "step": [f"{e}:{s}" for e, s in zip(result["epoch"], result["step"])],
-        "direction": result["kind"].map(direction_of),
+        "step": [fmt.step_label(e, s, r) for e, s, r in
+                 zip(result["epoch"], result["step"], result["rank"])],
+        "direction": result["kind"].map(fmt.direction_of),
         "record": [fmt.record_label(*r) for r in result[
             ["module", "cls", "call_idx", "kind", "index", "occurrence"]].itertuples(index=False)],
         "dtype": dtype,
@@ -100,6 +101,7 @@ def render_text(result: pd.DataFrame, summary: Summary, show_all: bool = False,
 
 def check_output_path(path: Path) -> None:
     """Raise :class:`DumpError` now if :func:`export` could not write ``path``."""
+    check_writable(path)
     suffix = path.suffix.lower()
     if suffix not in EXPORT_FORMATS:
         raise DumpError(f"{path}: unknown output format {suffix or '(none)'}; use one of "

@@ -7,7 +7,8 @@ backward pass):
 =============  ==========================================================================
 record         sources
 =============  ==========================================================================
-output         the call's inputs and parameters, and the outputs of its direct child calls
+output         the call's inputs, its module's parameters, and the outputs of its direct child
+               calls
 input          the outputs of the call that produced it (``producer``); if unknown, what the
                parent call had by then: its inputs and parameters, and the outputs of the
                children that ran before this call
@@ -16,7 +17,8 @@ grad_output    the call's outputs (what the loss was computed from), the grad_in
                children of the parent that ran after the call
 grad_input     the call's grad_output, inputs, outputs and parameters, and the grad_inputs of
                its direct child calls
-param_grad     grad_output, inputs and outputs of every call of the module
+param_grad     grad_output (of every backward pass), inputs and outputs of every call of the
+               module
 param          none: the weights come from before the step
 =============  ==========================================================================
 
@@ -56,10 +58,9 @@ def parent_calls(calls: pd.DataFrame) -> dict[int, Optional[int]]:
 
 
 class _Step:
-    """Row positions of one step's records, looked up by call and kind."""
+    """Row positions of one step's records, looked up by call, or module, and kind."""
 
     def __init__(self, rows: pd.DataFrame):
-        self.rows = rows
         self.by_call_kind: dict[tuple, list[int]] = defaultdict(list)
         self.by_module_kind: dict[tuple, list[int]] = defaultdict(list)
         self.consumers: dict[int, set[int]] = defaultdict(set)
@@ -68,7 +69,7 @@ class _Step:
                 rows["producer"]):
             pass_ = occurrence if kind in fmt.BACKWARD_KINDS else None
             self.by_call_kind[(call, kind, pass_)].append(pos)
-            self.by_module_kind[(module, kind, pass_)].append(pos)
+            self.by_module_kind[(module, kind)].append(pos)
             if kind == fmt.INPUT and producer >= 0:
                 self.consumers[int(producer)].add(int(call))
         calls = rows.drop_duplicates("call")
@@ -85,6 +86,11 @@ class _Step:
             out += self.by_call_kind.get((c, kind, pass_), ())
         return out
 
+    def weights(self, call: int) -> list[int]:
+        """The ``param`` rows of the call's module, whichever call recorded them (statistics
+        are recorded at the first call only)."""
+        return list(self.by_module_kind.get((self.module_of[call], fmt.PARAM), ()))
+
     def siblings(self, call: int) -> list[int]:
         parent = self.parent[call]
         return [] if parent is None else self.children[parent]
@@ -94,7 +100,7 @@ class _Step:
         fwd = (call,)
         parent = self.parent[call]
         if kind == fmt.OUTPUT:
-            return (self.of(fwd, fmt.INPUT) + self.of(fwd, fmt.PARAM)
+            return (self.of(fwd, fmt.INPUT) + self.weights(call)
                     + self.of(self.children[call], fmt.OUTPUT))
         if kind == fmt.INPUT:
             if producer >= 0:
@@ -102,7 +108,7 @@ class _Step:
             if parent is None:
                 return []
             before = [c for c in self.siblings(call) if c < call]
-            return (self.of((parent,), fmt.INPUT) + self.of((parent,), fmt.PARAM)
+            return (self.of((parent,), fmt.INPUT) + self.weights(parent)
                     + self.of(before, fmt.OUTPUT))
         if kind == fmt.GRAD_OUTPUT:
             if parent is None:
@@ -114,12 +120,12 @@ class _Step:
                     + self.of((parent,), fmt.GRAD_OUTPUT, occurrence))
         if kind == fmt.GRAD_INPUT:
             return (self.of(fwd, fmt.GRAD_OUTPUT, occurrence) + self.of(fwd, fmt.INPUT)
-                    + self.of(fwd, fmt.OUTPUT) + self.of(fwd, fmt.PARAM)
+                    + self.of(fwd, fmt.OUTPUT) + self.weights(call)
                     + self.of(self.children[call], fmt.GRAD_INPUT, occurrence))
-        if kind == fmt.PARAM_GRAD:
-            calls = [c for c, m in self.module_of.items() if m == module]
-            return (self.of(calls, fmt.GRAD_OUTPUT, occurrence) + self.of(calls, fmt.INPUT)
-                    + self.of(calls, fmt.OUTPUT))
+        if kind == fmt.PARAM_GRAD:  # accumulated over every call and backward pass
+            return (self.by_module_kind.get((module, fmt.GRAD_OUTPUT), [])
+                    + self.by_module_kind.get((module, fmt.INPUT), [])
+                    + self.by_module_kind.get((module, fmt.OUTPUT), []))
         return []
 
 

@@ -17,8 +17,10 @@ status             meaning
 ``unsupported``    a side could not store the values (its index ``value`` says why)
 =================  ======================================================================
 
-A comparison fails when any row has a failing status; its first failing row in execution
-order is the first divergence.
+A comparison fails when any row has a failing status. Its first row in execution order whose
+values differ beyond what explains them (``DIFF``, ``nan_mismatch``, ``shape_mismatch``) is the
+first divergence; missing, dropped or unsupported records are counted and listed, not taken for
+one.
 """
 EQUAL, CLOSE, INHERITED, DIFF = "equal", "close", "inherited", "DIFF"
 NAN_MISMATCH, SHAPE_MISMATCH = "nan_mismatch", "shape_mismatch"
@@ -32,8 +34,12 @@ PASSING = frozenset({EQUAL, CLOSE})
 # one the dumper cannot store by design, not a difference between the runs.
 NOT_BLAMED = frozenset({INHERITED, UNSUPPORTED})
 FAILING = frozenset(STATUSES) - PASSING - NOT_BLAMED
-# Failing statuses judged from the values (the others say a record could not be compared).
+# Records that carry an error: their own (failing) or one from upstream.
+CARRYING = FAILING | {INHERITED}
+# Failing statuses judged from the values (the others say a record could not be compared):
+# the first divergence is the first row with one of these.
 VALUE_FAILURES = frozenset({DIFF, NAN_MISMATCH, SHAPE_MISMATCH})
 
-# Where the error of a divergence comes from (the summary's and localize's verdicts).
-ORIGIN, BETWEEN_MODULES = "origin", "between_modules"
+# Where the error of a divergence comes from (the summary's verdict), and, with an injected
+# run, what a module's local error makes of it (localize's: origin, inherited or fine).
+ORIGIN, BETWEEN_MODULES, FINE = "origin", "between_modules", "fine"

@@ -12,12 +12,9 @@ from . import format as fmt
 from . import status as st
 from .sources import earlier_sources
 from .precision import precision_of
+from .verdict import USER_TOLERANCE
 
 SUSPECTS = 5  # suspects listed by the text summary
-
-
-def direction_of(kind: str) -> str:
-    return "backward" if kind in fmt.BACKWARD_KINDS else "forward"
 
 
 def record_label(row) -> str:
@@ -50,7 +47,7 @@ class Divergence:
 
     @property
     def direction(self) -> str:
-        return direction_of(self.row["kind"])
+        return fmt.direction_of(self.row["kind"])
 
     @property
     def parent(self) -> str:
@@ -61,7 +58,7 @@ class Divergence:
 
     def describe(self) -> str:
         r = self.row
-        where = (f"step {r['epoch']}:{r['step']}, {self.direction}, module "
+        where = (f"step {fmt.step_label(r['epoch'], r['step'], r['rank'])}, {self.direction}, module "
                  f"{r['module'] or '<root>'} ({r['cls']}) call {r['call_idx']}, "
                  f"{r['kind']}[{r['index']}] {r['path']}")
         numel = int(r["numel"]) if pd.notna(r["numel"]) else "n/a"
@@ -82,7 +79,7 @@ class Divergence:
             if self.producer is not None and len(self.producer):
                 p = self.producer.iloc[0]
                 state = ("which matched: the change happened between the two modules"
-                         if not self.producer["status"].isin(st.FAILING | {st.INHERITED}).any()
+                         if not self.producer["status"].isin(st.CARRYING).any()
                          else "which already differed")
                 lines.append(f"  {r['kind']}[{r['index']}] came from "
                              f"{fmt.module_key(p['module'], p['cls'])} (call {p['call']}), {state}")
@@ -103,6 +100,7 @@ class Summary:
     weights: Optional[pd.Series] = None   # the parameter that differs most, if any
     later_step: bool = False              # they differ in a step after the first of training
     from_stats: int = 0                   # records judged from statistics (estimates)
+    user_tolerance: bool = False          # judged by the user's rtol/atol
 
     @property
     def ok(self) -> bool:
@@ -118,15 +116,16 @@ class Summary:
                        f"{w['module'] or '<root>'}{when})")
         if self.first is not None:
             r = self.first.row
-            return (f"B diverges from A: first at step {r['epoch']}:{r['step']} "
+            return (f"B diverges from A: first at step {fmt.step_label(r['epoch'], r['step'], r['rank'])} "
                     f"{self.first.direction} in {r['module'] or '<root>'} "
                     f"({r['kind']}[{r['index']}]){weights}")
         if not self.ok:
             bad = ", ".join(f"{self.counts[s]} {s}" for s in st.STATUSES
                             if s in st.FAILING and self.counts[s])
             return f"B cannot be fully compared with A: {bad}{weights}"
-        within = f"within {self.precision} rounding" if self.precision else "exactly"
-        if self.largest is None:
+        within = ("within the given tolerance" if self.user_tolerance else
+                  f"within {self.precision} rounding" if self.precision else "exactly")
+        if self.largest is None or self.user_tolerance or not self.largest["added_rel_error"]:
             return f"B agrees with A {within}{weights}"
         r = self.largest
         return (f"B agrees with A {within} (largest added error {r['added_rel_error']:.3g}, "
@@ -144,8 +143,8 @@ class Summary:
             lines.append("suspects, worst first (added error in units of the expected one; "
                          "new: none expected):")
             for r in self.suspects.head(SUSPECTS).itertuples():
-                lines.append(f"  {_ratio(r.added_ratio):>5}  step {r.epoch}:{r.step} "
-                             f"{direction_of(r.kind):<8} {r.label} (added {r.added_rel_error:.3g})")
+                lines.append(f"  {_ratio(r.added_ratio):>5}  step {fmt.step_label(r.epoch, r.step, r.rank)} "
+                             f"{fmt.direction_of(r.kind):<8} {r.label} (added {r.added_rel_error:.3g})")
             if len(self.suspects) > SUSPECTS:
                 lines.append(f"  ... {len(self.suspects) - SUSPECTS} more")
         return "\n".join(lines)
@@ -175,7 +174,7 @@ def summarize(result: pd.DataFrame) -> Summary:
     from_stats = int((result["rel_l2_err"].isna() & result["rel_err_from_stats"].notna()
                       & (result["kind"] != fmt.PARAM)).sum())
     return Summary(counts, len(result), first, precision, suspects, largest, weights, later,
-                   from_stats)
+                   from_stats, bool(result.attrs.get(USER_TOLERANCE)))
 
 
 def _diagnose(result: pd.DataFrame, row: pd.Series) -> Divergence:

@@ -1,9 +1,14 @@
 """The verdict: each record's status from an error model of the two runs.
 
 Every compared record has a relative error ``rel_error`` (``||b - a|| / ||a||``; for records
-known by their statistics, an estimate from them). Its *input error* is the largest error among
-the records it is computed from (:mod:`compare.sources`, earlier in execution order), and its
-*added error* is what it carries beyond that, ``sqrt(max(rel_error² - input_error², 0))``.
+known by their statistics, an estimate from them). Its *input error* combines the errors of the
+records it is computed from (:mod:`compare.sources`, earlier in execution order): the largest
+of the data it receives and the largest of its weights, in quadrature (independent errors:
+weights drifted in earlier steps, data in this one; several sources of data often carry one
+upstream error, which counts once), and for a gradient sent back, what decisions on its call's
+inputs explain (``sqrt`` of four times the share of an input positive on one side only: a ReLU
+passes those gradients in one run only). Its *added error* is what it carries beyond that,
+``sqrt(max(rel_error² - input_error², 0))``.
 
 The *expected* added error of a record is calibrated from the dump (:mod:`compare.calibration`):
 what comparable records typically add, at least one rounding of the lower precision involved
@@ -15,18 +20,27 @@ A record is
   its inputs' error, amplified as comparable records amplify theirs (``gain``: calibrated
   between ``GAIN`` and ``EXACT_GAIN``), and its own computation explain (``EXACT_GAIN``
   where no added error is expected, and downstream of a failing record, whose consequences
-  are only news when they more than double);
+  are only news when they more than double; ``STATS_GAIN`` times more for records judged from
+  statistics);
 - ``inherited`` when not, but it carries an error from a failing (or inherited) source beyond
   what it would carry from healthy sources;
 - ``close`` otherwise, ``equal`` when bit-identical.
 
+Without a bound: integer records (indices, masks, routing) decided from inputs with any error,
+and what such records select; and what differing weights feed where how much the weights used
+differ is unknown (weights known by their five statistics but no sketch, as in format version
+1 dumps, or looked up by indices). Weights known by their sketch count with ``STATS_GAIN``
+times their estimate.
+
 With user-given ``rtol``/``atol`` a record within them (every element ``|b - a| <= atol +
-rtol |b|``) is ``close``; outside them it is ``inherited`` when a source outside them explains
-it, else ``DIFF``. Weights (``param`` records) have no sources in the step: a weight that
-differs is ``inherited`` (from earlier steps), explains the error of what it feeds, and the
-summary says so. Records with values that were not comparable (missing, dropped, unsupported,
-different shapes) keep their status. Records that are the same tensor seen by several modules
-(e.g. a container's output and its last child's) are judged once, at the first of them.
+rtol |b|``, or, known by statistics, each statistic) is ``close``; outside them it is
+``inherited`` when a source outside them explains it, else ``DIFF``. Weights (``param``
+records) have no sources in the step: a weight that differs (in two dtypes: by more than one
+rounding; or beyond the given tolerance) is ``inherited`` (from earlier steps) and the summary
+says so. Records with
+values that were not comparable (missing, dropped, unsupported, different shapes) keep their
+status. Records that are the same tensor seen by several modules (e.g. a container's output and
+its last child's) are judged once, at the first of them; the others repeat its judgement.
 """
 from __future__ import annotations
 
@@ -38,7 +52,7 @@ import pandas as pd
 
 from . import format as fmt
 from . import status as st
-from .calibration import EXACT_GAIN, calibrate
+from .calibration import EXACT_GAIN, EXACT_LABEL, Expectation, calibrate
 from .precision import precision_of, rounding_of
 from .sources import STEP_KEY, earlier_sources
 
@@ -46,16 +60,24 @@ from .sources import STEP_KEY, earlier_sources
 # a few times: records judged from them get this much more room.
 STATS_GAIN = 2.0
 SPREAD = 6.0    # how far above the typical added error of comparable records one may go
+DECIDING_SHARE = 0.25  # least share of an input a ReLU-like decision passes gradients for
 # Statistics computed by different code (the dumper on the device, the reader from values)
 # agree to float64 rounding: estimates below this are no evidence of a difference.
 STATS_RESOLUTION = 1e-12
 STATS_NOTE = ("; estimated from statistics (a difference that keeps min, max, mean, std and "
               "norm cannot be seen)")
 
-
+USER_TOLERANCE = "user_tolerance"  # attribute of a judged result: judged by the user's rtol/atol
 VERDICT_COLUMNS = ("rel_error", "input_rel_error", "added_rel_error", "expected_rel_error",
                    "added_ratio", "source", "same_as", "reason")
 _COMPARED = frozenset({st.EQUAL, st.CLOSE, st.DIFF, st.NAN_MISMATCH})
+
+
+def labels(frame: pd.DataFrame) -> np.ndarray:
+    """:func:`compare.format.record_label` of each row."""
+    columns = ["module", "cls", "call_idx", "kind", "index", "occurrence"]
+    return np.array([fmt.record_label(*r) for r in frame[columns].itertuples(index=False)],
+                    dtype=object)
 
 
 def judge(result: pd.DataFrame, rtol: Optional[float] = None, atol: Optional[float] = None,
@@ -69,125 +91,15 @@ def judge(result: pd.DataFrame, rtol: Optional[float] = None, atol: Optional[flo
     where their sources are); ``tf32``: per side, whether float32 matmuls, and convolutions,
     may have used TF32 (:func:`compare.format.tf32_allowed`)."""
     frame = result.reset_index(drop=True)
-    n = len(frame)
-    err = _rel_error(frame)
-    stats = frame["rel_l2_err"].isna().to_numpy() & frame["rel_err_from_stats"].notna().to_numpy()
-    compared = frame["status"].isin(_COMPARED).to_numpy()
-    seq = frame["seq"].to_numpy(np.int64)
-    sources = [s[compared[s]] for s in earlier_sources(frame)]
-    alias = _alias_groups(frame, err, compared)
-    first_of = {g: min(members, key=lambda i: (seq[i], i)) for g, members in alias.items()}
-    group_sources = {g: np.setdiff1d(np.concatenate([sources[i] for i in members]), members)
-                     for g, members in alias.items()}
-    for g, members in alias.items():
-        group_sources[g] = group_sources[g][seq[group_sources[g]] < seq[first_of[g]]]
-    alias_of = {i: g for g, members in alias.items() for i in members}
-
-    def sources_of(i: int) -> np.ndarray:
-        return group_sources[alias_of[i]] if i in alias_of else sources[i]
-
-    err_in = np.array([err[s].max() if len(s) else 0.0 for s in map(sources_of, range(n))])
-    with np.errstate(invalid="ignore"):  # inf - inf: a non-finite record, judged apart
-        added = np.sqrt(np.clip(np.nan_to_num(err ** 2 - err_in ** 2, nan=0.0), 0.0, None))
-    # A discrete record (integers, bool: indices, masks, routing) flips on any error of what it
-    # is decided from, and what it selects then differs arbitrarily: no bound on either.
-    discrete = np.array([rounding_of(a).unit == 0 and rounding_of(b).unit == 0
-                         for a, b in zip(frame["dtype_a"], frame["dtype_b"])])
-    # Weights that differ explain any error of what they feed where how much the weights used
-    # differ is unknown: they are known by statistics only (a drift can leave min, max, mean,
-    # std and norm nearly alone), or looked up by indices (an embedding, routed experts: the
-    # rows used may have drifted far more than the whole tensor).
-    params = (frame["kind"] == fmt.PARAM).to_numpy()
-    drifted = params & (err > 0)
-    unbounded = (discrete & (err_in > 0)) | np.array(
-        [bool(np.any(discrete[s] & (err[s] > 0)))
-         or bool(np.any(drifted[s] & (stats[s] | np.any(discrete[s]))))
-         for s in map(sources_of, range(n))])
-    has_sources = np.array([len(sources_of(i)) > 0 for i in range(n)])
-    repeat = np.array([i in alias_of and first_of[alias_of[i]] != i for i in range(n)])
-    expected, expected_label, gain = calibrate(frame, err, err_in, added,
-                                               compared & has_sources & ~repeat, same_kernels,
-                                               tf32)
-
-    user_tol = rtol is not None or atol is not None
-    measured = frame["status"].to_numpy(object)  # what the metrics saw: equal, nan_mismatch...
-    mismatches = frame["mismatches"].to_numpy(float)
-    dtype_a, dtype_b = frame["dtype_a"].to_numpy(object), frame["dtype_b"].to_numpy(object)
-    status = measured.copy()
-    healthy = err.copy()         # the error a record would carry from healthy sources
-    tainted = np.zeros(n, bool)  # carries an error from a failing or inherited source
-    reason = np.full(n, "", object)
-    source = np.full(n, "", object)
-    same_as = np.full(n, "", object)
-    label_of = labels(frame)
-    for i in np.lexsort((seq, frame["rank"].fillna(-1), frame["step"], frame["epoch"])):
-        if not compared[i]:
-            continue
-        s = sources_of(i)
-        if len(s):
-            worst = s[np.argmax(err[s])]
-            source[i] = label_of[worst]
-        if i in alias_of and first_of[alias_of[i]] != i:
-            first = first_of[alias_of[i]]
-            same_as[i] = label_of[first]
-            tainted[i], healthy[i] = tainted[first] or status[first] in st.FAILING, healthy[first]
-            if status[i] != st.EQUAL:
-                status[i] = st.INHERITED if tainted[i] else status[first]
-                reason[i] = f"the same values as {label_of[first]}" if tainted[i] else ""
-            continue
-        bad = s[_is_bad(status[s]) | tainted[s]] if len(s) else s
-        tainted[i] = len(bad) > 0
-        healthy_in = healthy[s].max() if len(s) else 0.0
-        # downstream of a failing record, only more than doubling what it carries is news
-        g = (EXACT_GAIN if tainted[i] else gain[i]) * (STATS_GAIN if stats[i] else 1.0)
-        bound = math.inf if unbounded[i] else math.hypot(g * err_in[i], SPREAD * expected[i])
-        envelope = math.hypot(healthy_in, SPREAD * expected[i])
-        healthy[i] = min(err[i], envelope)
-        nonfinite = measured[i] == st.NAN_MISMATCH
-        if measured[i] == st.EQUAL:
-            continue
-        if params[i]:  # weights come from before the step: not this step's doing
-            if user_tol:
-                within = mismatches[i] == 0 and not nonfinite
-            else:  # the same weights in two dtypes differ by one rounding
-                within = err[i] <= rounding_of(precision_of(dtype_a[i], dtype_b[i])).unit
-            status[i] = st.CLOSE if within else st.INHERITED
-            reason[i] = "" if within else f"weights differ by {err[i]:.3g} before this step"
-            continue
-        if user_tol:
-            within = mismatches[i] == 0 and not nonfinite
-            outside_in = bad[mismatches[bad] != 0]
-            explains = len(outside_in) and err[i] <= math.hypot(
-                gain[i] * err[outside_in].max(), SPREAD * expected[i])
-            status[i] = (st.CLOSE if within else st.INHERITED if explains
-                         else measured[i])
-        elif nonfinite:
-            explains = any(measured[j] == st.NAN_MISMATCH or
-                           (tainted[j] and not math.isfinite(err[j])) for j in bad)
-            status[i] = st.INHERITED if explains else st.NAN_MISMATCH
-        elif err[i] > bound:
-            status[i] = st.DIFF
-        elif tainted[i] and err[i] > envelope:
-            status[i] = st.INHERITED
-        else:
-            status[i] = st.CLOSE
-        if status[i] in st.FAILING:
-            reason[i] = _why(err[i], err_in[i], added[i], expected[i], expected_label[i],
-                             source[i], nonfinite, user_tol) + (STATS_NOTE if stats[i] else "")
-        elif status[i] == st.INHERITED:
-            worst_bad = bad[np.argmax(err[bad])] if len(bad) else None
-            reason[i] = ("" if worst_bad is None else
-                         f"carries the error of {label_of[worst_bad]} ({err[worst_bad]:.3g})")
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(expected > 0, added / expected, np.where(added > 0, np.inf, 0.0))
-    numbers = {"rel_error": err, "input_rel_error": err_in, "added_rel_error": added,
-               "expected_rel_error": expected, "added_ratio": ratio}
-    return frame.assign(status=status, source=source, same_as=same_as, reason=reason,
-                        **{k: np.where(compared, v, np.nan) for k, v in numbers.items()})
-
-
-def _is_bad(statuses: np.ndarray) -> np.ndarray:
-    return np.isin(statuses, list(st.FAILING | {st.INHERITED}))
+    records = _Records(frame, user_tol=rtol is not None or atol is not None)
+    expected = calibrate(frame, records.err, records.err_in, records.added,
+                         records.compared & records.has_sources & ~records.repeat,
+                         same_kernels, tf32)
+    judgement = _Judgement(records, expected)
+    for i in np.lexsort((records.seq, frame["rank"].fillna(-1), frame["step"], frame["epoch"])):
+        if records.compared[i]:
+            judgement.judge(i)
+    return judgement.result()
 
 
 def _rel_error(frame: pd.DataFrame) -> np.ndarray:
@@ -202,35 +114,224 @@ def _rel_error(frame: pd.DataFrame) -> np.ndarray:
     return np.nan_to_num(err, nan=0.0, posinf=np.inf)
 
 
-def _alias_groups(frame: pd.DataFrame, err: np.ndarray, compared: np.ndarray) -> dict:
-    """Rows that are evidently the same tensor seen by several records (same step, size and
-    every error figure identical), as ``{group: positions}`` for groups of two or more."""
+def _combined(errors: np.ndarray, weights: np.ndarray) -> float:
+    """The error sources give together: the largest of the data's (``~weights``) and the
+    largest of the weights', in quadrature."""
+    data, drift = errors[~weights], errors[weights]
+    return math.hypot(data.max() if len(data) else 0.0, drift.max() if len(drift) else 0.0)
+
+
+class _Records:
+    """The rows of one comparison as arrays: errors, sources (records that are the same
+    tensor merged), and what holds without a bound."""
+
+    def __init__(self, frame: pd.DataFrame, user_tol: bool):
+        self.frame, self.n, self.user_tol = frame, len(frame), user_tol
+        n = self.n
+        self.err = err = _rel_error(frame)
+        self.from_stats = frame["rel_l2_err"].isna().to_numpy() & \
+            frame["rel_err_from_stats"].notna().to_numpy()
+        self.measured = frame["status"].to_numpy(object)  # the metrics': equal, nan_mismatch...
+        self.compared = np.isin(self.measured, list(_COMPARED))
+        self.seq = frame["seq"].to_numpy(np.int64)
+        self.params = (frame["kind"] == fmt.PARAM).to_numpy()
+        self.label = labels(frame)
+        self.dtypes = list(zip(frame["dtype_a"], frame["dtype_b"]))
+        self.sketched = (frame["sketched"] == 1).to_numpy()
+        self.first = np.arange(n)  # the first record of the same tensor
+        self.sources = self._merged_sources(frame)
+        self.repeat = self.first != np.arange(n)
+        self.has_sources = np.array([len(s) > 0 for s in self.sources])
+        # as a source, an estimate may be low: weights known by their sketch get its room
+        given = np.where(self.params & self.from_stats, err * STATS_GAIN, err)
+        self.err_in = np.array([self.combined(given, s) for s in self.sources])
+        self.err_in = np.hypot(self.err_in, self._decided(frame))
+        with np.errstate(invalid="ignore"):  # inf - inf: a non-finite record, judged apart
+            self.added = np.sqrt(np.clip(err ** 2 - self.err_in ** 2, 0.0, None))
+        self.added[np.isnan(self.added)] = np.inf
+        self.weight_status = self._weight_statuses()
+        self.unbounded = self._unbounded()
+
+    def _merged_sources(self, frame: pd.DataFrame) -> list[np.ndarray]:
+        sources = [s[self.compared[s]] for s in earlier_sources(frame)]
+        for members in _same_tensor(frame, self.err, self.compared):
+            first = min(members, key=lambda i: (self.seq[i], i))
+            merged = np.setdiff1d(np.concatenate([sources[i] for i in members]), members)
+            merged = merged[self.seq[merged] < self.seq[first]]
+            for i in members:
+                self.first[i], sources[i] = first, merged
+        return sources
+
+    def _decided(self, frame: pd.DataFrame) -> np.ndarray:
+        """For a grad_input, the error that decisions on its call's inputs may put in it: where
+        an input is positive on one side only (a fraction f of it), a ReLU, a max or a clamp
+        passes the gradient in one run and not in the other: sqrt(f / active) of it,
+        relatively, with ``active`` the share of the input that passes gradients (taken as at
+        least a quarter: a ReLU passes about half)."""
+        flips = (frame["sign_flips"] / frame["numel"]).fillna(0.0).to_numpy(float)
+        inputs = (frame["kind"] == fmt.INPUT).to_numpy()
+        out = np.zeros(self.n)
+        for i in np.flatnonzero((frame["kind"] == fmt.GRAD_INPUT).to_numpy()):
+            s = self.sources[i][inputs[self.sources[i]]]
+            out[i] = math.sqrt(flips[s].max() / DECIDING_SHARE) if len(s) else 0.0
+        return out
+
+    def combined(self, errors: np.ndarray, rows: np.ndarray) -> float:
+        """The error that records ``rows`` (with ``errors``) give together (``_combined``)."""
+        return _combined(errors[rows], self.params[rows])
+
+    def within_rounding(self, i: int) -> bool:
+        """The same values stored in two dtypes: one rounding of the lower precision apart
+        (in equal dtypes, equal)."""
+        dtype_a, dtype_b = self.dtypes[i]
+        return dtype_a != dtype_b and self.err[i] <= rounding_of(
+            precision_of(dtype_a, dtype_b)).unit
+
+    def within_tolerance(self, i: int) -> bool:
+        """Within the user's rtol/atol (the metrics judged every element, or each statistic)."""
+        return self.measured[i] in st.PASSING
+
+    def _weight_statuses(self) -> np.ndarray:
+        """Weights come from before the step: ``close`` within one rounding (or the given
+        tolerance), else ``inherited``."""
+        out = self.measured.copy()
+        for i in np.flatnonzero(self.params & self.compared & (self.measured != st.EQUAL)):
+            within = self.within_tolerance(i) if self.user_tol else self.within_rounding(i)
+            out[i] = st.CLOSE if within else st.INHERITED
+        return out
+
+    def _unbounded(self) -> np.ndarray:
+        discrete = np.array([rounding_of(a).unit == 0 and rounding_of(b).unit == 0
+                             for a, b in self.dtypes])
+        drifted = self.weight_status == st.INHERITED
+        unknown = self.from_stats & ~self.sketched  # how much: five statistics cannot tell
+        out = discrete & (self.err_in > 0)
+        for i, s in enumerate(self.sources):
+            selected = bool(np.any(discrete[s]))
+            out[i] |= bool(np.any(discrete[s] & (self.err[s] > 0))) or bool(
+                np.any(drifted[s] & (unknown[s] | selected)))
+        return out
+
+
+def _same_tensor(frame: pd.DataFrame, err: np.ndarray, compared: np.ndarray) -> list[np.ndarray]:
+    """Groups of two or more rows that are evidently one tensor seen by several records (same
+    step, size and every error figure identical)."""
     candidates = frame[compared & (err > 0) & np.isfinite(err)]
     key = [*STEP_KEY, "numel", "rel_l2_err", "max_abs_err", "mean_abs_err", "stat_rel_diff"]
     members: dict[tuple, list[int]] = {}
     for position, figures in zip(candidates.index, candidates[key].fillna(-1).itertuples(
             index=False, name=None)):
         members.setdefault(figures, []).append(position)
-    return dict(enumerate(np.array(rows) for rows in members.values() if len(rows) > 1))
+    return [np.array(rows) for rows in members.values() if len(rows) > 1]
 
 
-def labels(frame: pd.DataFrame) -> np.ndarray:
-    """:func:`compare.format.record_label` of each row."""
-    columns = ["module", "cls", "call_idx", "kind", "index", "occurrence"]
-    return np.array([fmt.record_label(*r) for r in frame[columns].itertuples(index=False)],
-                    dtype=object)
+class _Judgement:
+    """Statuses and reasons, decided record by record in execution order (a record's sources
+    are judged before it)."""
 
+    def __init__(self, records: _Records, expected: Expectation):
+        self.r, self.expected = records, expected
+        n = records.n
+        self.status = records.weight_status.copy()
+        self.healthy = records.err.copy()  # the error a record would carry from healthy sources
+        self.tainted = np.zeros(n, bool)     # carries an error from a failing or inherited source
+        self.reason = np.full(n, "", object)
+        self.source = np.full(n, "", object)
+        self.same_as = np.full(n, "", object)
 
-def _why(err: float, err_in: float, added: float, expected: float, label: str, source: str,
-         nonfinite: bool, user_tol: bool) -> str:
-    if nonfinite:
-        return ("NaN/Inf at other places than in A, and none of its sources has that"
-                + (f" (largest source: {source})" if source else ""))
-    if user_tol:
-        return (f"outside the given tolerance, with sources within it (rel error {err:.3g}, "
-                f"inputs {err_in:.3g})")
-    inputs = f"its inputs carry {err_in:.3g} ({source})" if source else "it has no recorded inputs"
-    if expected > 0:
-        return (f"added rel error {added:.3g} = {added / expected:.0f}x the {label} "
-                f"({expected:.2g}); {inputs}")
-    return f"added rel error {added:.3g} where {label[len('none: '):]}; {inputs}"
+    def judge(self, i: int) -> None:
+        r, s = self.r, self.r.sources[i]
+        if len(s):
+            self.source[i] = r.label[s[np.argmax(r.err[s])]]
+        if r.repeat[i]:
+            self._repeat(i, r.first[i])
+            return
+        carrying = s[np.isin(self.status[s], list(st.CARRYING)) | self.tainted[s]]
+        self.tainted[i] = len(carrying) > 0
+        level = SPREAD * self.expected.level[i]
+        envelope = math.hypot(r.combined(self.healthy, s), level)
+        self.healthy[i] = min(r.err[i], envelope)
+        if r.measured[i] == st.EQUAL:
+            return
+        if r.params[i]:
+            if self.status[i] == st.INHERITED:
+                self.reason[i] = f"weights differ by {r.err[i]:.3g} before this step"
+            return
+        self.status[i] = self._status(i, carrying, envelope, level)
+        if self.status[i] in st.FAILING:
+            self.reason[i] = self._why(i) + (STATS_NOTE if r.from_stats[i] else "")
+        elif self.status[i] == st.INHERITED and len(carrying):
+            worst = carrying[np.argmax(r.err[carrying])]
+            self.reason[i] = f"carries the error of {r.label[worst]} ({r.err[worst]:.3g})"
+
+    def _repeat(self, i: int, first: int) -> None:
+        """The same tensor as ``first``, judged already: the same judgement, but an error
+        found there is only carried here."""
+        self.same_as[i] = self.r.label[first]
+        self.tainted[i] = self.tainted[first] or self.status[first] in st.FAILING
+        self.healthy[i] = self.healthy[first]
+        if self.r.measured[i] == st.EQUAL:
+            return
+        carried = self.status[first] in st.CARRYING
+        self.status[i] = st.INHERITED if carried else self.status[first]
+        self.reason[i] = f"the same values as {self.r.label[first]}" if carried else ""
+
+    def _status(self, i: int, carrying: np.ndarray, envelope: float, level: float) -> str:
+        r = self.r
+        gain = self.expected.gain[i]
+        if r.user_tol:
+            outside = carrying[~np.isin(self.status[carrying], list(st.PASSING))]
+            explains = len(outside) and r.err[i] <= math.hypot(
+                gain * r.combined(r.err, outside), level)
+            return (st.CLOSE if r.within_tolerance(i) else st.INHERITED if explains
+                    else r.measured[i])
+        if r.measured[i] == st.NAN_MISMATCH:
+            explains = any(r.measured[j] == st.NAN_MISMATCH or not math.isfinite(r.err[j])
+                           for j in carrying)
+            return st.INHERITED if explains else st.NAN_MISMATCH
+        # downstream of a failing record, only more than doubling what it carries is news
+        gain = (EXACT_GAIN if self.tainted[i] else gain) * (STATS_GAIN if r.from_stats[i] else 1)
+        bound = math.inf if r.unbounded[i] else math.hypot(gain * r.err_in[i], level,
+                                                           self._last_bit(i))
+        if r.err[i] > bound:
+            return st.DIFF
+        return st.INHERITED if self.tainted[i] and r.err[i] > envelope else st.CLOSE
+
+    def _last_bit(self, i: int) -> float:
+        """Where no error is expected, the last bit still may differ: vectorised elementwise
+        kernels round the elements that memory alignment leaves to their scalar loop
+        differently, and alignment differs between runs (a rerun differs so, now and then)."""
+        if self.expected.label[i] != EXACT_LABEL:
+            return 0.0
+        return rounding_of(precision_of(*self.r.dtypes[i])).unit
+
+    def _why(self, i: int) -> str:
+        r = self.r
+        err, err_in, added = r.err[i], r.err_in[i], r.added[i]
+        level, label, source = self.expected.level[i], self.expected.label[i], self.source[i]
+        if r.measured[i] == st.NAN_MISMATCH:
+            return ("NaN/Inf at other places than in A, and none of its sources has that"
+                    + (f" (largest source: {source})" if source else ""))
+        if r.user_tol:
+            return (f"outside the given tolerance, with sources within it (rel error {err:.3g}, "
+                    f"inputs {err_in:.3g})")
+        inputs = (f"its inputs carry {err_in:.3g} ({source})" if source else
+                  "it has no recorded inputs")
+        if label == EXACT_LABEL:
+            return f"added rel error {added:.3g} where {label[len('none: '):]}; {inputs}"
+        return (f"added rel error {added:.3g} = {added / level:.0f}x the {label} "
+                f"({level:.2g}); {inputs}")
+
+    def result(self) -> pd.DataFrame:
+        """The comparison's rows with their statuses and the verdict columns."""
+        r, level = self.r, self.expected.level
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(level > 0, r.added / level, np.where(r.added > 0, np.inf, 0.0))
+        numbers = {"rel_error": r.err, "input_rel_error": r.err_in, "added_rel_error": r.added,
+                   "expected_rel_error": level, "added_ratio": ratio}
+        out = r.frame.assign(
+            status=np.where(r.compared, self.status, r.measured), source=self.source,
+            same_as=self.same_as, reason=self.reason,
+            **{k: np.where(r.compared, v, np.nan) for k, v in numbers.items()})
+        out.attrs[USER_TOLERANCE] = r.user_tol
+        return out

@@ -152,11 +152,11 @@ class StepCapture:
             elif want_input:
                 self._sink(leaf_record(seq, info, fmt.INPUT, leaf_path, leaf))
         if self._sel.wants_kind(fmt.PARAM) and (self._params or info.call_idx == 0):
-            # values with params=True; otherwise statistics, once per module: cheap, and enough
-            # for a comparison to see (and account for) weights that differ
+            # values with params=True; otherwise statistics and a sketch, once per module: cheap,
+            # and enough for a comparison to tell how much weights differ
             for i, (name, p) in enumerate(module.named_parameters(recurse=False)):
                 self._sink(self._maker.tensor(seq, info, fmt.PARAM, i, name, p,
-                                              stats=not self._params))
+                                              stats=not self._params, sketch=not self._params))
         grads = None
         if edges:
             grads = GradInputCollector(edges, keep_alive, self._grad_input_emitter(info, paths))

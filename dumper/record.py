@@ -11,7 +11,7 @@ from compare import format as fmt
 
 from .flatten import clip, short_repr
 from .snapshot import Snapshot, SnapshotPool
-from .stats import tensor_stats
+from .stats import tensor_sketch, tensor_stats
 
 
 @dataclasses.dataclass(slots=True)
@@ -50,6 +50,7 @@ class Record:
     value: str = ""
     snapshot: Optional[Snapshot] = None
     stats: Union[tuple, Snapshot, None] = None  # a tuple (CPU) or a device copy in flight
+    sketch: Union[tuple, Snapshot, None] = None  # likewise (parameter statistics)
     occurrence: int = 0
     producer: int = -1
 
@@ -129,9 +130,10 @@ class RecordMaker:
         self._pool, self._budget, self._drop = pool, budget, drop_when_full
 
     def tensor(self, seq: int, call: CallInfo, kind: str, index: int, path: str,
-               t: torch.Tensor, owned: bool = False, stats: bool = False) -> Record:
+               t: torch.Tensor, owned: bool = False, stats: bool = False,
+               sketch: bool = False) -> Record:
         """Record for tensor leaf ``t``, whose values (or statistics, for a statistics-only
-        call or with ``stats``) are taken now.
+        call or with ``stats``; with its sketch too if ``sketch``) are taken now.
 
         ``owned``: ``t`` is a private tensor nothing else references or modifies (e.g. a sum
         made by the dumper); on the CPU it becomes the snapshot itself, without a copy."""
@@ -144,10 +146,13 @@ class RecordMaker:
         if call.stats_only or stats:
             try:
                 stats = tensor_stats(t)
+                drawn = tensor_sketch(t) if sketch else None
             except Exception as exc:  # a tensor type nobody foresaw must not stop training
                 rec.status, rec.value = fmt.ST_UNSUPPORTED, unreadable(exc)
                 return rec
             rec.stats = stats if isinstance(stats, tuple) else self._pool.take(stats)
+            rec.sketch = drawn if drawn is None or isinstance(drawn, tuple) else \
+                self._pool.take(drawn)
             return rec
         nbytes = t.numel() * t.element_size()
         if not self._budget.try_acquire(nbytes):
@@ -169,8 +174,9 @@ class RecordMaker:
         if record.snapshot is not None:
             self._budget.release(record.nbytes)
             record.snapshot.release()
-        if isinstance(record.stats, Snapshot):
-            record.stats.release()
+        for numbers in (record.stats, record.sketch):
+            if isinstance(numbers, Snapshot):
+                numbers.release()
 
 
 def unreadable(exc: BaseException, limit: int = 200) -> str:

@@ -8,7 +8,8 @@ from typing import Union
 import numpy as np
 import torch
 
-from compare.statistics import stats_from_sums
+from compare.statistics import (SKETCH_COLUMNS_P, SKETCH_ROWS_Q, SKETCH_SIZE, sketch_signs,
+                                stats_from_sums)
 
 SMALL = 1 << 16  # CPU tensors up to this many elements are reduced with numpy: far fewer
 #                  dispatcher round trips than torch for the same eight numbers
@@ -125,3 +126,39 @@ def _device_stats(x: torch.Tensor) -> torch.Tensor:
     values = (lo, hi, mean, std, norm, torch.isnan(x).sum(), torch.isinf(x).sum(),
               n - torch.count_nonzero(x))
     return torch.stack([v.to(torch.float64) for v in values])
+
+
+_sign_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+SKETCH_ROWS = 1 << 10  # rows of P elements sketched at a time: float64 scratch of 8 MiB
+
+
+def _signs_on(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    tables = _sign_tables.get(device)
+    if tables is None:
+        tables = _sign_tables[device] = tuple(torch.from_numpy(s).to(device)
+                                              for s in sketch_signs())
+    return tables
+
+
+def tensor_sketch(t: torch.Tensor) -> Stats:
+    """The sketch of ``t`` (``compare.statistics.sketch_of_chunks``, the definition the reader
+    shares), in float64: a tuple for CPU tensors, a float64 tensor on ``t``'s device otherwise
+    (no host sync). Rows of P elements are multiplied by their row signs a block at a time (one
+    small matrix product), then by the column signs; the last partial row apart."""
+    x = t.detach().reshape(-1)
+    if x.is_complex():
+        x = x.abs()
+    col_signs, row_signs = _signs_on(x.device)
+    p, q = SKETCH_COLUMNS_P, SKETCH_ROWS_Q
+    rows = x.numel() // p
+    summed = torch.zeros(SKETCH_SIZE, p, dtype=torch.float64, device=x.device)
+    for start in range(0, rows, SKETCH_ROWS):
+        stop = min(rows, start + SKETCH_ROWS)
+        block = x[start * p:stop * p].view(stop - start, p).to(torch.float64)
+        signs = row_signs[:, torch.arange(start, stop, device=x.device) % q]
+        summed.addmm_(signs, block)
+    sketch = (summed * col_signs).sum(1)
+    tail = x[rows * p:].to(torch.float64)
+    if tail.numel():
+        sketch += (row_signs[:, rows % q, None] * col_signs[:, :tail.numel()]) @ tail
+    return tuple(sketch.tolist()) if x.device.type == "cpu" else sketch

@@ -28,6 +28,7 @@ _FINISH = object()
 _ABORT = object()
 _FLUSH = object()
 _NO_STATS = (float("nan"),) * len(fmt.STAT_COLUMNS)
+_NO_SKETCH = (float("nan"),) * len(fmt.SKETCH_COLUMNS)
 
 
 class DumpWriteError(RuntimeError):
@@ -71,7 +72,8 @@ class _IndexRows:
             name = self._groups[call.number] = call.group
         return name
 
-    def add(self, r: Record, group: str, dataset: str, encoding: str, stats: tuple) -> None:
+    def add(self, r: Record, group: str, dataset: str, encoding: str, stats: tuple,
+            sketch: tuple) -> None:
         key = (r.dtype, r.shape, r.device)
         described = self._described.get(key)
         if described is None:
@@ -82,7 +84,7 @@ class _IndexRows:
         c = r.call
         self.rows.append((r.seq, c.number, c.module, c.cls, c.call_idx, group, r.kind, r.index,
                           r.occurrence, r.path, dataset, dtype, shape, encoding, device,
-                          int(r.requires_grad), r.status, r.value, r.producer, *stats))
+                          int(r.requires_grad), r.status, r.value, r.producer, *stats, *sketch))
 
 
 _HDF5_TYPES: dict[tuple, h5t.TypeID] = {}  # shared by steps: the index's compound type
@@ -292,7 +294,7 @@ class StepWriter:
 
     def _write(self, datasets: LowLevelGroup, record: Record) -> None:
         try:
-            encoding, stats = fmt.ENC_NONE, _NO_STATS
+            encoding = fmt.ENC_NONE
             group, dataset = self._index.group(record.call), record.dataset
             if record.snapshot is not None:
                 try:
@@ -301,11 +303,8 @@ class StepWriter:
                     record.status, record.value, dataset = fmt.ST_UNSUPPORTED, unreadable(exc), ""
                 else:
                     datasets.write(group, dataset, array)
-            if isinstance(record.stats, tuple):
-                stats = record.stats
-            elif record.stats is not None:
-                stats = tuple(record.stats.wait().tolist())
-            self._index.add(record, group, dataset, encoding, stats)
+            stats, sketch = _numbers(record.stats, _NO_STATS), _numbers(record.sketch, _NO_SKETCH)
+            self._index.add(record, group, dataset, encoding, stats, sketch)
         finally:
             self._release(record)
 
@@ -329,6 +328,13 @@ class StepWriter:
             self.temp_path.unlink(missing_ok=True)
         except OSError as exc:
             warnings.warn(f"h5cmp: could not remove temporary file {self.temp_path}: {exc}")
+
+
+def _numbers(numbers, missing: tuple) -> tuple:
+    """A record's statistics or sketch as a tuple: computed on the CPU, or a device copy."""
+    if numbers is None:
+        return missing
+    return numbers if isinstance(numbers, tuple) else tuple(numbers.wait().tolist())
 
 
 class _Aborted(Exception):

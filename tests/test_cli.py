@@ -252,3 +252,40 @@ def test_single_process_dump_compares_with_a_ddp_rank(tmp_path):
     assert "A is not distributed: compared with rank 0 of B" in out.output
     wrong = h5cmp(tmp_path / "single", tmp_path / "ddp", "--rank", 1)
     assert wrong.exit_code == 2 and "no step of rank 1" in wrong.output
+
+
+def test_nothing_to_compare_or_show_is_an_error_not_a_verdict(runs):
+    for args, says in ((("--step", "99"), "nothing to compare: no tensor record in step 99"),
+                       (("--module", "no_such"), "nothing to show: no record matches --module")):
+        result = h5cmp(runs["ref"], runs["fwd"], *args)
+        assert result.exit_code == 2 and says in result.output, result.output
+
+
+def test_outputs_are_checked_before_comparing(runs, tmp_path):
+    for args, says in ((("-o", tmp_path / "missing" / "r.csv"), "does not exist"),
+                       (("-o", tmp_path), "is a directory"),
+                       (("--plot", tmp_path / "missing" / "p.png"), "does not exist")):
+        result = h5cmp(runs["ref"], runs["fwd"], *args)
+        assert result.exit_code == 2 and says in result.output, result.output
+
+
+def test_several_outputs_and_pictures_of_a_selection(runs, tmp_path):
+    pytest.importorskip("matplotlib")
+    outputs = [tmp_path / "r.csv", tmp_path / "r.html", tmp_path / "p.png"]
+    result = h5cmp(runs["ref"], runs["fwd"], "-q", "--module", "out", "-o", outputs[0], "-o",
+                   outputs[1], "--plot", outputs[2])
+    assert result.exit_code == 1 and all(p.stat().st_size > 0 for p in outputs), result.output
+
+
+def test_an_internal_error_exits_2_with_one_line(runs, monkeypatch):
+    import compare.comparison
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("something we did not foresee")
+    monkeypatch.setattr(compare.comparison, "compare_dumps", broken)
+    result = h5cmp(runs["ref"], runs["fwd"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "h5cmp: internal error: RuntimeError: something we did not foresee; this is a bug in "
+        "h5cmp: rerun with --debug (or H5CMP_DEBUG=1) for the traceback and report it"]
+    assert isinstance(h5cmp(runs["ref"], runs["fwd"], "--debug").exception, RuntimeError)

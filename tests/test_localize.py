@@ -191,7 +191,7 @@ def test_the_producer_is_looked_up_in_the_same_rank(tmp_path):
     rank1 = rank0.assign(rank=1, status=rank0["status"].where(rank0["kind"] != "output", "DIFF"))
     first = summarize(pd.concat([rank0, rank1], ignore_index=True)).first
     assert first.row["rank"] == 0 and first.row["module"] == "blocks.1"
-    assert "which matched" in first.describe()
+    assert "which matched" in first.describe() and "step 0:0 rank 0" in first.describe()
 
 
 def test_cli_pictures_graph_and_html_report(tmp_path):

@@ -10,6 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from compare import compare_dumps, localize, summarize
+from compare import format as fmt
 from compare.cli import main as h5cmp
 from compare.status import FAILING, INHERITED, ORIGIN
 from dumper import HookerAndDumper, Injector, perturb
@@ -191,3 +192,25 @@ def test_injected_local_errors_get_the_same_judgement(tmp_path):
     out = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "b"), "--injected",
                                      str(tmp_path / "i")]).output
     assert "1 origin" in out and "origin: step 0:0 forward transformer.h.0.mlp.c_fc" in out
+
+
+def test_records_of_one_tensor_share_a_passing_judgement(dumps):
+    """Where several records are one tensor (an output that is the next module's input), the
+    later ones repeat the first's judgement: close stays close, only a carried error is
+    inherited."""
+    result = compare_dumps(dumps("gpt2", "float32"), dumps("gpt2", "bfloat16", run="b"))
+    first = result.set_index(result.apply(lambda r: fmt.record_label(
+        r["module"], r["cls"], r["call_idx"], r["kind"], r["index"], r["occurrence"]), axis=1))
+    repeats = result[result["same_as"] != ""]
+    assert len(repeats) > 10
+    for _, row in repeats.iterrows():
+        assert row["status"] == first.loc[row["same_as"], "status"], row
+
+
+def test_user_tolerance_on_statistics_records(tmp_path):
+    stats = {"mode": "stats"}
+    run_step("mlp", "float32", tmp_path / "a", dumper_options=stats)
+    run_step("mlp", "bfloat16", tmp_path / "b", dumper_options=stats)
+    loose = compare_dumps(tmp_path / "a", tmp_path / "b", rtol=0.5, atol=0.5)
+    assert set(loose["status"]) <= {"equal", "close"}
+    assert summarize(loose).verdict().startswith("B agrees with A within the given tolerance")

@@ -1,0 +1,102 @@
+"""Weights that differ: their sketch tells by how much, so a later step's module errors are
+still found, and their drift is not blamed on the modules they feed."""
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from compare import compare_dumps, summarize
+from compare import format as fmt
+from compare.statistics import sketch_of_chunks, sketch_rel_error
+from dumper import HookerAndDumper
+from dumper.stats import tensor_sketch
+
+from helpers import Planted
+
+
+@pytest.mark.parametrize("shape, dtype", [((3,), torch.float32), ((1021,), torch.float32),
+                                          ((64, 1024), torch.float32), ((7, 3, 500), torch.float64),
+                                          ((2048,), torch.bfloat16), ((300,), torch.complex64)])
+def test_the_dumper_and_the_reader_draw_the_same_sketch(shape, dtype):
+    t = torch.randn(*shape).to(dtype)
+    values = (t.abs() if t.is_complex() else t).double().numpy().reshape(-1)
+    np.testing.assert_allclose(tensor_sketch(t), sketch_of_chunks([values[:700], values[700:]]),
+                               rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["random", "rank-1", "scale"])
+def test_the_sketch_estimates_a_drift_within_a_factor_of_three(kind):
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(256, 512, generator=gen, dtype=torch.float64)
+    if kind == "random":
+        drift = torch.randn(w.shape, generator=gen, dtype=torch.float64)
+    elif kind == "rank-1":
+        drift = torch.randn(256, 1, generator=gen, dtype=torch.float64) @ \
+            torch.randn(1, 512, generator=gen, dtype=torch.float64)
+    else:
+        drift = w.clone()
+    drift *= 1e-4 * w.norm() / drift.norm()
+    estimate = sketch_rel_error(tensor_sketch(w), tensor_sketch(w + drift), float(w.norm()))
+    assert 1e-4 / 3 < estimate < 1e-4 * 3
+
+
+def _train(directory, lr, plant_at=None, params=False, steps=2):
+    """Planted, trained with SGD; ``mid``'s output doubled at step ``plant_at``."""
+    torch.manual_seed(0)
+    model, gen = Planted(), torch.Generator().manual_seed(1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    step_now = {"step": -1}
+    model.mid.register_forward_hook(
+        lambda m, args, out: out * 2 if step_now["step"] == plant_at else out)
+    dumper = HookerAndDumper(directory, steps=[steps - 1], params=params)
+    for step in range(steps):
+        step_now["step"] = step
+        with dumper.hooks(model, 0, step):
+            model(torch.randn(8, 6, generator=gen)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return directory
+
+
+@pytest.mark.parametrize("params", [False, True])
+def test_drifted_weights_neither_hide_nor_fake_an_error(tmp_path, params):
+    """B trained with a learning rate 1e-6 larger: at step 1 every weight differs a little.
+    Healthy, nothing fails; with mid's output doubled at step 1, mid is named."""
+    a = _train(tmp_path / "a", 0.05, params=params)
+    healthy = compare_dumps(a, _train(tmp_path / "b", 0.05 * (1 + 1e-6), params=params))
+    summary = summarize(healthy)
+    assert summary.ok and "weights differ" in summary.verdict(), summary
+    assert (healthy[healthy["kind"] == "param"]["status"] == "inherited").all()
+    planted = summarize(compare_dumps(a, _train(tmp_path / "p", 0.05 * (1 + 1e-6), plant_at=1,
+                                                params=params)))
+    assert (planted.first.row["module"], planted.first.row["kind"]) == ("mid", "output")
+
+
+def _as_version_1(directory) -> None:
+    """Rewrite every step file of ``directory`` as format version 1 wrote it (no sketches)."""
+    for path in directory.glob("*.hdf5"):
+        with h5py.File(path, "r+") as f:
+            group = f[f"{f.attrs['epoch']}-epoch_{f.attrs['step']}-step"]
+            table = group[fmt.INDEX_DATASET][()]
+            names = [n for n in table.dtype.names if n not in fmt.SINCE_VERSION_2]
+            old = np.empty(len(table), dtype=[(n, table.dtype[n]) for n in names])
+            for n in names:
+                old[n] = table[n]
+            del group[fmt.INDEX_DATASET]
+            group[fmt.INDEX_DATASET] = old
+            f.attrs[fmt.ATTR_FORMAT_VERSION] = 1
+
+
+def test_version_1_dumps_are_read_and_their_weights_not_overtrusted(tmp_path):
+    """Format version 1 has no sketches: weights known by five statistics cannot say how much
+    they differ, so what they feed is not blamed on them (inherited), and the dump reads."""
+    a = _train(tmp_path / "a", 0.05)
+    b = _train(tmp_path / "b", 0.05 * 1.01)
+    _as_version_1(a)
+    _as_version_1(b)
+    result = compare_dumps(a, b)
+    assert result["sketched"].fillna(0).eq(0).all()
+    assert summarize(result).ok
+    assert (result[result["kind"] == "param"]["status"] == "inherited").all()
