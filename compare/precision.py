@@ -2,12 +2,12 @@
 comparison was computed in (autocast and TF32 compute in less than a record's dtype says)."""
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import pandas as pd
 
 from . import format as fmt
-from .sources import STEP_KEY, parent_calls
+from .sources import call_links
 
 
 class Rounding(NamedTuple):
@@ -71,17 +71,8 @@ def computed_in(frame: pd.DataFrame, tf32: tuple[tuple[bool, bool], tuple[bool, 
     parent's own code, the parent's lowest. Where ``tf32`` allows it, float32 matmul and
     convolution modules compute in ``tensorfloat32``."""
     sides = [frame["dtype_a"].fillna(""), frame["dtype_b"].fillna("")]
-    frame = frame.assign(rank=frame["rank"].fillna(-1))
-    keys = list(zip(frame["epoch"], frame["step"], frame["rank"], frame["call"]))
-    consumers: dict[tuple, list[tuple]] = {}  # call -> the calls its outputs were input to
-    for key, kind, producer in zip(keys, frame["kind"], frame["producer"]):
-        if kind == fmt.INPUT and producer >= 0:
-            consumers.setdefault((*key[:3], producer), []).append(key)
-    parents: dict[tuple, Optional[tuple]] = {}
-    for (epoch, step, rank), calls in frame.groupby(STEP_KEY):
-        for call, parent in parent_calls(calls.drop_duplicates("call")).items():
-            parents[(epoch, step, rank, call)] = (
-                None if parent is None else (epoch, step, rank, parent))
+    parents, consumers = call_links(frame)
+    keys = list(zip(frame["epoch"], frame["step"], frame["rank"].fillna(-1), frame["call"]))
     matmul, conv = weighted(frame)
     for side, column in enumerate(("dtype_a", "dtype_b")):
         own = sides[side]

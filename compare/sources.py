@@ -57,6 +57,27 @@ def parent_calls(calls: pd.DataFrame) -> dict[int, Optional[int]]:
     return parents
 
 
+CallKey = tuple  # (epoch, step, rank, call), rank -1 when not distributed
+
+
+def call_links(frame: pd.DataFrame) -> tuple[dict[CallKey, Optional[CallKey]],
+                                              dict[CallKey, list[CallKey]]]:
+    """``(parents, consumers)`` of the calls of ``frame``: each call's parent call (None for
+    outermost ones), and the calls whose inputs each call output (by ``producer``)."""
+    frame = frame.assign(rank=frame["rank"].fillna(-1))
+    parents: dict[CallKey, Optional[CallKey]] = {}
+    for (epoch, step, rank), calls in frame.groupby(STEP_KEY):
+        for call, parent in parent_calls(calls.drop_duplicates("call")).items():
+            parents[(epoch, step, rank, call)] = (
+                None if parent is None else (epoch, step, rank, parent))
+    consumers: dict[CallKey, list[CallKey]] = {}
+    inputs = frame[(frame["kind"] == fmt.INPUT) & (frame["producer"] >= 0)]
+    for epoch, step, rank, call, producer in inputs[[*STEP_KEY, "call", "producer"]].itertuples(
+            index=False):
+        consumers.setdefault((epoch, step, rank, producer), []).append((epoch, step, rank, call))
+    return parents, consumers
+
+
 class _Step:
     """Row positions of one step's records, looked up by call, or module, and kind."""
 

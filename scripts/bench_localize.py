@@ -14,7 +14,8 @@ a torchvision-style ResNet, an LSTM, a deep residual MLP) and every variant
     tf32      as gpu, with TF32 matmuls,                     plant 3e-2
     gpu-bf16  A float32 on the CPU, B bfloat16 autocast on CUDA, plant 0.1
 
-it dumps one training step of A, of a healthy B and of B with an error planted by
+it dumps a training step (the last of --steps) of A, of a healthy B and of B with an error
+planted by
 ``dumper.perturb`` in a random module (forward: its output scaled by 1 + plant; backward: the
 gradient arriving at its outputs scaled). A plant is *visible* when it changes the planted
 module's output (gradient) by at least half the plant and by more than A and the healthy B
@@ -114,13 +115,14 @@ def _localized(first, module: str) -> bool:
     return any(module == "" or m == module or m.startswith(module + ".") for m in named)
 
 
-def run(archs: list[str], variants: list[str], plants: int, seed: int, tmp: Path) -> dict:
+def run(archs: list[str], variants: list[str], plants: int, seed: int, tmp: Path,
+        steps: int = 1) -> dict:
     rng = random.Random(seed)
     outcome = {"plants": [], "healthy": [], "reruns": [], "unsupported": []}
     for arch in archs:
         modules = [p for p, _ in build(arch, "float32")[0].named_modules()]
-        run_step(arch, "float32", tmp / f"{arch}-rerun")
-        run_step(arch, "float32", tmp / f"{arch}-rerun-b")
+        run_step(arch, "float32", tmp / f"{arch}-rerun", steps=steps)
+        run_step(arch, "float32", tmp / f"{arch}-rerun-b", steps=steps)
         rerun = compare_dumps(tmp / f"{arch}-rerun", tmp / f"{arch}-rerun-b")
         differ = rerun[rerun["status"] != "equal"]
         outcome["reruns"].append((arch, differ.empty))
@@ -132,11 +134,11 @@ def run(archs: list[str], variants: list[str], plants: int, seed: int, tmp: Path
 
             def run_b(path: Path, **kwargs) -> None:
                 with _tf32(v.tf32):
-                    run_step(arch, v.b, path, device=v.device, **kwargs)
+                    run_step(arch, v.b, path, device=v.device, steps=steps, **kwargs)
             a, b = tmp / f"{arch}-{v.a}", tmp / f"{arch}-{variant}-b"
             try:
                 if not a.exists():
-                    run_step(arch, v.a, a)
+                    run_step(arch, v.a, a, steps=steps)
                 run_b(b)
             except RuntimeError as exc:  # e.g. oneDNN's LSTM under float16 autocast on CPU
                 outcome["unsupported"].append(f"{arch} {variant}: {str(exc).splitlines()[0]}")
@@ -211,10 +213,12 @@ def main() -> None:
     parser.add_argument("--plants", type=int, default=4,
                         help="plants per architecture, variant and plant size")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=1,
+                        help="train this many SGD steps (plant in all) and dump the last")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_localize_") as tmp:
         outcome = run(args.archs.split(","), args.variants.split(","), args.plants, args.seed,
-                      Path(tmp))
+                      Path(tmp), args.steps)
     report(outcome)
 
 
