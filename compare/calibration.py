@@ -21,6 +21,7 @@ from .precision import computed_in, precision_of, rounding_of
 # added errors are calibrated (their typical size includes each kind of record's usual
 # amplification), and where none is expected (amplification is all there is to allow for).
 GAIN, EXACT_GAIN = 1.1, 2.0
+MAX_GAIN = 4.0  # the most amplification calibrated for a kind of record
 MIN_GROUP = 5   # comparable records needed to calibrate a group of its own
 TYPICAL_QUANTILE = 0.25  # of the added errors of comparable records: the expected level
 EXACT_SHARE = 0.5  # share of bit-identical records (with identical sources) for an exact pair
@@ -39,15 +40,15 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
               calibrating: np.ndarray, same_kernels: bool,
               tf32: tuple[tuple[bool, bool], tuple[bool, bool]]) -> Expectation:
     """Per row, the expected added error of its group of comparable records (see the module
-    docstring), and the gain allowed: how much such records amplify an error they receive (the upper
-    quartile of ``rel_error / input_rel_error`` where the input's error dominates, at least 1,
-    times ``GAIN``, at most ``EXACT_GAIN``; ``EXACT_GAIN`` where no error is expected)."""
+    docstring), and the gain allowed: how much such records amplify an error they receive (the
+    upper quartile of ``rel_error / input_rel_error`` where the input's error dominates, at
+    least 1, times ``GAIN``, at most ``MAX_GAIN``; at least ``EXACT_GAIN`` where no error is
+    expected: amplification is then all there is to allow for)."""
     direction = np.where(frame["kind"].isin(list(fmt.BACKWARD_KINDS)), "backward", "forward")
     dtype_a, dtype_b = computed_in(frame, tf32)
     pair = dtype_a + "/" + dtype_b
     pool_key = pd.Series(direction, index=frame.index) + " " + pair + " " + frame["kind"]
     group_key = pool_key + " " + frame["cls"].fillna("")
-    scale = frame["rms_a"].to_numpy(float)
     out = Expectation(np.zeros(len(frame)), np.full(len(frame), "", object),
                       np.full(len(frame), GAIN))
     added_s = pd.Series(added)
@@ -57,13 +58,8 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
         rows = rows.to_numpy()
         low_a, low_b = dtype_a[rows[0]], dtype_b[rows[0]]
         precision = precision_of(low_a, low_b)
-        if low_a == low_b and same_kernels and _mostly_exact(err, err_in, rows[calibrating[rows]]):
-            out.label[rows], out.gain[rows] = EXACT_LABEL, EXACT_GAIN
-            continue
-        rounding = rounding_of(precision)  # one rounding, at least, where kernels differ
-        with np.errstate(divide="ignore", invalid="ignore"):
-            floor = np.hypot(rounding.unit, np.where(
-                scale[rows] > 0, rounding.underflow / scale[rows], 0.0))
+        exact = low_a == low_b and same_kernels and _mostly_exact(
+            err, err_in, rows[calibrating[rows]])
         for _, prows in pool_key[rows].groupby(pool_key[rows]).groups.items():
             prows = prows.to_numpy()
             pool = added_s[prows[calibrating[prows]]]
@@ -71,21 +67,36 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
             pool_level = _typical(pool) if len(pool) >= MIN_GROUP else 0.0
             for _, grows in group_key[prows].groupby(group_key[prows]).groups.items():
                 grows = grows.to_numpy()
+                gains = ratio[grows[calibrating[grows]]].dropna()
+                if len(gains) >= MIN_GROUP:  # their amplification, with GAIN's margin
+                    out.gain[grows] = min(max(float(gains.quantile(0.75)), 1.0) * GAIN,
+                                          MAX_GAIN)
                 members = added_s[grows[calibrating[grows]]]
                 members = members[members > 0]
                 own = len(members) >= MIN_GROUP
                 what = (f"{frame.at[grows[0], 'cls']} {frame.at[grows[0], 'kind']} records"
                         if own else f"{frame.at[grows[0], 'kind']} records")
-                out.level[grows] = _typical(members) if own else pool_level
-                out.label[grows] = f"typical {precision} added error of {what} in this dump"
-                gains = ratio[grows[calibrating[grows]]].dropna()
-                if len(gains) >= MIN_GROUP:  # their amplification, with GAIN's margin
-                    out.gain[grows] = min(max(float(gains.quantile(0.75)), 1.0) * GAIN,
-                                          EXACT_GAIN)
-        at_floor = out.level[rows] < floor
-        out.level[rows[at_floor]] = floor[at_floor]
-        out.label[rows[at_floor]] = f"{precision} rounding at this tensor's scale"
+                out.level[grows] = 0.0 if exact else _typical(members) if own else pool_level
+                out.label[grows] = (EXACT_LABEL if exact else
+                                    f"typical {precision} added error of {what} in this dump")
+        if exact:
+            out.gain[rows] = np.maximum(out.gain[rows], EXACT_GAIN)
+            continue
+        _at_least_one_rounding(out, rows, rounding_of(precision), precision,
+                               frame["rms_a"].to_numpy(float))
     return out
+
+
+def _at_least_one_rounding(out: Expectation, rows: np.ndarray, rounding, precision: str,
+                           scale: np.ndarray) -> None:
+    """Where kernels differ, at least one rounding of the precision may be added, relatively
+    and, near zero, absolutely (at the tensor's scale)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        floor = np.hypot(rounding.unit, np.where(
+            scale[rows] > 0, rounding.underflow / scale[rows], 0.0))
+    at_floor = out.level[rows] < floor
+    out.level[rows[at_floor]] = floor[at_floor]
+    out.label[rows[at_floor]] = f"{precision} rounding at this tensor's scale"
 
 
 def _typical(added: pd.Series) -> float:

@@ -111,7 +111,8 @@ class Summary:
         weights = ""
         if self.weights is not None:
             w = self.weights
-            when = ", from earlier steps" if self.later_step else ""
+            when = (", from earlier steps: an earlier step shows where the runs began to "
+                    "differ" if self.later_step else "")
             weights = (f"; weights differ (up to {w['rel_error']:.3g} in "
                        f"{w['module'] or '<root>'}{when})")
         if self.first is not None:

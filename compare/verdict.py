@@ -18,10 +18,9 @@ A record is
 
 - ``DIFF`` when ``rel_error > sqrt((gain * input_error)² + (SPREAD * expected)²)``: more than
   its inputs' error, amplified as comparable records amplify theirs (``gain``: calibrated
-  between ``GAIN`` and ``EXACT_GAIN``), and its own computation explain (``EXACT_GAIN``
-  where no added error is expected, and downstream of a failing record, whose consequences
-  are only news when they more than double; ``STATS_GAIN`` times more for records judged from
-  statistics);
+  between ``GAIN`` and ``MAX_GAIN``; at least ``EXACT_GAIN`` where no added error is expected,
+  and downstream of a failing record, whose consequences are only news when they more than
+  double; ``STATS_GAIN`` times more for records judged from statistics);
 - ``inherited`` when not, but it carries an error from a failing (or inherited) source beyond
   what it would carry from healthy sources;
 - ``close`` otherwise, ``equal`` when bit-identical.
@@ -296,7 +295,9 @@ class _Judgement:
                            for j in carrying)
             return st.INHERITED if explains else st.NAN_MISMATCH
         # downstream of a failing record, only more than doubling what it carries is news
-        gain = (EXACT_GAIN if self.tainted[i] else gain) * (STATS_GAIN if r.from_stats[i] else 1)
+        if self.tainted[i]:
+            gain = max(gain, EXACT_GAIN)
+        gain *= STATS_GAIN if r.from_stats[i] else 1.0
         bound = math.inf if r.unbounded[i] else math.hypot(gain * r.err_in[i], level,
                                                            self._last_bit(i))
         if r.err[i] > bound:

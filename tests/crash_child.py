@@ -24,6 +24,7 @@ if args.fsize_limit:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit then fail with EFBIG
     resource.setrlimit(resource.RLIMIT_FSIZE, (args.fsize_limit, args.fsize_limit))
 
+torch.set_num_threads(1)  # two processes must compute bit-identically: no thread-dependent splits
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(inplace=True), nn.Linear(256, 256), nn.Tanh(),
                       nn.Linear(256, 8))
