@@ -63,16 +63,17 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
         for _, prows in pool_key[rows].groupby(pool_key[rows]).groups.items():
             prows = prows.to_numpy()
             pool = added_s[prows[calibrating[prows]]]
-            pool = pool[pool > 0]
+            pool = pool[(pool > 0) & np.isfinite(pool)]
             pool_level = _typical(pool) if len(pool) >= MIN_GROUP else 0.0
             for _, grows in group_key[prows].groupby(group_key[prows]).groups.items():
                 grows = grows.to_numpy()
-                gains = ratio[grows[calibrating[grows]]].dropna()
+                gains = ratio[grows[calibrating[grows]]]
+                gains = gains[np.isfinite(gains)]
                 if len(gains) >= MIN_GROUP:  # their amplification, with GAIN's margin
                     out.gain[grows] = min(max(float(gains.quantile(0.75)), 1.0) * GAIN,
                                           MAX_GAIN)
                 members = added_s[grows[calibrating[grows]]]
-                members = members[members > 0]
+                members = members[(members > 0) & np.isfinite(members)]
                 own = len(members) >= MIN_GROUP
                 what = (f"{frame.at[grows[0], 'cls']} {frame.at[grows[0], 'kind']} records"
                         if own else f"{frame.at[grows[0], 'kind']} records")
