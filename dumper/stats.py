@@ -1,6 +1,7 @@
 """Statistics mode: a few numbers per tensor instead of its values (see docs/format.md)."""
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from typing import Union
@@ -148,16 +149,34 @@ def tensor_sketch(t: torch.Tensor) -> Stats:
     x = t.detach().reshape(-1)
     if x.is_complex():
         x = x.abs()
-    col_signs, row_signs = _signs_on(x.device)
+    if x.device.type == "cpu" and x.dtype in _NUMPY_FLOATS and x.numel() <= SMALL:
+        # one product with each element's sign, precomputed: a few us (no dispatcher, no BLAS)
+        signs = _element_signs()[:, :x.numel()]
+        return tuple(float(v) for v in np.einsum("kn,n->k", signs, x.numpy().astype(np.float64)))
+    return _sketch(x, _signs_on(x.device))
+
+
+@functools.cache
+def _element_signs() -> np.ndarray:
+    """Each of the first SMALL elements' sign in each sum of the sketch (SKETCH_SIZE x SMALL)."""
+    col_signs, row_signs = sketch_signs()
+    i = np.arange(SMALL)
+    return col_signs[:, i % SKETCH_COLUMNS_P] * row_signs[:, (i // SKETCH_COLUMNS_P)
+                                                          % SKETCH_ROWS_Q]
+
+
+def _sketch(x: torch.Tensor, signs) -> Stats:
+    """The sketch of the flat tensor ``x`` (row blocks by their row signs in one product each,
+    then the column signs; the last partial row apart)."""
+    col_signs, row_signs = signs
     p, q = SKETCH_COLUMNS_P, SKETCH_ROWS_Q
-    rows = x.numel() // p
-    summed = torch.zeros(SKETCH_SIZE, p, dtype=torch.float64, device=x.device)
+    rows = x.shape[0] // p
+    total = torch.zeros(SKETCH_SIZE, p, dtype=torch.float64, device=x.device)
     for start in range(0, rows, SKETCH_ROWS):
         stop = min(rows, start + SKETCH_ROWS)
         block = x[start * p:stop * p].view(stop - start, p).to(torch.float64)
-        signs = row_signs[:, torch.arange(start, stop, device=x.device) % q]
-        summed.addmm_(signs, block)
-    sketch = (summed * col_signs).sum(1)
+        total.addmm_(row_signs[:, torch.arange(start, stop, device=x.device) % q], block)
+    sketch = (total * col_signs).sum(1)
     tail = x[rows * p:].to(torch.float64)
     if tail.numel():
         sketch += (row_signs[:, rows % q, None] * col_signs[:, :tail.numel()]) @ tail
