@@ -7,12 +7,14 @@ import math
 import os
 import queue
 import threading
+from pathlib import Path
 from typing import Callable, Iterable, Iterator, NamedTuple, Optional, Union
 
+import h5py
 import numpy as np
 import pandas as pd
 
-from .dump import Dump, PathLike, load_dump, open_h5, read_chunks
+from .dump import Dump, PathLike, dataset_of, load_dump, open_h5, read_chunks
 from .errors import DumpError
 from . import format as fmt
 from .metrics import METRIC_COLUMNS, ErrorAccumulator
@@ -150,12 +152,13 @@ def _run_task(task: tuple) -> dict[int, dict]:
     acc: Optional[ErrorAccumulator] = None
     with open_h5(path_a) as fa, open_h5(path_b) as fb:
         values = [r for r in records if r.both_values and not r.dropped]
-        pieces = _pair_pieces(fa[group_a], fb[group_b], values, chunk_elements)
+        side_a, side_b = _Side(path_a, fa[group_a]), _Side(path_b, fb[group_b])
+        pieces = _pair_pieces(side_a, side_b, values, chunk_elements)
         try:
             for r in records:
                 if r.dropped or not r.both_values:
-                    out[r.row] = _compare_described(fa[group_a], fb[group_b], r, chunk_elements,
-                                                    rtol, atol)
+                    out[r.row] = _compare_described(side_a, side_b, r, chunk_elements, rtol,
+                                                    atol)
             for ref, a, b in _prefetched(pieces):
                 tol = pair_tolerance(ref.dtype_a, ref.dtype_b, rtol, atol)
                 if tuple(ref.shape_a) != tuple(ref.shape_b):
@@ -173,7 +176,18 @@ def _run_task(task: tuple) -> dict[int, dict]:
     return out
 
 
-def _compare_described(step_a, step_b, r: _PairRef, chunk_elements: int, rtol, atol) -> dict:
+class _Side(NamedTuple):
+    """One side's open step file: its path (for messages) and its step group."""
+
+    path: Path
+    group: h5py.Group
+
+    def dataset(self, group: str, name: str, dtype: str, encoding: str, shape: tuple):
+        return dataset_of(self.path, self.group, group, name, dtype, encoding, shape)
+
+
+def _compare_described(side_a: _Side, side_b: _Side, r: _PairRef, chunk_elements: int, rtol,
+                       atol) -> dict:
     """A pair where a side was dropped, is unsupported or holds statistics only: compare what
     is known."""
     tol = pair_tolerance(r.dtype_a, r.dtype_b, rtol, atol)
@@ -186,12 +200,16 @@ def _compare_described(step_a, step_b, r: _PairRef, chunk_elements: int, rtol, a
     # the sides known by statistics all have a sketch: sketch the sides with values as well
     sketched = all(not any(map(math.isnan, sketch)) for dataset, sketch in (
         (r.dataset_a, r.sketch_a), (r.dataset_b, r.sketch_b)) if not dataset)
-    for step, dataset, group, dtype, encoding, stats, sketch in (
-            (step_a, r.dataset_a, r.group_a, r.dtype_a, r.encoding_a, r.stats_a, r.sketch_a),
-            (step_b, r.dataset_b, r.group_b, r.dtype_b, r.encoding_b, r.stats_b, r.sketch_b)):
+    for side, dataset, group, dtype, encoding, shape, stats, sketch in (
+            (side_a, r.dataset_a, r.group_a, r.dtype_a, r.encoding_a, r.shape_a, r.stats_a,
+             r.sketch_a),
+            (side_b, r.dataset_b, r.group_b, r.dtype_b, r.encoding_b, r.shape_b, r.stats_b,
+             r.sketch_b)):
         if dataset:
+            ds = side.dataset(group, dataset, dtype, encoding, shape)
+
             def chunks():
-                return read_chunks(step[group][dataset], dtype, encoding, chunk_elements)
+                return read_chunks(ds, dtype, encoding, chunk_elements)
             stats = stats_of_chunks(chunks())
             if sketched:
                 sketch = sketch_of_chunks(chunks())
@@ -202,11 +220,12 @@ def _compare_described(step_a, step_b, r: _PairRef, chunk_elements: int, rtol, a
     return {**result, "rtol": tol.rtol, "atol": tol.atol}
 
 
-def _pair_pieces(step_a, step_b, records: list[_PairRef], chunk_elements: int):
+def _pair_pieces(side_a: _Side, side_b: _Side, records: list[_PairRef], chunk_elements: int):
     """``(ref, a, b)`` for each aligned chunk pair of each record, then ``(ref, None, None)``."""
     for r in records:
         if tuple(r.shape_a) == tuple(r.shape_b):
-            ds_a, ds_b = step_a[r.group_a][r.dataset_a], step_b[r.group_b][r.dataset_b]
+            ds_a = side_a.dataset(r.group_a, r.dataset_a, r.dtype_a, r.encoding_a, r.shape_a)
+            ds_b = side_b.dataset(r.group_b, r.dataset_b, r.dtype_b, r.encoding_b, r.shape_b)
             for a, b in zip(read_chunks(ds_a, r.dtype_a, r.encoding_a, chunk_elements),
                             read_chunks(ds_b, r.dtype_b, r.encoding_b, chunk_elements)):
                 yield r, a, b

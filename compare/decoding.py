@@ -57,9 +57,11 @@ def _table(dtype: str) -> np.ndarray:
     raise KeyError(dtype)
 
 
-BITS_DTYPES = frozenset({"bfloat16", "complex32", "float8_e4m3fn", "float8_e5m2",
-                         "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-                         "float4_e2m1fn_x2"})
+# dtypes numpy lacks, and the unsigned type of the same width their bits are stored in
+STORED_BITS = {"bfloat16": "uint16", "complex32": "uint32", "float8_e4m3fn": "uint8",
+               "float8_e5m2": "uint8", "float8_e4m3fnuz": "uint8", "float8_e5m2fnuz": "uint8",
+               "float8_e8m0fnu": "uint8", "float4_e2m1fn_x2": "uint8"}
+BITS_DTYPES = frozenset(STORED_BITS)
 
 
 def decode(array: np.ndarray, dtype: str, encoding: str) -> np.ndarray:

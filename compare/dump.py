@@ -12,6 +12,8 @@ import pandas as pd
 from . import format as fmt
 from .decoding import decode
 from .errors import DumpError
+from .validation import (check_dataset, check_index, check_run_attrs, damaged, hard_link,
+                         plain_attrs)
 
 PathLike = Union[str, os.PathLike]
 
@@ -38,23 +40,28 @@ def open_h5(path: Path) -> h5py.File:
 
 
 class StepFile:
-    """One published step file. Its attributes and index are read when it is opened."""
+    """One published step file. Its attributes and index are read, and checked against the
+    format (:mod:`compare.validation`), when it is opened."""
 
     def __init__(self, path: PathLike):
         self.path = Path(path)
         with open_h5(self.path) as f:
-            self.attrs = {k: _plain(v) for k, v in f.attrs.items()}
+            self.attrs = plain_attrs(self.path, f.attrs)
             self._check_format()
+            check_run_attrs(self.path, self.attrs)
             self.epoch, self.step = int(self.attrs["epoch"]), int(self.attrs["step"])
             rank = int(self.attrs["rank"])
             self.rank: Optional[int] = None if rank < 0 else rank
             self.group_name = fmt.step_group_name(self.epoch, self.step)
+            group = hard_link(self.path, f, self.group_name, "step group")
+            index = hard_link(self.path, group, fmt.INDEX_DATASET, "index table")
             try:
-                table = f[self.group_name][fmt.INDEX_DATASET][()]
-            except (KeyError, OSError) as exc:
-                raise DumpError(f"{self.path}: damaged dump, its index table cannot be read "
-                                f"({exc})") from exc
-        self.index = _index_frame(table)
+                table = index[()]
+            except (OSError, TypeError, ValueError) as exc:
+                raise damaged(self.path, f"the index table cannot be read ({exc})") from exc
+            check_index(self.path, table, self.attrs[fmt.ATTR_FORMAT_VERSION],
+                        self.attrs.get(fmt.ATTR_INDEX_CRC))
+        self.index = _index_frame(self.path, table)
 
     def _check_format(self) -> None:
         name = self.attrs.get(fmt.ATTR_FORMAT_NAME)
@@ -75,18 +82,23 @@ class StepFile:
 
 
 class StepReader:
-    """An open step file; reads tensors named by index rows."""
+    """An open step file; reads tensors named by index rows (each checked against its row)."""
 
     def __init__(self, step: StepFile, h5: h5py.File):
         self.step, self._h5 = step, h5
         self._group = h5[step.group_name]
 
     def dataset(self, row) -> h5py.Dataset:
-        return self._group[row.group][row.dataset]
+        """The dataset of index row ``row`` (a namedtuple from ``itertuples`` or a Series)."""
+        fields = [row[k] if isinstance(row, pd.Series) else getattr(row, k)
+                  for k in ("group", "dataset", "dtype", "encoding", "shape")]
+        return dataset_of(self.step.path, self._group, *fields)
 
     def read(self, row) -> np.ndarray:
         """Decoded values of the tensor of index row ``row`` (whole)."""
-        return decode(self.read_raw(row), row.dtype, row.encoding)
+        dtype, encoding = (row["dtype"], row["encoding"]) if isinstance(row, pd.Series) else \
+            (row.dtype, row.encoding)
+        return decode(self.read_raw(row), dtype, encoding)
 
     def read_raw(self, row) -> np.ndarray:
         """The stored array as it is on disk (bits for types numpy lacks)."""
@@ -100,6 +112,15 @@ class StepReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def dataset_of(path: Path, step_group: h5py.Group, group: str, name: str, dtype: str,
+               encoding: str, shape: tuple) -> h5py.Dataset:
+    """Dataset ``group/name`` of a step group, after checking it is what its index row says."""
+    call_group = hard_link(path, step_group, group, "call group")
+    ds = hard_link(path, call_group, name, f"dataset {group}/")
+    check_dataset(path, ds, group, name, dtype, encoding, shape)
+    return ds
 
 
 def read_chunks(ds: h5py.Dataset, dtype: str, encoding: str,
@@ -144,38 +165,49 @@ def load_dump(path: Union[PathLike, Dump]) -> Dump:
     if isinstance(path, Dump):
         return path
     p = Path(path)
-    if p.is_dir():
+    try:
+        if not p.is_dir():
+            return Dump(p, [StepFile(p)])
         names = sorted(n for n in os.listdir(p) if fmt.parse_step_file_name(n))
-        if not names:
-            raise DumpError(f"{p}: directory holds no dump step files "
-                            f"(*-epoch_*-step_dump.hdf5)")
-        return Dump(p, [StepFile(p / n) for n in names])
-    return Dump(p, [StepFile(p)])
+    except PermissionError as exc:
+        raise DumpError(f"{p}: permission denied; make the directory readable") from exc
+    if not names:
+        raise DumpError(f"{p}: directory holds no dump step files (*-epoch_*-step_dump.hdf5)")
+    return Dump(p, _one_file_per_step(p, [StepFile(p / n) for n in names]))
 
 
-def _plain(value):
-    if isinstance(value, bytes):
-        return value.decode()
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
+def _one_file_per_step(directory: Path, steps: list[StepFile]) -> list[StepFile]:
+    """Refuse a directory where two files hold one step (``0-epoch_1…`` and ``00-epoch_1…``),
+    or a step both with and without a rank: pairing would have to guess."""
+    seen: dict[tuple, StepFile] = {}
+    for step in steps:
+        for key in ((step.epoch, step.step, step.rank), (step.epoch, step.step, "any")):
+            other = seen.get(key)
+            if other is not None and (key[2] != "any" or (other.rank is None) != (step.rank is None)):
+                raise DumpError(f"{directory}: {other.path.name} and {step.path.name} both hold "
+                                f"step {step.epoch}:{step.step}; keep one of them")
+            seen[key] = step
+    return steps
 
 
-def _strings(column: np.ndarray) -> list[str]:
+def _strings(path: Path, name: str, column: np.ndarray) -> list[str]:
     """A string column as ``str``: fixed-length UTF-8 (what the dumper writes) or
     variable-length (also valid, see docs/format.md)."""
-    if column.dtype.kind == "S":
-        return np.char.decode(column, "utf-8").tolist()
-    return [v.decode() if isinstance(v, bytes) else v for v in column]
+    try:
+        if column.dtype.kind == "S":
+            return np.char.decode(column, "utf-8").tolist()
+        return [v.decode() if isinstance(v, bytes) else str(v) for v in column]
+    except UnicodeDecodeError as exc:
+        raise damaged(path, f"index column {name!r} holds text that is not UTF-8") from exc
 
 
-def _index_frame(table: np.ndarray) -> pd.DataFrame:
+def _index_frame(path: Path, table: np.ndarray) -> pd.DataFrame:
     names = fmt.INDEX_COLUMN_NAMES
     if len(table) == 0:  # a step in which no module ran
         return pd.DataFrame({n: pd.Series(dtype=object if k == "str" else k)
                              for n, k in fmt.INDEX_COLUMNS})
     present = set(table.dtype.names)
-    cols = {name: _strings(table[name]) if kind == "str" else
+    cols = {name: _strings(path, name, table[name]) if kind == "str" else
             table[name] if name in present else np.full(len(table), np.nan)  # version 1
             for name, kind in fmt.INDEX_COLUMNS}
     frame = pd.DataFrame(cols, columns=list(names))

@@ -154,6 +154,7 @@ INDEX_COLUMN_NAMES = tuple(name for name, _ in INDEX_COLUMNS)
 # Root attributes of every step file.
 ATTR_FORMAT_NAME = "format_name"
 ATTR_FORMAT_VERSION = "format_version"
+ATTR_INDEX_CRC = "index_crc32"  # zlib.crc32 of the index table's bytes (since version 2)
 MODE_TENSORS, MODE_STATS = "tensors", "stats"
 RUN_ATTRS = (
     "mode", "epoch", "step", "rank", "world_size", "torch_version", "device", "default_dtype",

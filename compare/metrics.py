@@ -41,6 +41,12 @@ def _dot(x: np.ndarray, y: np.ndarray) -> float:
     return float(np.einsum("i,i->", x, y))
 
 
+def _beyond_float64(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether integer arrays hold values float64 cannot represent exactly."""
+    limit = 1 << 53
+    return any(x.size and (int(x.max()) >= limit or int(x.min()) <= -limit) for x in (a, b))
+
+
 def _wide_dtype(x: np.ndarray) -> np.dtype:
     return np.dtype(np.complex128 if np.iscomplexobj(x) else np.float64)
 
@@ -98,6 +104,11 @@ class ErrorAccumulator:
         self.numel += n
         if n == 0:
             return
+        if a.dtype == b.dtype and not np.array_equal(a.view(np.uint8), b.view(np.uint8)):
+            self.all_equal = False  # bits differ, even where values compare equal (-0.0, NaN)
+        if a.dtype.kind in "iu" and b.dtype.kind in "iu" and _beyond_float64(a, b):
+            self._add_exact_integers(a, b)
+            return
         ws = _Workspace.of(np.result_type(_wide_dtype(a), _wide_dtype(b)))
         wa, wb = ws.a[:n], ws.b[:n]
         np.copyto(wa, a)
@@ -110,6 +121,26 @@ class ErrorAccumulator:
                 return
             sums = (_dot(wa, wa), _dot(wb, wb), _dot(wb, wa))
         self._add_finite(wa, wb, ws, n, sums)
+
+    def _add_exact_integers(self, a: np.ndarray, b: np.ndarray) -> None:
+        """Integers float64 cannot hold exactly (beyond 2**53): the differences in Python
+        integers, element by element where they differ (2**62 and 2**62 + 1 are not equal)."""
+        differ = np.flatnonzero(a != b)
+        self.n_finite += a.size
+        norms = [float(sum(int(v) ** 2 for v in x.tolist())) for x in (a, b)]
+        self.ssa, self.ssb = self.ssa + norms[0], self.ssb + norms[1]
+        self.dot += float(sum(int(x) * int(y) for x, y in zip(a.tolist(), b.tolist())))
+        if not len(differ):
+            return
+        self.all_equal = False
+        diffs = [abs(int(y) - int(x)) for x, y in zip(a[differ].tolist(), b[differ].tolist())]
+        self.max_abs = max(self.max_abs, float(max(diffs)))
+        self.sum_abs += float(sum(diffs))
+        self.ssd += float(sum(d * d for d in diffs))
+        self.mismatches += len(differ)  # integers: exact tolerance
+        self.max_tol_ratio = math.inf
+        self.max_rel = math.inf if any(int(a[i]) == 0 for i in differ) else max(
+            self.max_rel, max(d / abs(int(a[i])) for d, i in zip(diffs, differ)))
 
     def _split_nonfinite(self, a: np.ndarray, b: np.ndarray):
         """Count NaN/Inf per side and non-finite positions that differ; return the finite rest."""

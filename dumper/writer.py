@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import queue
+import zlib
 from collections import deque
 import threading
 import warnings
@@ -271,7 +272,8 @@ class StepWriter:
                             pending.extend(item)
                     ended = True
                     self._write_all(datasets, pending)
-                    self._write_index(datasets)
+                    crc = self._write_index(datasets)
+                    _write_attributes(f, {fmt.ATTR_INDEX_CRC: crc})
                 finally:
                     for record in pending:  # left by an error or an abort
                         self._release(record)
@@ -308,10 +310,13 @@ class StepWriter:
         finally:
             self._release(record)
 
-    def _write_index(self, datasets: LowLevelGroup) -> None:
+    def _write_index(self, datasets: LowLevelGroup) -> int:
+        """Write the index table; returns its checksum (``fmt.ATTR_INDEX_CRC``)."""
         rows = self._index.rows
         rows.sort(key=lambda row: row[0])  # stable: one event's rows keep their order
-        datasets.write_here(fmt.INDEX_DATASET, _index_table(rows))
+        table = _index_table(rows)
+        datasets.write_here(fmt.INDEX_DATASET, table)
+        return zlib.crc32(table.tobytes())
 
     def _drain(self) -> None:
         """After a failure: consume what producers still queue, releasing it."""

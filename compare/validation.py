@@ -1,0 +1,156 @@
+"""What a reader checks before it trusts a step file: its attributes, its index table row by
+row against the format, and each dataset against its index row before reading it. Links are
+never followed (the dumper writes none). Every failure is a one-line :class:`DumpError` that
+names the file and the problem; the checks cost per row, not per element.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from . import format as fmt
+from .decoding import BITS_DTYPES, STORED_BITS
+from .errors import DumpError
+
+RAW_DTYPES = frozenset({"float16", "float32", "float64", "complex64", "complex128", "int8",
+                        "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"})
+STATUSES = frozenset({fmt.ST_OK, fmt.ST_DROPPED, fmt.ST_UNSUPPORTED})
+_NUMERIC = {"int64", "int32", "int8", "float64"}
+
+
+def damaged(path: Path, problem: str) -> DumpError:
+    return DumpError(f"{path}: damaged dump: {problem}; dump this step again")
+
+
+def plain_attrs(path: Path, attrs: h5py.AttributeManager) -> dict:
+    """Root attributes as Python values; text that is not UTF-8 is damage."""
+    out = {}
+    for name in attrs:
+        try:
+            value = attrs[name]
+        except (OSError, TypeError, ValueError) as exc:
+            raise damaged(path, f"root attribute {name!r} cannot be read ({exc})") from exc
+        if isinstance(value, bytes):
+            try:
+                value = value.decode()
+            except UnicodeDecodeError as exc:
+                raise damaged(path, f"root attribute {name!r} is not UTF-8 text") from exc
+        elif isinstance(value, np.generic):
+            value = value.item()
+        out[name] = value
+    return out
+
+
+def check_run_attrs(path: Path, attrs: dict) -> None:
+    for name in ("epoch", "step", "rank"):
+        value = attrs.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise damaged(path, f"root attribute {name!r} is {value!r}, not an integer")
+        if name != "rank" and value < 0:
+            raise damaged(path, f"root attribute {name!r} is negative ({value})")
+
+
+def hard_link(path: Path, group: h5py.Group, name: str, what: str):
+    """``group[name]``, refusing soft and external links (loops, FIFOs, other files)."""
+    try:
+        link = group.get(name, getlink=True)
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        raise damaged(path, f"{what} {name!r} cannot be read ({exc})") from exc
+    if link is None:
+        raise damaged(path, f"{what} {name!r} is missing")
+    if not isinstance(link, h5py.HardLink):
+        raise damaged(path, f"{what} {name!r} is a {type(link).__name__}, which an h5cmp dump "
+                            f"never holds (not followed)")
+    try:
+        return group[name]
+    except (OSError, KeyError, ValueError) as exc:
+        raise damaged(path, f"{what} {name!r} cannot be opened ({exc})") from exc
+
+
+def check_index(path: Path, table: np.ndarray, version: int, crc: object) -> None:
+    """The index table's columns and every row's kind, encoding, status, dtype and shape."""
+    names = set(table.dtype.names or ())
+    wanted = {name for name, _ in fmt.INDEX_COLUMNS}
+    if version < 2:
+        wanted -= fmt.SINCE_VERSION_2
+    missing = sorted(wanted - names)
+    if missing:
+        raise damaged(path, f"the index lacks column(s) {', '.join(missing)}")
+    for name, kind in fmt.INDEX_COLUMNS:
+        if name in names and kind in _NUMERIC and table.dtype[name].kind not in "iuf":
+            raise damaged(path, f"index column {name!r} is not numeric")
+    if crc is not None and _fixed_width(table) and zlib.crc32(table.tobytes()) != crc:
+        raise damaged(path, "the index table does not match its checksum (index_crc32)")
+    for row, (kind, encoding, status, dtype, shape, dataset) in enumerate(zip(
+            *(_text(table[c]) for c in ("kind", "encoding", "status", "dtype", "shape",
+                                         "dataset")))):
+        where = f"index row {row}"
+        if kind not in fmt.KINDS:
+            raise damaged(path, f"{where}: unknown kind {kind!r}")
+        if encoding not in fmt.ENCODINGS:
+            raise damaged(path, f"{where}: unknown encoding {encoding!r}")
+        if status not in STATUSES:
+            raise damaged(path, f"{where}: unknown status {status!r}")
+        parse_shape(path, where, shape)
+        if dataset:
+            stored_dtype(path, where, dtype, encoding)
+
+
+def parse_shape(path: Path, where: str, text: str) -> tuple[int, ...]:
+    try:
+        shape = fmt.parse_shape(text)
+    except ValueError as exc:
+        raise damaged(path, f"{where}: shape {text!r} is not a list of sizes") from exc
+    if any(s < 0 for s in shape):
+        raise damaged(path, f"{where}: negative size in shape {text!r}")
+    return shape
+
+
+def stored_dtype(path: Path, where: str, dtype: str, encoding: str) -> np.dtype:
+    """The numpy dtype a tensor of torch ``dtype`` is stored in under ``encoding``."""
+    if encoding == fmt.ENC_RAW and dtype in RAW_DTYPES:
+        return np.dtype(dtype)
+    if encoding == fmt.ENC_BITS and dtype in BITS_DTYPES:
+        return np.dtype(STORED_BITS[dtype])
+    raise damaged(path, f"{where}: dtype {dtype!r} cannot be stored as {encoding!r}")
+
+
+def check_dataset(path: Path, ds: h5py.Dataset, group: str, name: str, dtype: str,
+                  encoding: str, shape: tuple) -> None:
+    """The dataset holds what its index row says: a dataset, of the stored dtype and the
+    shape, with all its bytes (a file that claims 2**40 elements and holds none would make a
+    reader wait forever)."""
+    where = f"dataset {group}/{name}"
+    if not isinstance(ds, h5py.Dataset):
+        raise damaged(path, f"{where} is not a dataset")
+    expected = stored_dtype(path, where, dtype, encoding)
+    try:
+        stored = ds.dtype
+    except (OSError, TypeError, ValueError) as exc:
+        raise damaged(path, f"{where} has an unreadable type ({exc})") from exc
+    if stored != expected:
+        raise damaged(path, f"{where} stores {stored}, its index row says {dtype} "
+                            f"({expected} on disk)")
+    if tuple(ds.shape or ()) != tuple(shape):
+        raise damaged(path, f"{where} has shape {tuple(ds.shape or ())}, its index row says "
+                            f"{tuple(shape)}")
+    needed = math.prod(shape) * expected.itemsize
+    if needed and ds.id.get_storage_size() < needed:
+        raise damaged(path, f"{where} should hold {needed} bytes and holds "
+                            f"{ds.id.get_storage_size()}")
+
+
+def _fixed_width(table: np.ndarray) -> bool:
+    """Whether the table's bytes are its content (fixed-width strings, as the dumper writes):
+    variable-length strings are pointers, which no checksum can cover."""
+    return all(table.dtype[name].kind != "O" for name in table.dtype.names)
+
+
+def _text(column: np.ndarray) -> list[str]:
+    if column.dtype.kind == "S":
+        return np.char.decode(column, "utf-8", errors="replace").tolist()
+    return [v.decode(errors="replace") if isinstance(v, bytes) else str(v) for v in column]
