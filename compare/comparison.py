@@ -194,20 +194,20 @@ def _compare_described(side_a: _Side, side_b: _Side, r: _PairRef, chunk_elements
     if r.dropped or r.unsupported:
         status = DROPPED if r.dropped else UNSUPPORTED
         return {"status": status, "rtol": tol.rtol, "atol": tol.atol}
+    datasets = [side.dataset(group, dataset, dtype, encoding, shape) if dataset else None
+                for side, dataset, group, dtype, encoding, shape in (
+                    (side_a, r.dataset_a, r.group_a, r.dtype_a, r.encoding_a, r.shape_a),
+                    (side_b, r.dataset_b, r.group_b, r.dtype_b, r.encoding_b, r.shape_b))]
     if tuple(r.shape_a) != tuple(r.shape_b):
         return {"status": SHAPE_MISMATCH, "rtol": tol.rtol, "atol": tol.atol}
     sides, sketches = [], []
     # the sides known by statistics all have a sketch: sketch the sides with values as well
     sketched = all(not any(map(math.isnan, sketch)) for dataset, sketch in (
         (r.dataset_a, r.sketch_a), (r.dataset_b, r.sketch_b)) if not dataset)
-    for side, dataset, group, dtype, encoding, shape, stats, sketch in (
-            (side_a, r.dataset_a, r.group_a, r.dtype_a, r.encoding_a, r.shape_a, r.stats_a,
-             r.sketch_a),
-            (side_b, r.dataset_b, r.group_b, r.dtype_b, r.encoding_b, r.shape_b, r.stats_b,
-             r.sketch_b)):
-        if dataset:
-            ds = side.dataset(group, dataset, dtype, encoding, shape)
-
+    for ds, dtype, encoding, stats, sketch in (
+            (datasets[0], r.dtype_a, r.encoding_a, r.stats_a, r.sketch_a),
+            (datasets[1], r.dtype_b, r.encoding_b, r.stats_b, r.sketch_b)):
+        if ds is not None:
             def chunks():
                 return read_chunks(ds, dtype, encoding, chunk_elements)
             stats = stats_of_chunks(chunks())
@@ -223,9 +223,11 @@ def _compare_described(side_a: _Side, side_b: _Side, r: _PairRef, chunk_elements
 def _pair_pieces(side_a: _Side, side_b: _Side, records: list[_PairRef], chunk_elements: int):
     """``(ref, a, b)`` for each aligned chunk pair of each record, then ``(ref, None, None)``."""
     for r in records:
+        # opened (and so checked against the index) even when the shapes differ: a shape
+        # mismatch is reported only between datasets that hold what their index rows say
+        ds_a = side_a.dataset(r.group_a, r.dataset_a, r.dtype_a, r.encoding_a, r.shape_a)
+        ds_b = side_b.dataset(r.group_b, r.dataset_b, r.dtype_b, r.encoding_b, r.shape_b)
         if tuple(r.shape_a) == tuple(r.shape_b):
-            ds_a = side_a.dataset(r.group_a, r.dataset_a, r.dtype_a, r.encoding_a, r.shape_a)
-            ds_b = side_b.dataset(r.group_b, r.dataset_b, r.dtype_b, r.encoding_b, r.shape_b)
             for a, b in zip(read_chunks(ds_a, r.dtype_a, r.encoding_a, chunk_elements),
                             read_chunks(ds_b, r.dtype_b, r.encoding_b, chunk_elements)):
                 yield r, a, b

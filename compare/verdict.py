@@ -326,8 +326,8 @@ class _Judgement:
                   "it has no recorded inputs")
         if label == EXACT_LABEL:
             return f"added rel error {added:.3g} where {label[len('none: '):]}; {inputs}"
-        return (f"added rel error {added:.3g} = {added / level:.0f}x the {label} "
-                f"({level:.2g}); {inputs}")
+        beyond = f"= {added / level:.0f}x" if level > 0 else "beyond"
+        return f"added rel error {added:.3g} {beyond} the {label} ({level:.2g}); {inputs}"
 
     def result(self) -> pd.DataFrame:
         """The comparison's rows with their statuses and the verdict columns."""
