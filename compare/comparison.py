@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import itertools
 import math
 import os
 import queue
@@ -101,6 +102,8 @@ class _PairRef(NamedTuple):
     shape_b: tuple
     status_a: str
     status_b: str
+    crc32_a: int
+    crc32_b: int
     stats_a: tuple
     stats_b: tuple
     sketch_a: tuple
@@ -204,12 +207,12 @@ def _compare_described(side_a: _Side, side_b: _Side, r: _PairRef, chunk_elements
     # the sides known by statistics all have a sketch: sketch the sides with values as well
     sketched = all(not any(map(math.isnan, sketch)) for dataset, sketch in (
         (r.dataset_a, r.sketch_a), (r.dataset_b, r.sketch_b)) if not dataset)
-    for ds, dtype, encoding, stats, sketch in (
-            (datasets[0], r.dtype_a, r.encoding_a, r.stats_a, r.sketch_a),
-            (datasets[1], r.dtype_b, r.encoding_b, r.stats_b, r.sketch_b)):
+    for ds, dtype, encoding, crc, stats, sketch in (
+            (datasets[0], r.dtype_a, r.encoding_a, r.crc32_a, r.stats_a, r.sketch_a),
+            (datasets[1], r.dtype_b, r.encoding_b, r.crc32_b, r.stats_b, r.sketch_b)):
         if ds is not None:
             def chunks():
-                return read_chunks(ds, dtype, encoding, chunk_elements)
+                return read_chunks(ds, dtype, encoding, chunk_elements, int(crc))
             stats = stats_of_chunks(chunks())
             if sketched:
                 sketch = sketch_of_chunks(chunks())
@@ -228,8 +231,10 @@ def _pair_pieces(side_a: _Side, side_b: _Side, records: list[_PairRef], chunk_el
         ds_a = side_a.dataset(r.group_a, r.dataset_a, r.dtype_a, r.encoding_a, r.shape_a)
         ds_b = side_b.dataset(r.group_b, r.dataset_b, r.dtype_b, r.encoding_b, r.shape_b)
         if tuple(r.shape_a) == tuple(r.shape_b):
-            for a, b in zip(read_chunks(ds_a, r.dtype_a, r.encoding_a, chunk_elements),
-                            read_chunks(ds_b, r.dtype_b, r.encoding_b, chunk_elements)):
+            # zip_longest, not zip: both sides' readers must end, which checks their checksums
+            for a, b in itertools.zip_longest(
+                    read_chunks(ds_a, r.dtype_a, r.encoding_a, chunk_elements, int(r.crc32_a)),
+                    read_chunks(ds_b, r.dtype_b, r.encoding_b, chunk_elements, int(r.crc32_b))):
                 yield r, a, b
         yield r, None, None
 

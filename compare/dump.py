@@ -101,8 +101,13 @@ class StepReader:
         return decode(self.read_raw(row), dtype, encoding)
 
     def read_raw(self, row) -> np.ndarray:
-        """The stored array as it is on disk (bits for types numpy lacks)."""
-        return np.asarray(self.dataset(row)[()])
+        """The stored array as it is on disk (bits for types numpy lacks), checked against its
+        checksum."""
+        crc = row["crc32"] if isinstance(row, pd.Series) else row.crc32
+        ds = self.dataset(row)
+        array = np.asarray(ds[()])
+        check_crc(ds, crc, fmt.data_crc32(array))
+        return array
 
     def close(self) -> None:
         self._h5.close()
@@ -123,18 +128,31 @@ def dataset_of(path: Path, step_group: h5py.Group, group: str, name: str, dtype:
     return ds
 
 
-def read_chunks(ds: h5py.Dataset, dtype: str, encoding: str,
-                max_elements: int) -> Iterator[np.ndarray]:
+def read_chunks(ds: h5py.Dataset, dtype: str, encoding: str, max_elements: int,
+                crc: int = fmt.NO_CRC) -> Iterator[np.ndarray]:
     """Decoded values of ``ds`` as flat C-order pieces of whole leading-axis slices, each of at
     most ``max_elements`` elements (or one slice, if a slice is larger). Two datasets of the same
-    shape give aligned pieces."""
+    shape give aligned pieces. Once the last piece is read, the stored bytes are checked
+    against ``crc`` (its index row's ``crc32``) unless it is ``fmt.NO_CRC``."""
     if ds.ndim == 0 or ds.size <= max_elements:
-        yield decode(np.asarray(ds[()]), dtype, encoding).reshape(-1)
-        return
-    per_row = max(1, ds.size // ds.shape[0])
-    step = max(1, max_elements // per_row)
-    for start in range(0, ds.shape[0], step):
-        yield decode(ds[start:start + step], dtype, encoding).reshape(-1)
+        pieces: Iterator[np.ndarray] = iter([np.asarray(ds[()])])
+    else:
+        step = max(1, max_elements // max(1, ds.size // ds.shape[0]))
+        pieces = (ds[start:start + step] for start in range(0, ds.shape[0], step))
+    computed = 0
+    for piece in pieces:
+        if crc != fmt.NO_CRC:
+            computed = fmt.data_crc32(piece, computed)
+        yield decode(piece, dtype, encoding).reshape(-1)
+    check_crc(ds, crc, computed)
+
+
+def check_crc(ds: h5py.Dataset, crc: int, computed: int) -> None:
+    """Refuse a dataset whose bytes are not those the dumper wrote (``crc`` from its index
+    row; ``fmt.NO_CRC``: a file older than version 3, nothing to check)."""
+    if crc != fmt.NO_CRC and computed != crc:
+        raise damaged(Path(ds.file.filename), f"dataset {ds.name.lstrip('/')} does not match "
+                                              f"its checksum (crc32): its bytes were changed")
 
 
 class Dump:
@@ -201,6 +219,11 @@ def _strings(path: Path, name: str, column: np.ndarray) -> list[str]:
         raise damaged(path, f"index column {name!r} holds text that is not UTF-8") from exc
 
 
+def _absent(name: str, rows: int) -> np.ndarray:
+    """A column an older format version lacks (see ``fmt.COLUMN_SINCE``)."""
+    return np.full(rows, fmt.NO_CRC if name == "crc32" else np.nan)
+
+
 def _index_frame(path: Path, table: np.ndarray) -> pd.DataFrame:
     names = fmt.INDEX_COLUMN_NAMES
     if len(table) == 0:  # a step in which no module ran
@@ -208,7 +231,7 @@ def _index_frame(path: Path, table: np.ndarray) -> pd.DataFrame:
                              for n, k in fmt.INDEX_COLUMNS})
     present = set(table.dtype.names)
     cols = {name: _strings(path, name, table[name]) if kind == "str" else
-            table[name] if name in present else np.full(len(table), np.nan)  # version 1
+            table[name] if name in present else _absent(name, len(table))
             for name, kind in fmt.INDEX_COLUMNS}
     frame = pd.DataFrame(cols, columns=list(names))
     frame["shape"] = frame["shape"].map(fmt.parse_shape)

@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import zlib
 from typing import Optional
 
+import numpy as np
+
 FORMAT_NAME = "h5cmp-dump"
-FORMAT_VERSION = 2
-SUPPORTED_VERSIONS = frozenset({1, 2})  # version 1: no sketch columns (read as NaN)
+FORMAT_VERSION = 3
+# version 1: no sketch columns (read as NaN); versions 1-2: no data checksums, no `incomplete`
+SUPPORTED_VERSIONS = frozenset({1, 2, 3})
 
 # ---- files -------------------------------------------------------------------------
 FILE_SUFFIX = ".hdf5"
 TEMP_SUFFIX = ".tmp"
+LOCK_SUFFIX = ".lock"
 _STEP_FILE_RE = re.compile(
     r"^(?P<epoch>\d+)-epoch_(?P<step>\d+)-step(?:_rank(?P<rank>\d+))?_dump\.hdf5$"
 )
@@ -28,9 +33,15 @@ def step_file_name(epoch: int, step: int, rank: Optional[int] = None) -> str:
     return f"{epoch}-epoch_{step}-step{rank_part}_dump{FILE_SUFFIX}"
 
 
-def temp_file_name(final_name: str, pid: int) -> str:
-    """Name a step file carries while it is being written (hidden, never matches a dump)."""
-    return f".{final_name}.{pid}{TEMP_SUFFIX}"
+def temp_file_name(final_name: str, writer: str) -> str:
+    """Name a step file carries while ``writer`` (unique per writer of a step: process id and a
+    random token) writes it: hidden, never matches a dump."""
+    return f".{final_name}.{writer}{TEMP_SUFFIX}"
+
+
+def lock_file_name(final_name: str) -> str:
+    """Name of the file a writer of step file ``final_name`` holds locked while it writes it."""
+    return f".{final_name}{LOCK_SUFFIX}"
 
 
 def parse_step_file_name(name: str) -> Optional[tuple[int, int, Optional[int]]]:
@@ -145,16 +156,37 @@ INDEX_COLUMNS: tuple[tuple[str, str], ...] = (
     # Sketch (parameter statistics; NaN where not computed): SKETCH_SIZE signed sums, see
     # compare.statistics.sketch_of_chunks. Since format version 2.
     *((f"sketch_{k}", "float64") for k in range(8)),
+    # zlib.crc32 of the dataset's bytes as stored (C order), -1 for a row without a dataset.
+    # Since format version 3.
+    ("crc32", "int64"),
 )
 STAT_COLUMNS = tuple(name for name, _ in INDEX_COLUMNS if name.startswith("stat_"))
 SKETCH_COLUMNS = tuple(name for name, _ in INDEX_COLUMNS if name.startswith("sketch_"))
-SINCE_VERSION_2 = frozenset(SKETCH_COLUMNS)  # columns a version-1 index lacks
+# the version that added a column (absent: version 1); older indexes lack it
+COLUMN_SINCE = {**{name: 2 for name in SKETCH_COLUMNS}, "crc32": 3}
+NO_CRC = -1  # `crc32` of a row without a dataset, or of a file older than version 3
 INDEX_COLUMN_NAMES = tuple(name for name, _ in INDEX_COLUMNS)
+
+def name_bytes(text: str) -> bytes:
+    """How the dumper stores a name or any other text: UTF-8, with a lone surrogate (which
+    UTF-8 cannot hold, e.g. from a file name decoded with ``surrogateescape``) written as its
+    escape ``\\udcXX``."""
+    return text.encode("utf-8", "backslashreplace")
+
+
+def data_crc32(stored: np.ndarray, crc: int = 0) -> int:
+    """The `crc32` of a dataset: ``zlib.crc32`` of its stored bytes in C order; a dataset read
+    in consecutive C-order pieces gives the same value piece by piece (pass ``crc`` on)."""
+    return zlib.crc32(np.ascontiguousarray(stored), crc)
+
 
 # Root attributes of every step file.
 ATTR_FORMAT_NAME = "format_name"
 ATTR_FORMAT_VERSION = "format_version"
 ATTR_INDEX_CRC = "index_crc32"  # zlib.crc32 of the index table's bytes (since version 2)
+# Why the step is incomplete ("" when it is complete): written when the step ended while an
+# exception was propagating or module calls were left open. Since version 3.
+ATTR_INCOMPLETE = "incomplete"
 MODE_TENSORS, MODE_STATS = "tensors", "stats"
 RUN_ATTRS = (
     "mode", "epoch", "step", "rank", "world_size", "torch_version", "device", "default_dtype",

@@ -74,9 +74,7 @@ def hard_link(path: Path, group: h5py.Group, name: str, what: str):
 def check_index(path: Path, table: np.ndarray, version: int, crc: object) -> None:
     """The index table's columns and every row's kind, encoding, status, dtype and shape."""
     names = set(table.dtype.names or ())
-    wanted = {name for name, _ in fmt.INDEX_COLUMNS}
-    if version < 2:
-        wanted -= fmt.SINCE_VERSION_2
+    wanted = {name for name, _ in fmt.INDEX_COLUMNS if fmt.COLUMN_SINCE.get(name, 1) <= version}
     missing = sorted(wanted - names)
     if missing:
         raise damaged(path, f"the index lacks column(s) {', '.join(missing)}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import warnings
 from collections import defaultdict
 from typing import Any, Iterator
@@ -74,27 +75,54 @@ def unhookable_roots(model: nn.Module) -> list[str]:
 class CallTracker:
     """Numbers each module's calls within a step (``call_idx``: the n-th call of that module,
     from 0 — the numbering dumps and injection agree on) and carries per-call state from a
-    forward pre-hook to the forward hook of the same call (a stack per module: calls can nest).
+    forward pre-hook to the forward hook of the same call: a stack per module (calls can nest)
+    and per thread (a call's two hooks run on the thread that calls the module, so forward
+    passes of one model on several threads at once keep their calls apart).
     """
 
     def __init__(self) -> None:
         self._counts: dict[int, int] = defaultdict(int)
-        self._open: dict[int, list[Any]] = defaultdict(list)
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._open = 0
 
     def next_index(self, module: nn.Module) -> int:
         """``call_idx`` of the call starting now."""
-        index = self._counts[id(module)]
-        self._counts[id(module)] = index + 1
+        with self._lock:
+            index = self._counts[id(module)]
+            self._counts[id(module)] = index + 1
         return index
 
+    def _stacks(self) -> dict[int, list[Any]]:
+        stacks = getattr(self._local, "stacks", None)
+        if stacks is None:
+            stacks = self._local.stacks = defaultdict(list)
+        return stacks
+
     def push(self, module: nn.Module, state: Any) -> None:
-        self._open[id(module)].append(state)
+        """Open a call of ``module`` with ``state`` (None: a call that is not tracked, e.g. a
+        recomputation, which may be stopped early)."""
+        self._stacks()[id(module)].append(state)
+        if state is not None:
+            with self._lock:
+                self._open += 1
 
     def pop(self, module: nn.Module) -> Any:
-        """State pushed by the innermost open call of ``module`` (None if there is none)."""
-        stack = self._open[id(module)]
-        return stack.pop() if stack else None
+        """State pushed by this thread's innermost open call of ``module`` (None if none)."""
+        stack = self._stacks()[id(module)]
+        state = stack.pop() if stack else None
+        if state is not None:
+            with self._lock:
+                self._open -= 1
+        return state
+
+    @property
+    def open_calls(self) -> int:
+        """Tracked calls started on any thread and not finished: an exception left them open."""
+        return self._open
 
     def clear(self) -> None:
-        self._counts.clear()
-        self._open.clear()
+        with self._lock:
+            self._counts.clear()
+            self._open = 0
+        self._local = threading.local()

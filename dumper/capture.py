@@ -87,6 +87,11 @@ class StepCapture:
         """How many of the hooked modules ran (and were recorded) in this step so far."""
         return len(self._first_call)
 
+    @property
+    def open_calls(self) -> int:
+        """Module calls that started and have not returned (an exception left them)."""
+        return self._tracker.open_calls
+
     # -- lifetime ----------------------------------------------------------------------
     def _install(self, path: str, module: nn.Module) -> None:
         cls = type(module).__name__

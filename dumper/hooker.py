@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Union
@@ -13,6 +14,8 @@ from compare import format as fmt
 
 from .calls import hook_target, runs_hooks, unhookable_roots
 from .capture import StepCapture
+from .claim import PublishedFiles, StepClaim, StepConflictError
+from .memory import trim_heap
 from .record import ByteBudget, RecordMaker
 from .run_info import distributed_rank, run_attrs
 from .selection import Patterns, Selection, Types
@@ -67,8 +70,9 @@ class HookerAndDumper:
             raise ValueError(f"when_full must be 'wait' or 'drop', got {when_full!r}")
         self.max_bytes_in_flight = max_bytes_in_flight
         self._budget = ByteBudget(max_bytes_in_flight)
-        self._maker = RecordMaker(SnapshotPool(max_bytes_in_flight), self._budget,
-                                  drop_when_full=when_full == "drop")
+        self._pool = SnapshotPool(max_bytes_in_flight)
+        self._maker = RecordMaker(self._pool, self._budget, drop_when_full=when_full == "drop")
+        self._published = PublishedFiles(self.directory)
         self.fsync = fsync
         self.written_files: list[Path] = []
         self._registered = False
@@ -93,26 +97,51 @@ class HookerAndDumper:
                                "remove_hooks() at the end of every step (or use `with d.hooks(...)`)")
         self._registered = True
         if not self.in_window(epoch, step):
+            self._give_back_memory()
             return False
         model = hook_target(model)
         _warn_if_scripted_inside(model)
         rank, _ = distributed_rank()
         path = self.directory / fmt.step_file_name(epoch, step, rank)
-        self._writer = StepWriter(path, fmt.step_group_name(epoch, step),
+        claim = self._claim(path)
+        if claim is None:
+            return False
+        self._writer = StepWriter(claim, fmt.step_group_name(epoch, step),
                                   run_attrs(model, epoch, step, self.selection.mode),
-                                  self._maker.release, self.fsync)
+                                  self._maker.release, self.fsync, self._published.check)
         self._budget.on_pressure = self._writer.flush
         self._capture = StepCapture(model, self._writer.submit, self._maker, self.selection,
                                     self.params)
         return True
 
+    def _claim(self, path: Path) -> Optional[StepClaim]:
+        """The right to write ``path``; None (after a warning, with ``on_error="warn"``) when
+        another dumper writes or has published it, or the lock file cannot be created."""
+        try:
+            self._published.check(path)
+            return StepClaim(path)
+        except StepConflictError as exc:
+            error: Exception = exc
+        except OSError as exc:
+            error = DumpWriteError(f"h5cmp: cannot start writing {path} ({exc}); this step is "
+                                   f"not saved, earlier steps are intact")
+        if self.on_error == "raise":
+            self._registered = False
+            raise error
+        warnings.warn(str(error), RuntimeWarning, stacklevel=3)
+        return None
+
     def remove_hooks(self) -> Optional[Path]:
-        """Remove every hook and publish this step's file; returns its path (None outside the window)."""
+        """Remove every hook and publish this step's file; returns its path (None outside the
+        window). A step that ends while an exception propagates, or with module calls that
+        never returned, is published marked incomplete (``h5cmp`` says so); ``with
+        d.hooks(...)`` discards such a step instead."""
         self._registered = False
         capture, writer = self._capture, self._writer
         self._capture = self._writer = None
         if capture is None:
             return None
+        incomplete = _why_incomplete(capture.open_calls)
         try:
             capture.finish()
         finally:
@@ -123,13 +152,17 @@ class HookerAndDumper:
                           f"ran as torch.compile'd code, which skips module hooks",
                           RuntimeWarning, stacklevel=2)
         try:
-            path = writer.finish()
+            path = writer.finish(incomplete)
         except DumpWriteError as exc:
             if self.on_error == "raise":
                 raise
             warnings.warn(str(exc), RuntimeWarning, stacklevel=2)
             return None
+        self._published.published(path)
         self.written_files.append(path)
+        if incomplete:
+            warnings.warn(f"h5cmp: {path} is marked incomplete: {incomplete}", RuntimeWarning,
+                          stacklevel=2)
         return path
 
     def abort_step(self) -> None:
@@ -153,8 +186,16 @@ class HookerAndDumper:
         self.remove_hooks()
 
     def close(self) -> None:
-        """Discard a step left open (hooks registered, never removed)."""
+        """Discard a step left open (hooks registered, never removed) and give the snapshot
+        buffers kept for reuse back to the system."""
         self.abort_step()
+        self._give_back_memory()
+
+    def _give_back_memory(self) -> None:
+        """Free the snapshot buffers kept for the next dumped step, and the C heap's free pages:
+        between dumped steps the process is as large as without a dumper."""
+        if self._pool.clear():
+            trim_heap()
 
     def __enter__(self) -> "HookerAndDumper":
         return self
@@ -166,6 +207,18 @@ class HookerAndDumper:
         """Print the structure of the dump (groups, datasets, dtypes, shapes); default: all of it."""
         from compare.inspect import print_tree
         print_tree(self.directory if path is None else path)
+
+
+def _why_incomplete(open_calls: int) -> str:
+    """Why a step ending now is incomplete ("" if it is not): an exception is propagating (the
+    caller's ``finally``), or module calls started and never returned."""
+    reasons = []
+    exc = sys.exc_info()[1]
+    if exc is not None:
+        reasons.append(f"the step ended while {type(exc).__name__} was raised")
+    if open_calls:
+        reasons.append(f"{open_calls} module call(s) never returned")
+    return "; ".join(reasons)
 
 
 def _warn_if_scripted_inside(model: nn.Module) -> None:

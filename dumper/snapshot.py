@@ -99,6 +99,13 @@ class SnapshotPool:
         self._free[key].pop()
         self._cached -= key[0]
 
+    def clear(self) -> int:
+        """Free the buffers kept for reuse; returns how many bytes they held."""
+        with self._lock:
+            freed, self._cached = self._cached, 0
+            self._free.clear()
+        return freed
+
     def give(self, buffer: torch.Tensor, pinned: bool) -> None:
         size = buffer.numel()
         with self._lock:

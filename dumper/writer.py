@@ -1,12 +1,14 @@
 """The step writer: one background thread owns the HDF5 file of one step and publishes it."""
 from __future__ import annotations
 
+import errno
 import os
 import queue
-import zlib
-from collections import deque
+import secrets
 import threading
 import warnings
+import zlib
+from collections import deque
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -17,7 +19,9 @@ from h5py import h5a, h5d, h5g, h5p, h5s, h5t
 
 from compare import format as fmt
 
+from .claim import StepClaim, StepConflictError
 from .encoding import dtype_name, encode
+from .memory import trim_heap
 from .record import CallInfo, Record, unreadable
 
 WRITE_AHEAD_BYTES = 16 << 20  # held bytes that make the thread write during the step
@@ -30,6 +34,8 @@ _ABORT = object()
 _FLUSH = object()
 _NO_STATS = (float("nan"),) * len(fmt.STAT_COLUMNS)
 _NO_SKETCH = (float("nan"),) * len(fmt.SKETCH_COLUMNS)
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+TRIM_AFTER_BYTES = 64 << 20  # a step that held this much gives the C heap's free pages back
 
 
 class DumpWriteError(RuntimeError):
@@ -45,7 +51,7 @@ def _index_table(rows: list[tuple]) -> np.ndarray:
     arrays = []
     for (name, kind), values in zip(fmt.INDEX_COLUMNS, columns):
         if kind == "str":
-            encoded = [v.encode(errors="backslashreplace") for v in values]  # lone surrogates
+            encoded = [fmt.name_bytes(v) for v in values]
             width = max(map(len, encoded), default=0) or 1
             arrays.append(np.array(encoded, dtype=h5py.string_dtype("utf-8", width)))
         else:
@@ -74,7 +80,7 @@ class _IndexRows:
         return name
 
     def add(self, r: Record, group: str, dataset: str, encoding: str, stats: tuple,
-            sketch: tuple) -> None:
+            sketch: tuple, crc: int) -> None:
         key = (r.dtype, r.shape, r.device)
         described = self._described.get(key)
         if described is None:
@@ -85,7 +91,8 @@ class _IndexRows:
         c = r.call
         self.rows.append((r.seq, c.number, c.module, c.cls, c.call_idx, group, r.kind, r.index,
                           r.occurrence, r.path, dataset, dtype, shape, encoding, device,
-                          int(r.requires_grad), r.status, r.value, r.producer, *stats, *sketch))
+                          int(r.requires_grad), r.status, r.value, r.producer, *stats, *sketch,
+                          crc))
 
 
 _HDF5_TYPES: dict[tuple, h5t.TypeID] = {}  # shared by steps: the index's compound type
@@ -134,7 +141,8 @@ class LowLevelGroup:
         """Dataset ``name`` holding ``array`` in subgroup ``group`` (created on first use)."""
         gid = self._groups.get(group)
         if gid is None:
-            gid = self._groups[group] = h5g.create(self._parent, group.encode(), lcpl=self._lcpl)
+            gid = self._groups[group] = h5g.create(self._parent, fmt.name_bytes(group),
+                                                   lcpl=self._lcpl)
         self._create(gid, name, array)
 
     def write_here(self, name: str, array: np.ndarray) -> None:
@@ -165,12 +173,14 @@ def core_left_for_writer() -> bool:
 
 
 class StepWriter:
-    """Writes the records of one step into ``final_path``, atomically.
+    """Writes the records of one step into the step file ``claim`` holds, atomically.
 
-    The file is written under a hidden temporary name by a dedicated thread (all h5py calls of
-    the step happen there) and renamed to ``final_path`` by :meth:`finish`. :meth:`abort`, or an
-    error, removes the temporary file; a file under the final name is always complete.
-    ``release(record)`` is called for every record once the writer is done with it.
+    The file is written under a hidden temporary name, unique to this writer, by a dedicated
+    thread (all h5py calls of the step happen there) and renamed to its final name by
+    :meth:`finish`, after ``before_publish(final path)`` (which raises to refuse). :meth:`abort`,
+    or an error, removes the temporary file; a file under the final name is always complete.
+    The claim is released once the file is published or discarded. ``release(record)`` is
+    called for every record once the writer is done with it.
 
     Records are held back until the step ends or until :meth:`flush` is called (by a producer
     about to wait for bytes). They are written during the step ("write-ahead") once
@@ -184,23 +194,29 @@ class StepWriter:
     -35.8 ms with torch on one of two cores, +0.4 / +8.3 / +10.7 ms with torch on both.
     """
 
-    def __init__(self, final_path: Path, step_group: str, attrs: dict,
-                 release: Callable[[Record], None], fsync: bool = False):
-        self.final_path = final_path
-        self.temp_path = final_path.with_name(fmt.temp_file_name(final_path.name, os.getpid()))
+    def __init__(self, claim: StepClaim, step_group: str, attrs: dict,
+                 release: Callable[[Record], None], fsync: bool = False,
+                 before_publish: Callable[[Path], None] = lambda path: None):
+        self.final_path = claim.path
+        self.temp_path = claim.path.with_name(fmt.temp_file_name(
+            claim.path.name, f"{os.getpid()}-{secrets.token_hex(4)}"))
+        self._claim = claim
+        self._before_publish = before_publish
         self._step_group = step_group
         self._attrs = attrs
         self._release = release
         self._fsync = fsync
+        self._incomplete = ""
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._held: list[Record] = []     # submitted, not yet handed to the thread
         self._held_bytes = 0
         self._held_lock = threading.Lock()
         self._core_free = core_left_for_writer()
         self._held_accelerator = False  # whether a held record comes from an accelerator
+        self._step_bytes = 0              # bytes of values held in the step
         self._index = _IndexRows()
         self.error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, name=f"h5cmp-writer:{final_path.name}",
+        self._thread = threading.Thread(target=self._run, name=f"h5cmp-writer:{claim.path.name}",
                                         daemon=True)
         self._thread.start()
 
@@ -214,6 +230,7 @@ class StepWriter:
         with self._held_lock:
             self._held.append(record)
             self._held_bytes += record.nbytes
+            self._step_bytes += record.nbytes
             self._held_accelerator |= getattr(record.device, "type", "cpu") != "cpu"
             write_ahead = (self._held_bytes >= WRITE_AHEAD_BYTES
                            and (self._core_free or self._held_accelerator))
@@ -233,8 +250,10 @@ class StepWriter:
         if batch:
             self._queue.put(batch)
 
-    def finish(self) -> Path:
-        """Write the index, close and publish the file; raises :class:`DumpWriteError` on failure."""
+    def finish(self, incomplete: str = "") -> Path:
+        """Write the index, close and publish the file, marked ``incomplete`` for that reason
+        if one is given; raises :class:`DumpWriteError` on failure."""
+        self._incomplete = incomplete
         self._hand_over()
         self._queue.put(_FINISH)
         self._thread.join()
@@ -249,8 +268,17 @@ class StepWriter:
         self._thread.join()
 
     def _error_message(self) -> str:
-        return (f"h5cmp: writing {self.final_path} failed ({self.error}); this step is not saved, "
-                f"earlier steps are intact. Free disk space or choose another file_path.")
+        what = str(self.error).splitlines()[0] if str(self.error) else type(self.error).__name__
+        if isinstance(self.error, StepConflictError):
+            return f"{what}; this step is not saved"
+        message = (f"h5cmp: writing {self.final_path} failed ({what}); this step is not saved, "
+                   f"earlier steps are intact")
+        if _is_disk_full(self.error):
+            return message + ". Free disk space or choose another file_path."
+        if isinstance(self.error, PermissionError) or getattr(self.error, "errno", None) == \
+                errno.EROFS:
+            return message + ". Make file_path writable or choose another."
+        return message + "."
 
     # -- writer thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -273,7 +301,8 @@ class StepWriter:
                     ended = True
                     self._write_all(datasets, pending)
                     crc = self._write_index(datasets)
-                    _write_attributes(f, {fmt.ATTR_INDEX_CRC: crc})
+                    _write_attributes(f, {fmt.ATTR_INDEX_CRC: crc,
+                                          fmt.ATTR_INCOMPLETE: self._incomplete})
                 finally:
                     for record in pending:  # left by an error or an abort
                         self._release(record)
@@ -281,6 +310,7 @@ class StepWriter:
             if self._fsync:
                 with open(self.temp_path, "rb+") as fh:
                     os.fsync(fh.fileno())
+            self._before_publish(self.final_path)
             os.replace(self.temp_path, self.final_path)
         except _Aborted:
             self._discard()
@@ -289,6 +319,10 @@ class StepWriter:
             self._discard()
             if not ended:
                 self._drain()
+        finally:
+            self._claim.release()
+            if self._step_bytes >= TRIM_AFTER_BYTES:
+                trim_heap()
 
     def _write_all(self, datasets: LowLevelGroup, records: deque) -> None:
         while records:
@@ -296,7 +330,7 @@ class StepWriter:
 
     def _write(self, datasets: LowLevelGroup, record: Record) -> None:
         try:
-            encoding = fmt.ENC_NONE
+            encoding, crc = fmt.ENC_NONE, fmt.NO_CRC
             group, dataset = self._index.group(record.call), record.dataset
             if record.snapshot is not None:
                 try:
@@ -305,8 +339,9 @@ class StepWriter:
                     record.status, record.value, dataset = fmt.ST_UNSUPPORTED, unreadable(exc), ""
                 else:
                     datasets.write(group, dataset, array)
+                    crc = fmt.data_crc32(array)
             stats, sketch = _numbers(record.stats, _NO_STATS), _numbers(record.sketch, _NO_SKETCH)
-            self._index.add(record, group, dataset, encoding, stats, sketch)
+            self._index.add(record, group, dataset, encoding, stats, sketch, crc)
         finally:
             self._release(record)
 
@@ -333,6 +368,14 @@ class StepWriter:
             self.temp_path.unlink(missing_ok=True)
         except OSError as exc:
             warnings.warn(f"h5cmp: could not remove temporary file {self.temp_path}: {exc}")
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` says the disk or quota is full (HDF5 reports errno in the text)."""
+    if getattr(exc, "errno", None) in _DISK_FULL:
+        return True
+    text = str(exc)
+    return any(f"errno = {code}," in text or os.strerror(code) in text for code in _DISK_FULL)
 
 
 def _numbers(numbers, missing: tuple) -> tuple:

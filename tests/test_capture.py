@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from compare import format as fmt
 from compare.dump import load_dump
 from dumper import HookerAndDumper
 
@@ -173,7 +174,7 @@ def test_params_and_param_grads(tmp_path):
 def test_run_metadata(tmp_path):
     _dump_one_step(nn.Linear(2, 2), torch.randn(1, 2), tmp_path)
     step = load_dump(tmp_path).steps[0]
-    assert step.attrs["format_version"] == 2
+    assert step.attrs["format_version"] == fmt.FORMAT_VERSION
     assert step.attrs["torch_version"] == str(torch.__version__)
     assert step.attrs["device"] == "cpu" and step.attrs["default_dtype"] == "float32"
     assert {"tf32_matmul", "tf32_cudnn", "deterministic_algorithms"} <= set(step.attrs)

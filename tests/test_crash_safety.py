@@ -52,9 +52,14 @@ def test_kill_9_mid_step_keeps_completed_steps(tmp_path):
     published = sorted(n for n in os.listdir(crashed) if not n.startswith("."))
     assert published == [fmt.step_file_name(0, s) for s in range(3)]
     leftovers = [n for n in os.listdir(crashed) if n.startswith(".")]
-    assert all(fmt.is_temp_file_name(n) for n in leftovers)
+    assert all(fmt.is_temp_file_name(n) or n == fmt.lock_file_name(fmt.step_file_name(0, 3))
+               for n in leftovers), leftovers
     assert len(load_dump(crashed).steps) == 3  # the directory still loads, the temp file ignored
     _assert_steps_equal(reference, crashed, range(3))
+    # the dead writer's lock file claims nothing: a rerun writes every step again
+    rerun = _child(crashed, 4)
+    assert rerun.wait(timeout=120) == 0, rerun.stderr.read()
+    assert len(load_dump(crashed).steps) == 4
 
 
 @pytest.mark.slow

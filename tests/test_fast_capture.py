@@ -16,6 +16,7 @@ from compare import format as fmt
 from compare.statistics import stats_of_chunks
 from dumper import HookerAndDumper
 from dumper import writer as step_writer
+from dumper.claim import StepClaim
 from dumper.record import ByteBudget, CallInfo, Record
 from dumper.run_info import run_attrs
 from dumper.snapshot import Snapshot
@@ -102,7 +103,7 @@ def test_large_records_are_written_during_the_step_only_when_a_core_is_free(
     def release(record):
         released.append(record.seq)
         first_released.set()
-    writer = step_writer.StepWriter(tmp_path / fmt.step_file_name(0, 0, 0),
+    writer = step_writer.StepWriter(StepClaim(tmp_path / fmt.step_file_name(0, 0, 0)),
                                     fmt.step_group_name(0, 0),
                                     run_attrs(nn.Linear(1, 1), 0, 0, "full"), release)
     values = torch.arange(step_writer.WRITE_AHEAD_BYTES // 4 + 1, dtype=torch.float32)

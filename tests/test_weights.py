@@ -80,7 +80,7 @@ def _as_version_1(directory) -> None:
         with h5py.File(path, "r+") as f:
             group = f[f"{f.attrs['epoch']}-epoch_{f.attrs['step']}-step"]
             table = group[fmt.INDEX_DATASET][()]
-            names = [n for n in table.dtype.names if n not in fmt.SINCE_VERSION_2]
+            names = [n for n in table.dtype.names if n not in fmt.COLUMN_SINCE]
             old = np.empty(len(table), dtype=[(n, table.dtype[n]) for n in names])
             for n in names:
                 old[n] = table[n]
@@ -88,6 +88,7 @@ def _as_version_1(directory) -> None:
             group[fmt.INDEX_DATASET] = old
             f.attrs[fmt.ATTR_FORMAT_VERSION] = 1
             del f.attrs[fmt.ATTR_INDEX_CRC]
+            del f.attrs[fmt.ATTR_INCOMPLETE]
 
 
 def test_version_1_dumps_are_read_and_their_weights_not_overtrusted(tmp_path):
