@@ -33,6 +33,8 @@ PAIR_COLUMNS = [
     *METRIC_COLUMNS, "rtol", "atol",
 ]
 RESULT_COLUMNS = PAIR_COLUMNS + list(VERDICT_COLUMNS)
+# result.attrs key: the compared steps a dumper marked incomplete, as "B's step 0:1 (why)"
+INCOMPLETE_STEPS = "incomplete_steps"
 
 
 def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Optional[float] = None,
@@ -83,6 +85,12 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     judged = judge(_result_frame(pairs, metrics), rtol, atol, same_kernels=kernels, tf32=tf32)
     result = select(judged, modules, kinds)[RESULT_COLUMNS].reset_index(drop=True)
     result.attrs.update(judged.attrs)
+    compared = {(e, s, -1 if r != r else r) for e, s, r in
+                pairs[["epoch", "step", "rank"]].drop_duplicates().itertuples(index=False)}
+    result.attrs[INCOMPLETE_STEPS] = [
+        f"{side}'s step {f.label} ({f.incomplete})" for side, files in (("A", files_a),
+                                                                          ("B", files_b))
+        for key, f in sorted(files.items()) if f.incomplete and key in compared]
     return result
 
 

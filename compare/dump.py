@@ -73,6 +73,17 @@ class StepFile:
             raise DumpError(f"{self.path}: dump format version {version} is not supported by this "
                             f"h5cmp (reads {sorted(fmt.SUPPORTED_VERSIONS)}); upgrade h5cmp")
 
+    @property
+    def incomplete(self) -> str:
+        """Why the dumper marked this step incomplete ("" for a complete step): it ended while
+        an exception propagated, so records after the failure are missing."""
+        return str(self.attrs.get(fmt.ATTR_INCOMPLETE, ""))
+
+    @property
+    def label(self) -> str:
+        """``epoch:step`` (and the rank), as reports name steps."""
+        return fmt.step_label(self.epoch, self.step, self.rank)
+
     def open(self) -> "StepReader":
         """Open the file for reading tensors: ``with step.open() as r: r.read(row)``."""
         return StepReader(self, open_h5(self.path))

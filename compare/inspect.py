@@ -26,6 +26,8 @@ def format_tree(dump: Union[PathLike, Dump]) -> str:
                      f"{idx['call'].nunique()} module calls, {(idx['dataset'] != '').sum()} tensors, "
                      f"{_size(step.path.stat().st_size)}; torch {a.get('torch_version')}, "
                      f"{a.get('device')}, format v{a.get('format_version')}")
+        if step.incomplete:
+            lines.append(f"  INCOMPLETE: {step.incomplete}; records after the failure are missing")
         lines.append(f"  /{step.group_name}")
         for group, rows in idx.sort_values(["call", "seq"]).groupby("call", sort=True):
             lines.append(f"    {rows['group'].iloc[0]}")

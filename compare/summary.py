@@ -10,6 +10,7 @@ import pandas as pd
 
 from . import format as fmt
 from . import status as st
+from .comparison import INCOMPLETE_STEPS
 from .sources import earlier_sources
 from .precision import precision_of
 from .verdict import USER_TOLERANCE
@@ -101,6 +102,7 @@ class Summary:
     later_step: bool = False              # they differ in a step after the first of training
     from_stats: int = 0                   # records judged from statistics (estimates)
     user_tolerance: bool = False          # judged by the user's rtol/atol
+    incomplete: tuple[str, ...] = ()      # compared steps their dumper marked incomplete
 
     @property
     def ok(self) -> bool:
@@ -138,6 +140,9 @@ class Summary:
         estimated = (f" ({self.from_stats} judged from statistics: estimates, blind to what "
                      f"keeps them)" if self.from_stats else "")
         lines = [self.verdict(), f"{self.total} tensor pairs: {parts or 'none'}{estimated}"]
+        if self.incomplete:
+            lines.append(f"incomplete: {', '.join(self.incomplete)}: the step failed, records "
+                         f"after the failure are missing")
         if self.first is not None:
             lines.append(self.first.describe())
         if len(self.suspects) > 1:
@@ -175,7 +180,8 @@ def summarize(result: pd.DataFrame) -> Summary:
     from_stats = int((result["rel_l2_err"].isna() & result["rel_err_from_stats"].notna()
                       & (result["kind"] != fmt.PARAM)).sum())
     return Summary(counts, len(result), first, precision, suspects, largest, weights, later,
-                   from_stats, bool(result.attrs.get(USER_TOLERANCE)))
+                   from_stats, bool(result.attrs.get(USER_TOLERANCE)),
+                   tuple(result.attrs.get(INCOMPLETE_STEPS, ())))
 
 
 def _diagnose(result: pd.DataFrame, row: pd.Series) -> Divergence:

@@ -74,6 +74,7 @@ def test_full_disk_reports_error_and_keeps_completed_steps(tmp_path):
     lines = out.splitlines()
     assert lines[0] == "DONE 0"
     assert lines[1].startswith("WRITE-ERROR step 1") and "earlier steps are intact" in lines[1]
+    assert "Free disk space" in lines[1]
     assert sorted(os.listdir(limited))[0] == fmt.step_file_name(0, 0)
     assert not any(fmt.is_temp_file_name(n) for n in os.listdir(limited))
     _assert_steps_equal(reference, limited, range(1))

@@ -148,6 +148,21 @@ def test_a_damaged_dataset_is_refused_quickly(reference, copy, make, says):
     refused(h5cmp(reference, copy.parent), says)
 
 
+def test_changed_tensor_bytes_are_refused(reference, copy):
+    """One bit of a stored tensor flipped (a damaged disk, a bad copy): refused by its
+    checksum, not judged as a (possibly tiny) difference between the runs."""
+    with h5py.File(copy, "r+") as f:
+        group = _group(f)
+        call = sorted(k for k in group if k != fmt.INDEX_DATASET)[-1]
+        ds = group[call][sorted(group[call])[0]]
+        raw = ds[()].view(np.uint8).copy()
+        offset = ds.id.get_offset()
+    with open(copy, "r+b") as f:  # below HDF5: only the data changes
+        f.seek(offset)
+        f.write(bytes([raw.reshape(-1)[0] ^ 1]))
+    refused(h5cmp(reference, copy.parent), "does not match its checksum (crc32)")
+
+
 def test_an_external_link_to_a_fifo_is_never_opened(reference, copy, tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
