@@ -23,6 +23,7 @@ from .pairing import align_ranks, pair_records, select, tensor_rows
 from .statistics import compare_stats, sketch_of_chunks, stats_of_chunks
 from .status import DROPPED, MISSING_IN_A, MISSING_IN_B, SHAPE_MISMATCH, UNSUPPORTED
 from .tolerance import pair_tolerance
+from .validation import hard_link
 from .verdict import VERDICT_COLUMNS, judge
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 20  # elements read per dataset slice (4 MiB of float32)
@@ -163,7 +164,8 @@ def _run_task(task: tuple) -> dict[int, dict]:
     acc: Optional[ErrorAccumulator] = None
     with open_h5(path_a) as fa, open_h5(path_b) as fb:
         values = [r for r in records if r.both_values and not r.dropped]
-        side_a, side_b = _Side(path_a, fa[group_a]), _Side(path_b, fb[group_b])
+        side_a, side_b = (_Side(path, hard_link(path, f, group, "step group", h5py.Group))
+                          for path, f, group in ((path_a, fa, group_a), (path_b, fb, group_b)))
         pieces = _pair_pieces(side_a, side_b, values, chunk_elements)
         try:
             for r in records:
@@ -181,7 +183,7 @@ def _run_task(task: tuple) -> dict[int, dict]:
                     out[ref.row] = {**(acc or ErrorAccumulator(tol)).result(),
                                     "rtol": tol.rtol, "atol": tol.atol}
                     acc = None
-        except (KeyError, OSError) as exc:
+        except (KeyError, OSError, RuntimeError) as exc:  # what h5py raises on damaged files
             raise DumpError(f"{path_a} / {path_b}: cannot read a tensor ({exc}); the file is "
                             f"damaged") from exc
     return out

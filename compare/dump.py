@@ -46,18 +46,18 @@ class StepFile:
     def __init__(self, path: PathLike):
         self.path = Path(path)
         with open_h5(self.path) as f:
-            self.attrs = plain_attrs(self.path, f.attrs)
+            self.attrs = plain_attrs(self.path, f)
             self._check_format()
             check_run_attrs(self.path, self.attrs)
             self.epoch, self.step = int(self.attrs["epoch"]), int(self.attrs["step"])
             rank = int(self.attrs["rank"])
             self.rank: Optional[int] = None if rank < 0 else rank
             self.group_name = fmt.step_group_name(self.epoch, self.step)
-            group = hard_link(self.path, f, self.group_name, "step group")
-            index = hard_link(self.path, group, fmt.INDEX_DATASET, "index table")
+            group = hard_link(self.path, f, self.group_name, "step group", h5py.Group)
+            index = hard_link(self.path, group, fmt.INDEX_DATASET, "index table", h5py.Dataset)
             try:
                 table = index[()]
-            except (OSError, TypeError, ValueError) as exc:
+            except (OSError, RuntimeError, TypeError, ValueError) as exc:
                 raise damaged(self.path, f"the index table cannot be read ({exc})") from exc
             check_index(self.path, table, self.attrs[fmt.ATTR_FORMAT_VERSION],
                         self.attrs.get(fmt.ATTR_INDEX_CRC))
@@ -65,11 +65,11 @@ class StepFile:
 
     def _check_format(self) -> None:
         name = self.attrs.get(fmt.ATTR_FORMAT_NAME)
-        if name != fmt.FORMAT_NAME:
+        if not isinstance(name, str) or name != fmt.FORMAT_NAME:
             raise DumpError(f"{self.path}: HDF5 file is not an h5cmp dump (no "
                             f"{fmt.ATTR_FORMAT_NAME}={fmt.FORMAT_NAME!r} attribute)")
         version = self.attrs.get(fmt.ATTR_FORMAT_VERSION)
-        if version not in fmt.SUPPORTED_VERSIONS:
+        if not isinstance(version, int) or version not in fmt.SUPPORTED_VERSIONS:
             raise DumpError(f"{self.path}: dump format version {version} is not supported by this "
                             f"h5cmp (reads {sorted(fmt.SUPPORTED_VERSIONS)}); upgrade h5cmp")
 
@@ -97,7 +97,7 @@ class StepReader:
 
     def __init__(self, step: StepFile, h5: h5py.File):
         self.step, self._h5 = step, h5
-        self._group = h5[step.group_name]
+        self._group = hard_link(step.path, h5, step.group_name, "step group", h5py.Group)
 
     def dataset(self, row) -> h5py.Dataset:
         """The dataset of index row ``row`` (a namedtuple from ``itertuples`` or a Series)."""
@@ -133,8 +133,8 @@ class StepReader:
 def dataset_of(path: Path, step_group: h5py.Group, group: str, name: str, dtype: str,
                encoding: str, shape: tuple) -> h5py.Dataset:
     """Dataset ``group/name`` of a step group, after checking it is what its index row says."""
-    call_group = hard_link(path, step_group, group, "call group")
-    ds = hard_link(path, call_group, name, f"dataset {group}/")
+    call_group = hard_link(path, step_group, group, "call group", h5py.Group)
+    ds = hard_link(path, call_group, name, f"in call group {group!r}, dataset", h5py.Dataset)
     check_dataset(path, ds, group, name, dtype, encoding, shape)
     return ds
 

@@ -188,11 +188,16 @@ ATTR_INDEX_CRC = "index_crc32"  # zlib.crc32 of the index table's bytes (since v
 # exception was propagating or module calls were left open. Since version 3.
 ATTR_INCOMPLETE = "incomplete"
 MODE_TENSORS, MODE_STATS = "tensors", "stats"
-RUN_ATTRS = (
-    "mode", "epoch", "step", "rank", "world_size", "torch_version", "device", "default_dtype",
-    "tf32_matmul", "tf32_cudnn", "float32_matmul_precision", "deterministic_algorithms",
-    "cudnn_deterministic", "created",
-)
+RUN_ATTR_TYPES: dict[str, type] = {
+    "mode": str, "epoch": int, "step": int, "rank": int, "world_size": int,
+    "torch_version": str, "device": str, "default_dtype": str, "tf32_matmul": bool,
+    "tf32_cudnn": bool, "float32_matmul_precision": str, "deterministic_algorithms": bool,
+    "cudnn_deterministic": bool, "created": str,
+}
+RUN_ATTRS = tuple(RUN_ATTR_TYPES)
+# the type of every root attribute a reader relies on
+ATTR_TYPES: dict[str, type] = {**RUN_ATTR_TYPES, ATTR_FORMAT_NAME: str, ATTR_FORMAT_VERSION: int,
+                               ATTR_INDEX_CRC: int, ATTR_INCOMPLETE: str}
 
 # Root attributes that decide which kernels a step ran. Two steps that agree on them (the device
 # by type), on the CPU or with deterministic algorithms on both sides, compute tensors of equal

@@ -26,10 +26,15 @@ def damaged(path: Path, problem: str) -> DumpError:
     return DumpError(f"{path}: damaged dump: {problem}; dump this step again")
 
 
-def plain_attrs(path: Path, attrs: h5py.AttributeManager) -> dict:
-    """Root attributes as Python values; text that is not UTF-8 is damage."""
+def plain_attrs(path: Path, f: h5py.File) -> dict:
+    """The root attributes of ``f`` as Python values; text that is not UTF-8 is damage."""
     out = {}
-    for name in attrs:
+    try:
+        attrs = f.attrs
+        names = list(attrs)
+    except (OSError, RuntimeError, KeyError, TypeError, ValueError) as exc:
+        raise damaged(path, f"the root attributes cannot be listed ({exc})") from exc
+    for name in names:
         try:
             value = attrs[name]
         except (OSError, TypeError, ValueError) as exc:
@@ -46,29 +51,51 @@ def plain_attrs(path: Path, attrs: h5py.AttributeManager) -> dict:
 
 
 def check_run_attrs(path: Path, attrs: dict) -> None:
+    """Every root attribute a reader relies on has its type (``fmt.ATTR_TYPES``); the step's
+    epoch, step and rank are present."""
     for name in ("epoch", "step", "rank"):
-        value = attrs.get(name)
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise damaged(path, f"root attribute {name!r} is {value!r}, not an integer")
-        if name != "rank" and value < 0:
-            raise damaged(path, f"root attribute {name!r} is negative ({value})")
+        if name not in attrs:
+            raise damaged(path, f"root attribute {name!r} is missing")
+    for name, kind in fmt.ATTR_TYPES.items():
+        if name in attrs and not _is_a(attrs[name], kind):
+            raise damaged(path, f"root attribute {name!r} is {attrs[name]!r}, not "
+                                f"{_TYPE_WORDS[kind]}")
+    for name in ("epoch", "step"):
+        if attrs[name] < 0:
+            raise damaged(path, f"root attribute {name!r} is negative ({attrs[name]})")
 
 
-def hard_link(path: Path, group: h5py.Group, name: str, what: str):
-    """``group[name]``, refusing soft and external links (loops, FIFOs, other files)."""
+_TYPE_WORDS = {int: "an integer", bool: "a boolean", str: "text"}
+
+
+def _is_a(value: object, kind: type) -> bool:
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is bool:
+        return isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))
+    return isinstance(value, kind)
+
+
+def hard_link(path: Path, group: h5py.Group, name: str, what: str, expected: type):
+    """``group[name]``, an ``expected`` (``h5py.Group`` or ``h5py.Dataset``), refusing soft
+    and external links (loops, FIFOs, other files). ``what`` names it in messages."""
+    where = f"{what} {name!r}"
     try:
         link = group.get(name, getlink=True)
-    except (OSError, KeyError, TypeError, ValueError) as exc:
-        raise damaged(path, f"{what} {name!r} cannot be read ({exc})") from exc
+    except (OSError, RuntimeError, KeyError, TypeError, ValueError) as exc:
+        raise damaged(path, f"{where} cannot be read ({exc})") from exc
     if link is None:
-        raise damaged(path, f"{what} {name!r} is missing")
+        raise damaged(path, f"{where} is missing")
     if not isinstance(link, h5py.HardLink):
-        raise damaged(path, f"{what} {name!r} is a {type(link).__name__}, which an h5cmp dump "
-                            f"never holds (not followed)")
+        raise damaged(path, f"{where} is a {type(link).__name__}, which an h5cmp dump never "
+                            f"holds (not followed)")
     try:
-        return group[name]
-    except (OSError, KeyError, ValueError) as exc:
-        raise damaged(path, f"{what} {name!r} cannot be opened ({exc})") from exc
+        obj = group[name]
+    except (OSError, RuntimeError, KeyError, ValueError) as exc:
+        raise damaged(path, f"{where} cannot be opened ({exc})") from exc
+    if not isinstance(obj, expected):
+        raise damaged(path, f"{where} is not a {expected.__name__.lower()}")
+    return obj
 
 
 def check_index(path: Path, table: np.ndarray, version: int, crc: object) -> None:
@@ -123,23 +150,20 @@ def check_dataset(path: Path, ds: h5py.Dataset, group: str, name: str, dtype: st
     shape, with all its bytes (a file that claims 2**40 elements and holds none would make a
     reader wait forever)."""
     where = f"dataset {group}/{name}"
-    if not isinstance(ds, h5py.Dataset):
-        raise damaged(path, f"{where} is not a dataset")
     expected = stored_dtype(path, where, dtype, encoding)
     try:
-        stored = ds.dtype
-    except (OSError, TypeError, ValueError) as exc:
-        raise damaged(path, f"{where} has an unreadable type ({exc})") from exc
+        stored, stored_shape, size = ds.dtype, tuple(ds.shape or ()), ds.id.get_storage_size()
+    except (OSError, RuntimeError, TypeError, ValueError) as exc:
+        raise damaged(path, f"{where} has unreadable metadata ({exc})") from exc
     if stored != expected:
         raise damaged(path, f"{where} stores {stored}, its index row says {dtype} "
                             f"({expected} on disk)")
-    if tuple(ds.shape or ()) != tuple(shape):
-        raise damaged(path, f"{where} has shape {tuple(ds.shape or ())}, its index row says "
+    if stored_shape != tuple(shape):
+        raise damaged(path, f"{where} has shape {stored_shape}, its index row says "
                             f"{tuple(shape)}")
     needed = math.prod(shape) * expected.itemsize
-    if needed and ds.id.get_storage_size() < needed:
-        raise damaged(path, f"{where} should hold {needed} bytes and holds "
-                            f"{ds.id.get_storage_size()}")
+    if needed and size < needed:
+        raise damaged(path, f"{where} should hold {needed} bytes and holds {size}")
 
 
 def _fixed_width(table: np.ndarray) -> bool:
