@@ -48,7 +48,7 @@ class StepFile:
         with open_h5(self.path) as f:
             self.attrs = plain_attrs(self.path, f)
             self._check_format()
-            check_run_attrs(self.path, self.attrs)
+            check_run_attrs(self.path, self.attrs, self.attrs[fmt.ATTR_FORMAT_VERSION])
             self.epoch, self.step = int(self.attrs["epoch"]), int(self.attrs["step"])
             rank = int(self.attrs["rank"])
             self.rank: Optional[int] = None if rank < 0 else rank
@@ -70,7 +70,7 @@ class StepFile:
                             f"{fmt.ATTR_FORMAT_NAME}={fmt.FORMAT_NAME!r} attribute)")
         version = self.attrs.get(fmt.ATTR_FORMAT_VERSION)
         if not isinstance(version, int) or version not in fmt.SUPPORTED_VERSIONS:
-            raise DumpError(f"{self.path}: dump format version {version} is not supported by this "
+            raise DumpError(f"{self.path}: dump format version {version!r} is not supported by this "
                             f"h5cmp (reads {sorted(fmt.SUPPORTED_VERSIONS)}); upgrade h5cmp")
 
     @property

@@ -167,6 +167,7 @@ COLUMN_SINCE = {**{name: 2 for name in SKETCH_COLUMNS}, "crc32": 3}
 NO_CRC = -1  # `crc32` of a row without a dataset, or of a file older than version 3
 INDEX_COLUMN_NAMES = tuple(name for name, _ in INDEX_COLUMNS)
 
+
 def name_bytes(text: str) -> bytes:
     """How the dumper stores a name or any other text: UTF-8, with a lone surrogate (which
     UTF-8 cannot hold, e.g. from a file name decoded with ``surrogateescape``) written as its
@@ -198,6 +199,8 @@ RUN_ATTRS = tuple(RUN_ATTR_TYPES)
 # the type of every root attribute a reader relies on
 ATTR_TYPES: dict[str, type] = {**RUN_ATTR_TYPES, ATTR_FORMAT_NAME: str, ATTR_FORMAT_VERSION: int,
                                ATTR_INDEX_CRC: int, ATTR_INCOMPLETE: str}
+# root attributes a reader requires, by the format version since which they are written
+REQUIRED_ATTRS_SINCE = {"epoch": 1, "step": 1, "rank": 1, ATTR_INDEX_CRC: 3, ATTR_INCOMPLETE: 3}
 
 # Root attributes that decide which kernels a step ran. Two steps that agree on them (the device
 # by type), on the CPU or with deterministic algorithms on both sides, compute tensors of equal

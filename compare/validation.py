@@ -50,11 +50,11 @@ def plain_attrs(path: Path, f: h5py.File) -> dict:
     return out
 
 
-def check_run_attrs(path: Path, attrs: dict) -> None:
-    """Every root attribute a reader relies on has its type (``fmt.ATTR_TYPES``); the step's
-    epoch, step and rank are present."""
-    for name in ("epoch", "step", "rank"):
-        if name not in attrs:
+def check_run_attrs(path: Path, attrs: dict, version: int) -> None:
+    """Every root attribute a reader relies on has its type (``fmt.ATTR_TYPES``); those a
+    ``version`` file must hold (``fmt.REQUIRED_ATTRS_SINCE``) are present."""
+    for name, since in fmt.REQUIRED_ATTRS_SINCE.items():
+        if since <= version and name not in attrs:
             raise damaged(path, f"root attribute {name!r} is missing")
     for name, kind in fmt.ATTR_TYPES.items():
         if name in attrs and not _is_a(attrs[name], kind):

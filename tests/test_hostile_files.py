@@ -177,6 +177,27 @@ def test_text_that_is_not_utf8_is_refused(reference, copy):
     refused(h5cmp(copy.parent), "root attribute 'device' is not UTF-8 text")
 
 
+@pytest.mark.parametrize("name, value, says", [
+    (fmt.ATTR_INDEX_CRC, None, "root attribute 'index_crc32' is missing"),
+    (fmt.ATTR_INCOMPLETE, None, "root attribute 'incomplete' is missing"),
+    ("step", None, "root attribute 'step' is missing"),
+    ("step", -3, "root attribute 'step' is negative"),
+    ("epoch", "0", "root attribute 'epoch' is '0', not an integer"),
+    ("tf32_matmul", 7, "root attribute 'tf32_matmul' is 7, not a boolean"),
+    (fmt.ATTR_FORMAT_VERSION, "3", "dump format version '3' is not supported"),
+])
+def test_a_missing_or_mistyped_root_attribute_is_refused(reference, copy, name, value, says):
+    """A version-3 file without its checksum attribute cannot pass unchecked."""
+    with h5py.File(copy, "r+") as f:
+        if value is None:
+            del f.attrs[name]
+        else:
+            f.attrs[name] = value
+    result = h5cmp(reference, copy.parent)
+    assert result.exit_code == 2 and says in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+
+
 def test_an_unreadable_directory_is_an_error(reference, tmp_path, monkeypatch):
     locked = tmp_path / "locked"
     locked.mkdir()
