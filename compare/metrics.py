@@ -33,6 +33,14 @@ METRIC_COLUMNS = ("numel", "rms_a", "max_abs_err", "mean_abs_err", "max_rel_err"
 BLOCK = 1 << 16  # elements per computation block: every pass over a block stays in cache
 
 
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` and ``b`` (1-D, contiguous, one dtype) hold the same bits, compared as
+    unsigned words of their item size."""
+    size = a.dtype.itemsize
+    word = np.dtype(f"u{size}") if size in (1, 2, 4, 8) else np.dtype(np.uint8)
+    return bool(np.equal(a.view(word), b.view(word)).all())
+
+
 def _dot(x: np.ndarray, y: np.ndarray) -> float:
     """Re <x, y> in float64. einsum, not BLAS: BLAS threads on small blocks cost more than they
     save (and fight with the prefetch thread and with --jobs processes)."""
@@ -104,7 +112,7 @@ class ErrorAccumulator:
         self.numel += n
         if n == 0:
             return
-        if a.dtype == b.dtype and not np.array_equal(a.view(np.uint8), b.view(np.uint8)):
+        if self.all_equal and a.dtype == b.dtype and not _same_bits(a, b):
             self.all_equal = False  # bits differ, even where values compare equal (-0.0, NaN)
         if a.dtype.kind in "iu" and b.dtype.kind in "iu" and _beyond_float64(a, b):
             self._add_exact_integers(a, b)

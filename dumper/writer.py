@@ -9,6 +9,7 @@ import threading
 import warnings
 import zlib
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -36,6 +37,11 @@ _NO_STATS = (float("nan"),) * len(fmt.STAT_COLUMNS)
 _NO_SKETCH = (float("nan"),) * len(fmt.SKETCH_COLUMNS)
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 TRIM_AFTER_BYTES = 64 << 20  # a step that held this much gives the C heap's free pages back
+# Datasets at least this large get their checksum computed by a helper thread while HDF5
+# writes them (zlib and HDF5 both release the GIL): the checksum, ~2 GB/s, would otherwise
+# add half the write's time again.
+CRC_ALONGSIDE_BYTES = 1 << 20
+_checksummer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="h5cmp-checksum")
 
 
 class DumpWriteError(RuntimeError):
@@ -172,6 +178,21 @@ def core_left_for_writer() -> bool:
     return torch.get_num_threads() < (cores or 1)
 
 
+def _write_checksummed(datasets: LowLevelGroup, group: str, name: str,
+                       array: np.ndarray) -> int:
+    """Write ``array`` as dataset ``group/name``; returns its ``crc32`` (computed alongside the
+    write for large arrays)."""
+    if array.nbytes < CRC_ALONGSIDE_BYTES:
+        datasets.write(group, name, array)
+        return fmt.data_crc32(array)
+    crc = _checksummer.submit(fmt.data_crc32, array)
+    try:
+        datasets.write(group, name, array)
+    finally:
+        checksum = crc.result()  # the array stays untouched until its checksum is done
+    return checksum
+
+
 class StepWriter:
     """Writes the records of one step into the step file ``claim`` holds, atomically.
 
@@ -188,10 +209,8 @@ class StepWriter:
     include an accelerator's tensors (its host threads mostly wait), or torch's CPU threads are
     fewer than this process's cores (:func:`core_left_for_writer`). The threshold keeps small
     tensors back: h5py holds the GIL for its per-dataset work, and writing many small tensors
-    while the training thread runs makes both wait on it (176 ms instead of 145 ms for a step of
-    600 small tensors). Large ones are written without the GIL, which pays only on a free core:
-    the CNN step of scripts/bench_dump.py (154 MB), paired rounds, write-ahead minus hold-to-end:
-    -35.8 ms with torch on one of two cores, +0.4 / +8.3 / +10.7 ms with torch on both.
+    while the training thread runs makes both wait on it. Large ones are written without the
+    GIL, which pays only on a free core (figures in docs/benchmarks.md, "Dump").
     """
 
     def __init__(self, claim: StepClaim, step_group: str, attrs: dict,
@@ -338,8 +357,7 @@ class StepWriter:
                 except (RuntimeError, TypeError) as exc:  # copied by the hook, yet unreadable
                     record.status, record.value, dataset = fmt.ST_UNSUPPORTED, unreadable(exc), ""
                 else:
-                    datasets.write(group, dataset, array)
-                    crc = fmt.data_crc32(array)
+                    crc = _write_checksummed(datasets, group, dataset, array)
             stats, sketch = _numbers(record.stats, _NO_STATS), _numbers(record.sketch, _NO_SKETCH)
             self._index.add(record, group, dataset, encoding, stats, sketch, crc)
         finally:

@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from compare.dump import load_dump  # noqa: E402
 from compare.statistics import stats_from_sums  # noqa: E402
 from dumper import HookerAndDumper  # noqa: E402
+from dumper.claim import StepClaim  # noqa: E402
 from dumper.record import CallInfo, Record  # noqa: E402
 from dumper.run_info import run_attrs  # noqa: E402
 from dumper.snapshot import Snapshot, SnapshotPool  # noqa: E402
@@ -233,7 +234,8 @@ def step_file_writer(model: nn.Module, n_rows: int, directory: Path):
     names = iter(range(10 ** 9))
 
     def write() -> None:
-        writer = StepWriter(directory / f"file-{next(names)}.hdf5", "step", attrs, lambda r: None)
+        writer = StepWriter(StepClaim(directory / f"file-{next(names)}.hdf5"), "step", attrs,
+                            lambda r: None)
         for i in range(n_rows):
             writer.submit(Record(i, call, "output", 0, "output", torch.float32, (32, 64),
                                  torch.device("cpu"), True, "ok", stats=(0.0,) * 8))
@@ -414,34 +416,61 @@ def rss_mb(field: str) -> float:
     return float("nan")
 
 
-def memory_child(limit_mb: int, steps: int) -> None:
-    """One long CNN dump; prints the peak RSS growth over a plain step's peak."""
+def memory_child(limit_mb: int, steps: int, trim: bool) -> None:
+    """One long CNN dump; prints the peak RSS growth over a plain step's peak, and how much
+    larger the process stays after the last step (dumper still open) and after ``close()``.
+    ``trim=False`` measures what the process would keep without giving freed memory back;
+    ``limit_mb=0`` runs the same steps without a dumper (the control)."""
+    import gc
     import json
+    import dumper.hooker
+    import dumper.writer
+    if not trim:
+        dumper.hooker.trim_heap = dumper.writer.trim_heap = lambda: False
     torch.manual_seed(0)
     model, batch = models("cpu")["cnn"]()
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     step = step_fn(model, batch, opt)
     step()
-    base = rss_mb("VmHWM")
+    base_peak, base = rss_mb("VmHWM"), rss_mb("VmRSS")
     with tempfile.TemporaryDirectory(prefix="bench_dump_mem_") as tmp:
-        dumper = HookerAndDumper(tmp, max_bytes_in_flight=limit_mb << 20)
-        for i in range(steps):
-            dumper.register_hooks(model, 0, i)
+        d = HookerAndDumper(tmp, max_bytes_in_flight=max(limit_mb, 1) << 20, steps=range(steps))
+        for i in range(steps + 1):  # the last step is outside the window
+            if limit_mb:
+                d.register_hooks(model, 0, i)
             step()
-            dumper.remove_hooks()
-            dumper.written_files.pop().unlink()
-    print(json.dumps({"limit_mb": limit_mb, "growth_mb": rss_mb("VmHWM") - base}))
+            if limit_mb:
+                d.remove_hooks()
+                for path in d.written_files:
+                    path.unlink()
+                d.written_files.clear()
+            if i == steps - 1:
+                peak, open_after = rss_mb("VmHWM") - base_peak, rss_mb("VmRSS") - base
+        between = rss_mb("VmRSS") - base
+        d.close()
+        del d
+        gc.collect()
+    print(json.dumps({"limit_mb": limit_mb, "trim": trim, "peak_mb": peak,
+                      "open_mb": open_after, "between_mb": between,
+                      "closed_mb": rss_mb("VmRSS") - base}))
 
 
 def memory_table(steps: int) -> None:
     import json
     import subprocess
-    print(f"\npeak RSS growth during a {steps}-step CNN dump (~154 MB per step) over a plain step:")
-    for limit in (32, 128, 512):
-        out = subprocess.run([sys.executable, __file__, "--memory-child", str(limit), str(steps)],
-                             check=True, capture_output=True, text=True).stdout
+    print(f"\nRSS during and after a {steps}-step CNN dump (~154 MB per step), over a plain "
+          f"step's (peak: VmHWM; the rest: VmRSS):")
+    print(f"  {'max_bytes_in_flight':<20} {'give back':<10} {'peak +MB':>9} "
+          f"{'after last step':>16} {'after next step':>16} {'after close':>12}")
+    for limit, trim in ((0, True), (32, True), (128, True), (512, True), (128, False),
+                        (512, False)):
+        out = subprocess.run([sys.executable, __file__, "--memory-child", str(limit), str(steps),
+                              str(int(trim))], check=True, capture_output=True, text=True).stdout
         r = json.loads(out.strip().splitlines()[-1])
-        print(f"  max_bytes_in_flight {r['limit_mb']:>4} MiB: peak RSS +{r['growth_mb']:.0f} MB")
+        limit_text = f"{r['limit_mb']} MiB" if r["limit_mb"] else "no dumper"
+        print(f"  {limit_text:<20} {'yes' if r['trim'] else 'no':<10} "
+              f"{r['peak_mb']:9.0f} {r['open_mb']:16.0f} {r['between_mb']:16.0f} "
+              f"{r['closed_mb']:12.0f}")
 
 
 def main() -> None:
@@ -452,10 +481,11 @@ def main() -> None:
     parser.add_argument("--models", default="mlp,cnn,deep,transformer")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--memory-steps", type=int, default=20)
-    parser.add_argument("--memory-child", nargs=2, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-child", nargs=3, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
-        memory_child(*args.memory_child)
+        limit, steps, trim = args.memory_child
+        memory_child(limit, steps, bool(trim))
         return
     factories = models(args.device)
     all_rows = []
