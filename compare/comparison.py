@@ -111,8 +111,8 @@ class _PairRef(NamedTuple):
     shape_b: tuple
     status_a: str
     status_b: str
-    crc32_a: int
-    crc32_b: int
+    checksum_a: int
+    checksum_b: int
     stats_a: tuple
     stats_b: tuple
     sketch_a: tuple
@@ -217,12 +217,12 @@ def _compare_described(side_a: _Side, side_b: _Side, r: _PairRef, chunk_elements
     # the sides known by statistics all have a sketch: sketch the sides with values as well
     sketched = all(not any(map(math.isnan, sketch)) for dataset, sketch in (
         (r.dataset_a, r.sketch_a), (r.dataset_b, r.sketch_b)) if not dataset)
-    for ds, dtype, encoding, crc, stats, sketch in (
-            (datasets[0], r.dtype_a, r.encoding_a, r.crc32_a, r.stats_a, r.sketch_a),
-            (datasets[1], r.dtype_b, r.encoding_b, r.crc32_b, r.stats_b, r.sketch_b)):
+    for ds, dtype, encoding, checksum, stats, sketch in (
+            (datasets[0], r.dtype_a, r.encoding_a, r.checksum_a, r.stats_a, r.sketch_a),
+            (datasets[1], r.dtype_b, r.encoding_b, r.checksum_b, r.stats_b, r.sketch_b)):
         if ds is not None:
             def chunks():
-                return read_chunks(ds, dtype, encoding, chunk_elements, int(crc))
+                return read_chunks(ds, dtype, encoding, chunk_elements, int(checksum))
             stats = stats_of_chunks(chunks())
             if sketched:
                 sketch = sketch_of_chunks(chunks())
@@ -243,8 +243,8 @@ def _pair_pieces(side_a: _Side, side_b: _Side, records: list[_PairRef], chunk_el
         if tuple(r.shape_a) == tuple(r.shape_b):
             # zip_longest, not zip: both sides' readers must end, which checks their checksums
             for a, b in itertools.zip_longest(
-                    read_chunks(ds_a, r.dtype_a, r.encoding_a, chunk_elements, int(r.crc32_a)),
-                    read_chunks(ds_b, r.dtype_b, r.encoding_b, chunk_elements, int(r.crc32_b))):
+                    read_chunks(ds_a, r.dtype_a, r.encoding_a, chunk_elements, int(r.checksum_a)),
+                    read_chunks(ds_b, r.dtype_b, r.encoding_b, chunk_elements, int(r.checksum_b))):
                 yield r, a, b
         yield r, None, None
 

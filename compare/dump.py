@@ -70,8 +70,10 @@ class StepFile:
                             f"{fmt.ATTR_FORMAT_NAME}={fmt.FORMAT_NAME!r} attribute)")
         version = self.attrs.get(fmt.ATTR_FORMAT_VERSION)
         if not isinstance(version, int) or version not in fmt.SUPPORTED_VERSIONS:
-            raise DumpError(f"{self.path}: dump format version {version!r} is not supported by this "
-                            f"h5cmp (reads {sorted(fmt.SUPPORTED_VERSIONS)}); upgrade h5cmp")
+            advice = ("dump this step again" if isinstance(version, int)
+                      and 0 < version < fmt.FORMAT_VERSION else "upgrade h5cmp")
+            raise DumpError(f"{self.path}: dump format version {version!r} is not supported by "
+                            f"this h5cmp (reads {sorted(fmt.SUPPORTED_VERSIONS)}); {advice}")
 
     @property
     def incomplete(self) -> str:
@@ -114,10 +116,10 @@ class StepReader:
     def read_raw(self, row) -> np.ndarray:
         """The stored array as it is on disk (bits for types numpy lacks), checked against its
         checksum."""
-        crc = row["crc32"] if isinstance(row, pd.Series) else row.crc32
+        checksum = row["checksum"] if isinstance(row, pd.Series) else row.checksum
         ds = self.dataset(row)
         array = np.asarray(ds[()])
-        check_crc(ds, crc, fmt.data_crc32(array))
+        check_checksum(ds, checksum, fmt.data_checksum(array))
         return array
 
     def close(self) -> None:
@@ -140,30 +142,30 @@ def dataset_of(path: Path, step_group: h5py.Group, group: str, name: str, dtype:
 
 
 def read_chunks(ds: h5py.Dataset, dtype: str, encoding: str, max_elements: int,
-                crc: int = fmt.NO_CRC) -> Iterator[np.ndarray]:
+                checksum: int = fmt.NO_CHECKSUM) -> Iterator[np.ndarray]:
     """Decoded values of ``ds`` as flat C-order pieces of whole leading-axis slices, each of at
     most ``max_elements`` elements (or one slice, if a slice is larger). Two datasets of the same
     shape give aligned pieces. Once the last piece is read, the stored bytes are checked
-    against ``crc`` (its index row's ``crc32``) unless it is ``fmt.NO_CRC``."""
+    against ``checksum`` (its index row's) unless it is ``fmt.NO_CHECKSUM``."""
     if ds.ndim == 0 or ds.size <= max_elements:
         pieces: Iterator[np.ndarray] = iter([np.asarray(ds[()])])
     else:
         step = max(1, max_elements // max(1, ds.size // ds.shape[0]))
         pieces = (ds[start:start + step] for start in range(0, ds.shape[0], step))
-    computed = 0
+    computed = fmt.DataChecksum()
     for piece in pieces:
-        if crc != fmt.NO_CRC:
-            computed = fmt.data_crc32(piece, computed)
+        if checksum != fmt.NO_CHECKSUM:
+            computed.update(piece)
         yield decode(piece, dtype, encoding).reshape(-1)
-    check_crc(ds, crc, computed)
+    check_checksum(ds, checksum, computed.value)
 
 
-def check_crc(ds: h5py.Dataset, crc: int, computed: int) -> None:
-    """Refuse a dataset whose bytes are not those the dumper wrote (``crc`` from its index
-    row; ``fmt.NO_CRC``: a file older than version 3, nothing to check)."""
-    if crc != fmt.NO_CRC and computed != crc:
+def check_checksum(ds: h5py.Dataset, checksum: int, computed: int) -> None:
+    """Refuse a dataset whose bytes are not those the dumper wrote (``checksum`` from its
+    index row; ``fmt.NO_CHECKSUM``: a file older than version 4, nothing to check)."""
+    if checksum != fmt.NO_CHECKSUM and computed != checksum:
         raise damaged(Path(ds.file.filename), f"dataset {ds.name.lstrip('/')} does not match "
-                                              f"its checksum (crc32): its bytes were changed")
+                                              f"its checksum: its bytes were changed")
 
 
 class Dump:
@@ -232,7 +234,7 @@ def _strings(path: Path, name: str, column: np.ndarray) -> list[str]:
 
 def _absent(name: str, rows: int) -> np.ndarray:
     """A column an older format version lacks (see ``fmt.COLUMN_SINCE``)."""
-    return np.full(rows, fmt.NO_CRC if name == "crc32" else np.nan)
+    return np.full(rows, fmt.NO_CHECKSUM if name == "checksum" else np.nan)
 
 
 def _index_frame(path: Path, table: np.ndarray) -> pd.DataFrame:

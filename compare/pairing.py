@@ -12,7 +12,7 @@ from .errors import DumpError
 
 KEY = ["epoch", "step", "rank", "module", "call_idx", "kind", "index", "occurrence"]
 SIDE_COLUMNS = ["seq", "call", "cls", "group", "path", "dtype", "shape", "encoding", "dataset",
-                "status", "crc32", "producer", *fmt.STAT_COLUMNS, *fmt.SKETCH_COLUMNS]
+                "status", "checksum", "producer", *fmt.STAT_COLUMNS, *fmt.SKETCH_COLUMNS]
 
 
 def align_ranks(a: Dump, b: Dump, rank: Optional[int] = None

@@ -9,7 +9,6 @@ import threading
 import warnings
 import zlib
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -37,11 +36,6 @@ _NO_STATS = (float("nan"),) * len(fmt.STAT_COLUMNS)
 _NO_SKETCH = (float("nan"),) * len(fmt.SKETCH_COLUMNS)
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 TRIM_AFTER_BYTES = 64 << 20  # a step that held this much gives the C heap's free pages back
-# Datasets at least this large get their checksum computed by a helper thread while HDF5
-# writes them (zlib and HDF5 both release the GIL): the checksum, ~2 GB/s, would otherwise
-# add half the write's time again.
-CRC_ALONGSIDE_BYTES = 1 << 20
-_checksummer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="h5cmp-checksum")
 
 
 class DumpWriteError(RuntimeError):
@@ -86,7 +80,7 @@ class _IndexRows:
         return name
 
     def add(self, r: Record, group: str, dataset: str, encoding: str, stats: tuple,
-            sketch: tuple, crc: int) -> None:
+            sketch: tuple, checksum: int) -> None:
         key = (r.dtype, r.shape, r.device)
         described = self._described.get(key)
         if described is None:
@@ -98,7 +92,7 @@ class _IndexRows:
         self.rows.append((r.seq, c.number, c.module, c.cls, c.call_idx, group, r.kind, r.index,
                           r.occurrence, r.path, dataset, dtype, shape, encoding, device,
                           int(r.requires_grad), r.status, r.value, r.producer, *stats, *sketch,
-                          crc))
+                          checksum))
 
 
 _HDF5_TYPES: dict[tuple, h5t.TypeID] = {}  # shared by steps: the index's compound type
@@ -176,21 +170,6 @@ def core_left_for_writer() -> bool:
     """Whether torch's CPU (intra-op) threads leave a core of this process to the writer."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return torch.get_num_threads() < (cores or 1)
-
-
-def _write_checksummed(datasets: LowLevelGroup, group: str, name: str,
-                       array: np.ndarray) -> int:
-    """Write ``array`` as dataset ``group/name``; returns its ``crc32`` (computed alongside the
-    write for large arrays)."""
-    if array.nbytes < CRC_ALONGSIDE_BYTES:
-        datasets.write(group, name, array)
-        return fmt.data_crc32(array)
-    crc = _checksummer.submit(fmt.data_crc32, array)
-    try:
-        datasets.write(group, name, array)
-    finally:
-        checksum = crc.result()  # the array stays untouched until its checksum is done
-    return checksum
 
 
 class StepWriter:
@@ -349,7 +328,7 @@ class StepWriter:
 
     def _write(self, datasets: LowLevelGroup, record: Record) -> None:
         try:
-            encoding, crc = fmt.ENC_NONE, fmt.NO_CRC
+            encoding, checksum = fmt.ENC_NONE, fmt.NO_CHECKSUM
             group, dataset = self._index.group(record.call), record.dataset
             if record.snapshot is not None:
                 try:
@@ -357,9 +336,10 @@ class StepWriter:
                 except (RuntimeError, TypeError) as exc:  # copied by the hook, yet unreadable
                     record.status, record.value, dataset = fmt.ST_UNSUPPORTED, unreadable(exc), ""
                 else:
-                    crc = _write_checksummed(datasets, group, dataset, array)
+                    datasets.write(group, dataset, array)
+                    checksum = fmt.data_checksum(array)
             stats, sketch = _numbers(record.stats, _NO_STATS), _numbers(record.sketch, _NO_SKETCH)
-            self._index.add(record, group, dataset, encoding, stats, sketch, crc)
+            self._index.add(record, group, dataset, encoding, stats, sketch, checksum)
         finally:
             self._release(record)
 

@@ -160,7 +160,7 @@ def test_changed_tensor_bytes_are_refused(reference, copy):
     with open(copy, "r+b") as f:  # below HDF5: only the data changes
         f.seek(offset)
         f.write(bytes([raw.reshape(-1)[0] ^ 1]))
-    refused(h5cmp(reference, copy.parent), "does not match its checksum (crc32)")
+    refused(h5cmp(reference, copy.parent), "does not match its checksum: its bytes were changed")
 
 
 def test_an_external_link_to_a_fifo_is_never_opened(reference, copy, tmp_path):
@@ -184,7 +184,9 @@ def test_text_that_is_not_utf8_is_refused(reference, copy):
     ("step", -3, "root attribute 'step' is negative"),
     ("epoch", "0", "root attribute 'epoch' is '0', not an integer"),
     ("tf32_matmul", 7, "root attribute 'tf32_matmul' is 7, not a boolean"),
-    (fmt.ATTR_FORMAT_VERSION, "3", "dump format version '3' is not supported"),
+    (fmt.ATTR_FORMAT_VERSION, "4", "dump format version '4' is not supported"),
+    (fmt.ATTR_FORMAT_VERSION, 3, "version 3 is not supported by this h5cmp (reads [1, 2, 4]); "
+                                 "dump this step again"),
 ])
 def test_a_missing_or_mistyped_root_attribute_is_refused(reference, copy, name, value, says):
     """A version-3 file without its checksum attribute cannot pass unchecked."""
