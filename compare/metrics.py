@@ -112,8 +112,13 @@ class ErrorAccumulator:
         self.numel += n
         if n == 0:
             return
+        self._add_values(a, b)
+        # values that compare equal may still differ in their bits (-0.0 and 0.0, NaN payloads)
         if self.all_equal and a.dtype == b.dtype and not _same_bits(a, b):
-            self.all_equal = False  # bits differ, even where values compare equal (-0.0, NaN)
+            self.all_equal = False
+
+    def _add_values(self, a: np.ndarray, b: np.ndarray) -> None:
+        n = a.size
         if a.dtype.kind in "iu" and b.dtype.kind in "iu" and _beyond_float64(a, b):
             self._add_exact_integers(a, b)
             return
