@@ -1,11 +1,13 @@
 """Lazy reading of dumps: a step file, or a directory of step files, and their index."""
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
 import h5py
+from h5py import h5s
 import numpy as np
 import pandas as pd
 
@@ -118,7 +120,7 @@ class StepReader:
         checksum."""
         checksum = row["checksum"] if isinstance(row, pd.Series) else row.checksum
         ds = self.dataset(row)
-        array = np.asarray(ds[()])
+        array = _read_whole(ds, ds.id.shape)
         check_checksum(ds, checksum, fmt.data_checksum(array))
         return array
 
@@ -147,17 +149,28 @@ def read_chunks(ds: h5py.Dataset, dtype: str, encoding: str, max_elements: int,
     most ``max_elements`` elements (or one slice, if a slice is larger). Two datasets of the same
     shape give aligned pieces. Once the last piece is read, the stored bytes are checked
     against ``checksum`` (its index row's) unless it is ``fmt.NO_CHECKSUM``."""
-    if ds.ndim == 0 or ds.size <= max_elements:
-        pieces: Iterator[np.ndarray] = iter([np.asarray(ds[()])])
+    shape = ds.id.shape
+    size = math.prod(shape)
+    if not shape or size <= max_elements:
+        pieces: Iterator[np.ndarray] = iter([_read_whole(ds, shape)])
     else:
-        step = max(1, max_elements // max(1, ds.size // ds.shape[0]))
-        pieces = (ds[start:start + step] for start in range(0, ds.shape[0], step))
+        step = max(1, max_elements // max(1, size // shape[0]))
+        pieces = (ds[start:start + step] for start in range(0, shape[0], step))
     computed = fmt.DataChecksum()
     for piece in pieces:
         if checksum != fmt.NO_CHECKSUM:
             computed.update(piece)
         yield decode(piece, dtype, encoding).reshape(-1)
     check_checksum(ds, checksum, computed.value)
+
+
+def _read_whole(ds: h5py.Dataset, shape: tuple) -> np.ndarray:
+    """All of ``ds`` (checked by ``check_dataset``: a plain numeric type), through h5py's
+    low-level read: its slicing machinery costs as much as the copy for small tensors."""
+    array = np.empty(shape, ds.id.dtype)
+    if array.size:
+        ds.id.read(h5s.ALL, h5s.ALL, array)
+    return array
 
 
 def check_checksum(ds: h5py.Dataset, checksum: int, computed: int) -> None:

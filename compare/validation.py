@@ -167,7 +167,7 @@ def check_dataset(path: Path, ds: h5py.Dataset, group: str, name: str, dtype: st
     where = f"dataset {group}/{name}"
     expected = stored_dtype(path, where, dtype, encoding)
     try:
-        stored, stored_shape, size = ds.dtype, tuple(ds.shape or ()), ds.id.get_storage_size()
+        stored, stored_shape, size = ds.id.dtype, ds.id.shape, ds.id.get_storage_size()
     except (OSError, RuntimeError, TypeError, ValueError) as exc:
         raise damaged(path, f"{where} has unreadable metadata ({exc})") from exc
     if stored != expected:
