@@ -13,6 +13,8 @@ _EXPORTS = {
     "DumpError": "errors", "format_tree": "inspect", "summarize": "summary", "Summary": "summary",
     "Divergence": "summary", "Tolerance": "tolerance", "pair_tolerance": "tolerance",
     "localize": "injection", "describe_origins": "injection", "judge": "verdict",
+    "NameMapping": "mapping", "Rule": "mapping", "load_mapping": "mapping",
+    "suggest_mapping": "suggest",
 }
 __all__ = sorted(_EXPORTS)
 

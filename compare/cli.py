@@ -34,6 +34,8 @@ class Options:
     top: int = 20
     order: str = "added"
     quiet: bool = False
+    mapping: Optional[Path] = None
+    suggest_map: bool = False
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -69,6 +71,13 @@ class Options:
                    "is compared with the lowest rank of the other).")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
               help="Compare in N processes.")
+@click.option("--map", "mapping", type=click.Path(path_type=Path),
+              help="Rename B's module paths before pairing, by the rules of FILE (YAML, needs "
+                   "h5cmp[map], or JSON): a list of {glob: PATTERN, to: NAME} or {regex: ..., "
+                   "to: ...}.")
+@click.option("--suggest-map", is_flag=True,
+              help="Print rename rules that align B's module calls with A's (for --map), and "
+                   "compare nothing.")
 @click.option("--all", "show_all", is_flag=True, help="Show every row, in execution order.")
 @click.option("--top", type=click.IntRange(min=1), default=20, show_default=True,
               help="Show at most N rows.")
@@ -109,7 +118,7 @@ def main(a: Path, b: Optional[Path], track: Optional[str], debug: bool, **option
 
 def compare_command(a: Path, b: Path, opts: Options) -> int:
     """Run one comparison as ``h5cmp A B`` does; returns the exit status."""
-    from .comparison import compare_dumps
+    from .comparison import NAME_MAPPING, compare_dumps
     from .dump import load_dump
     from .pairing import align_ranks, select
     from .plot import check_plot_path, plot_errors, plot_heatmap
@@ -122,6 +131,16 @@ def compare_command(a: Path, b: Path, opts: Options) -> int:
         if picture is not None:
             check_plot_path(picture)
     dump_a, dump_b, note = align_ranks(load_dump(a), load_dump(b), opts.rank)
+    if opts.suggest_map:
+        from .suggest import suggest_mapping
+        suggested = suggest_mapping(dump_a, dump_b)
+        click.echo(suggested.to_text() if suggested.rules else
+                   "# the aligned module calls already share their names: no rule needed")
+        return EXIT_SAME
+    mapping = None
+    if opts.mapping is not None:
+        from .mapping import load_mapping
+        mapping = load_mapping(opts.mapping)  # before the compare: a bad file fails at once
     if note and not opts.quiet:
         click.echo(f"h5cmp: {note}", err=True)
     _report_unpaired_steps(dump_a, dump_b, opts.quiet)
@@ -130,7 +149,9 @@ def compare_command(a: Path, b: Path, opts: Options) -> int:
     with click.progressbar(length=total, label="comparing", file=sys.stderr,
                            hidden=not show_progress) as bar:
         result = compare_dumps(dump_a, dump_b, opts.rtol, opts.atol, steps=opts.steps,
-                               jobs=opts.jobs, progress=bar.update)
+                               jobs=opts.jobs, progress=bar.update, mapping=mapping)
+    if result.attrs.get(NAME_MAPPING) and not opts.quiet:
+        click.echo(f"h5cmp: {result.attrs[NAME_MAPPING]}", err=True)
     summary = summarize(result)  # of every record: the filters below only choose what is shown
     shown = select(result, opts.modules, opts.kinds).reset_index(drop=True)
     if shown.empty:

@@ -18,6 +18,7 @@ import pandas as pd
 from .dump import Dump, PathLike, dataset_of, load_dump, open_h5, read_chunks
 from .errors import DumpError
 from . import format as fmt
+from .mapping import NameMapping, find_prefix, load_mapping
 from .metrics import METRIC_COLUMNS, ErrorAccumulator
 from .pairing import align_ranks, pair_records, select, tensor_rows
 from .statistics import compare_stats, sketch_of_chunks, stats_of_chunks
@@ -36,6 +37,8 @@ PAIR_COLUMNS = [
 RESULT_COLUMNS = PAIR_COLUMNS + list(VERDICT_COLUMNS)
 # result.attrs key: the compared steps a dumper marked incomplete, as "B's step 0:1 (why)"
 INCOMPLETE_STEPS = "incomplete_steps"
+# result.attrs key: how B's module names were renamed before pairing ("" when they were not)
+NAME_MAPPING = "name_mapping"
 
 
 def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Optional[float] = None,
@@ -43,7 +46,8 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
                   modules: Optional[Iterable[str]] = None, kinds: Optional[Iterable[str]] = None,
                   rank: Optional[int] = None, jobs: int = 1,
                   chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
-                  progress: Optional[Callable[[int], None]] = None) -> pd.DataFrame:
+                  progress: Optional[Callable[[int], None]] = None,
+                  mapping: Union[NameMapping, PathLike, None] = None) -> pd.DataFrame:
     """One row per tensor record of either dump, in execution order, with its errors and its
     status (see :mod:`compare.status` and :mod:`compare.verdict`).
 
@@ -57,6 +61,11 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     non-distributed dump is compared with one rank of a distributed one: ``rank``, else the
     lowest (see :func:`compare.pairing.align_ranks`). ``jobs`` > 1 compares in that many
     processes. ``progress(n)`` is called as ``n`` more pairs are done.
+
+    ``mapping`` (a :class:`~compare.mapping.NameMapping` or a rules file) renames B's module
+    paths before pairing. Without one, when most of B's modules are not A's and a prefix
+    explains them (a model wrapped one level deeper), B is renamed by that prefix. Either
+    way ``result.attrs[NAME_MAPPING]`` says how ("" when B kept its names).
     """
     dump_a, dump_b, _ = align_ranks(load_dump(a), load_dump(b), rank)
     _check_distinct(dump_a, dump_b)
@@ -66,6 +75,9 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
         raise DumpError(f"{dump_a.path} / {dump_b.path}: nothing to compare: no tensor record"
                         + (f" in step {', '.join(steps)} (the dumps hold steps "
                            f"{', '.join(held)})" if steps else " in either dump"))
+    mapping = _name_mapping(mapping, rows_a, rows_b)
+    if mapping is not None:
+        rows_b = mapping.apply(rows_b)
     pairs = pair_records(rows_a, rows_b)
     files_a = {(s.epoch, s.step, s.rank if s.rank is not None else -1): s for s in dump_a.steps}
     files_b = {(s.epoch, s.step, s.rank if s.rank is not None else -1): s for s in dump_b.steps}
@@ -88,11 +100,25 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     result.attrs.update(judged.attrs)
     compared = {(e, s, -1 if r != r else r) for e, s, r in
                 pairs[["epoch", "step", "rank"]].drop_duplicates().itertuples(index=False)}
+    result.attrs[NAME_MAPPING] = mapping.describe() if mapping is not None else ""
     result.attrs[INCOMPLETE_STEPS] = [
         f"{side}'s step {f.label} ({f.incomplete})" for side, files in (("A", files_a),
                                                                           ("B", files_b))
         for key, f in sorted(files.items()) if f.incomplete and key in compared]
     return result
+
+
+def _name_mapping(given: Union[NameMapping, PathLike, None], rows_a: pd.DataFrame,
+                  rows_b: pd.DataFrame) -> Optional[NameMapping]:
+    """The rules given, or a prefix that pairs most of B's modules when most do not pair."""
+    if isinstance(given, NameMapping):
+        return given
+    if given is not None:
+        return load_mapping(given)
+    modules_a, modules_b = set(rows_a["module"]), set(rows_b["module"])
+    if len(modules_a & modules_b) * 2 >= len(modules_b):
+        return None
+    return find_prefix(modules_a, modules_b)
 
 
 class _PairRef(NamedTuple):
