@@ -2,8 +2,9 @@
 from .hooker import HookerAndDumper
 from .inspection import io_shapes, module_keys
 from .intervene import Injector, Perturbation, perturb
+from .sentinel import NonFiniteError
 from .window import every
 from .writer import DumpWriteError
 
 __all__ = ["HookerAndDumper", "DumpWriteError", "every", "module_keys", "io_shapes", "Injector",
-           "Perturbation", "perturb"]
+           "Perturbation", "perturb", "NonFiniteError"]

@@ -19,6 +19,7 @@ from .memory import trim_heap
 from .record import ByteBudget, RecordMaker
 from .run_info import distributed_rank, run_attrs
 from .selection import Patterns, Selection, Types
+from .sentinel import ACTIONS as SENTINEL_ACTIONS, NonFiniteError, NonFiniteSentinel
 from .snapshot import SnapshotPool
 from .window import Window, WindowSpec
 from .writer import DumpWriteError, StepWriter
@@ -47,6 +48,13 @@ class HookerAndDumper:
     ``on_error="raise"`` (default) makes ``remove_hooks`` raise :class:`DumpWriteError` when the
     step could not be written; ``"warn"`` warns and lets training go on. Either way earlier step
     files are untouched.
+
+    ``on_nonfinite="raise"`` or ``"warn"`` turns on the NaN/Inf sentinel
+    (:mod:`dumper.sentinel`) on *every* step ``register_hooks`` is called for, in the window or
+    not: the first module call whose output, or the first gradient, holds NaN/Inf is reported
+    with its inputs' state and the ``nonfinite_history`` events before it
+    (:class:`~dumper.sentinel.NonFiniteError`, or a warning). In a dumped step the records so
+    far are published, the step marked incomplete, also under ``with d.hooks(...)``.
     """
 
     def __init__(self, file_path: Union[str, os.PathLike] = "dumps/", epochs: WindowSpec = None,
@@ -55,7 +63,8 @@ class HookerAndDumper:
                  params: bool = False, mode: str = fmt.MODE_TENSORS,
                  full_tensors: Patterns = None, on_error: str = "raise",
                  max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT,
-                 when_full: str = "wait", fsync: bool = False):
+                 when_full: str = "wait", fsync: bool = False,
+                 on_nonfinite: Optional[str] = None, nonfinite_history: int = 8):
         self.directory = _prepare_directory(file_path)
         self.epochs = Window(epochs, "epochs")
         self.steps = Window(steps, "steps")
@@ -74,6 +83,12 @@ class HookerAndDumper:
         self._maker = RecordMaker(self._pool, self._budget, drop_when_full=when_full == "drop")
         self._published = PublishedFiles(self.directory)
         self.fsync = fsync
+        if on_nonfinite not in (None, *SENTINEL_ACTIONS):
+            raise ValueError(f"on_nonfinite must be None, 'raise' or 'warn', got {on_nonfinite!r}")
+        self.on_nonfinite = on_nonfinite
+        self.nonfinite_history = nonfinite_history
+        self._sentinel: Optional[NonFiniteSentinel] = None
+        self.nonfinite_report: Optional[str] = None  # the sentinel's report of the last step
         self.written_files: list[Path] = []
         self._registered = False
         self._capture: Optional[StepCapture] = None
@@ -98,6 +113,7 @@ class HookerAndDumper:
         self._registered = True
         if not self.in_window(epoch, step):
             self._give_back_memory()
+            self._start_sentinel(model)
             return False
         model = hook_target(model)
         _warn_if_scripted_inside(model)
@@ -112,7 +128,20 @@ class HookerAndDumper:
         self._budget.on_pressure = self._writer.flush
         self._capture = StepCapture(model, self._writer.submit, self._maker, self.selection,
                                     self.params)
+        self._start_sentinel(model)  # after the capture: a failing call's tensors are recorded
         return True
+
+    def _start_sentinel(self, model: nn.Module) -> None:
+        self.nonfinite_report = None
+        if self.on_nonfinite is not None:
+            self._sentinel = NonFiniteSentinel(hook_target(model), self.on_nonfinite,
+                                               self.nonfinite_history)
+
+    def _stop_sentinel(self) -> None:
+        if self._sentinel is not None:
+            self.nonfinite_report = self._sentinel.report
+            self._sentinel.remove()
+            self._sentinel = None
 
     def _claim(self, path: Path) -> Optional[StepClaim]:
         """The right to write ``path``; None (after a warning, with ``on_error="warn"``) when
@@ -137,6 +166,7 @@ class HookerAndDumper:
         never returned, is published marked incomplete (``h5cmp`` says so); ``with
         d.hooks(...)`` discards such a step instead."""
         self._registered = False
+        self._stop_sentinel()
         capture, writer = self._capture, self._writer
         self._capture = self._writer = None
         if capture is None:
@@ -168,6 +198,7 @@ class HookerAndDumper:
     def abort_step(self) -> None:
         """Remove every hook and discard the step in flight (nothing is published)."""
         self._registered = False
+        self._stop_sentinel()
         capture, writer = self._capture, self._writer
         self._capture = self._writer = None
         if capture is not None:
@@ -176,10 +207,15 @@ class HookerAndDumper:
 
     @contextlib.contextmanager
     def hooks(self, model: nn.Module, epoch: int, step: int) -> Iterator[bool]:
-        """``with d.hooks(model, epoch, step):`` one step; a step that raises is discarded."""
+        """``with d.hooks(model, epoch, step):`` one step; a step that raises is discarded,
+        except one the NaN/Inf sentinel stopped: its records so far are published (marked
+        incomplete) for ``h5cmp``."""
         active = self.register_hooks(model, epoch, step)
         try:
             yield active
+        except NonFiniteError:
+            self.remove_hooks()
+            raise
         except BaseException:
             self.abort_step()
             raise

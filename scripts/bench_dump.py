@@ -243,6 +243,9 @@ def step_file_writer(model: nn.Module, n_rows: int, directory: Path):
     return write
 
 
+SENTINEL = "NaN/Inf sentinel (not dumped)"  # on_nonfinite="raise", outside the dump window
+
+
 def bench_model(name: str, factory, repeat: int, device: str, tmp: Path) -> list[dict]:
     torch.manual_seed(0)
     model, batch = factory()
@@ -254,6 +257,7 @@ def bench_model(name: str, factory, repeat: int, device: str, tmp: Path) -> list
         "outside window": HookerAndDumper(tmp / "outside", steps=[10 ** 9]),
         "full tensors": HookerAndDumper(tmp / "full"),
         "statistics": HookerAndDumper(tmp / "stats", mode="stats"),
+        SENTINEL: HookerAndDumper(tmp / "sentinel", steps=[10 ** 9], on_nonfinite="raise"),
     }
     naive = NaiveDumper(tmp / "naive.hdf5")
 
@@ -336,7 +340,7 @@ def bench_model(name: str, factory, repeat: int, device: str, tmp: Path) -> list
     limit = med["I/O limit"]
     rows = []
     for key in [k for k in runs if k not in ("I/O limit", "HDF5 limit", "step file")]:
-        n = {"plain": None, "outside window": None, "statistics": n_stats,
+        n = {"plain": None, "outside window": None, SENTINEL: None, "statistics": n_stats,
              "statistics hooks": n_stats, "copying hooks + batched statistics": n_stats
              }.get(key, n_tensors)
         rows.append({
@@ -505,6 +509,10 @@ def main() -> None:
           "(for 'full vs naive': the best speed-up it allows)")
     print(f"{'model':<12} {'target':<25} {'measured':>12} {'target':>12} {'floor':>12}  verdict")
     print("\n".join(target_lines(all_rows)))
+    print(f"\nNaN/Inf sentinel on every step (issue 12; target <= 1.1x plain on mlp, cnn):")
+    for r in all_rows:
+        if r["mode"] == SENTINEL:
+            print(f"  {r['model']:<12} {r['ratio']:.3f}x plain")
     if args.memory_steps:
         memory_table(args.memory_steps)
 

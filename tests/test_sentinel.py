@@ -1,0 +1,135 @@
+"""The NaN/Inf sentinel (``on_nonfinite``) on GPT-2 (transformers, tiny config): NaN planted in
+randomly chosen modules, in forward or in backward only; the report must name that module
+and the direction, and say nothing on a healthy run, whose numerics it must not change."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from compare import load_dump
+from compare.cli import main
+from dumper import HookerAndDumper, NonFiniteError
+from tests.architectures import build
+
+pytest.importorskip("transformers")
+
+
+class NaNInBackward(torch.autograd.Function):
+    """Identity forward; its backward sends NaN."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+def plant(model: nn.Module, path: str, direction: str) -> None:
+    """Make module ``path`` produce NaN in ``direction`` (its forward hook, registered before the
+    dumper's, rewrites its output)."""
+    def forward_nan(module, args, out):
+        out = out.clone()
+        out.view(-1)[0] = float("nan")
+        return out
+
+    def backward_nan(module, args, out):
+        return NaNInBackward.apply(out)
+    model.get_submodule(path).register_forward_hook(
+        forward_nan if direction == "forward" else backward_nan)
+
+
+def leaf_modules(model: nn.Module) -> list[str]:
+    return [p for p, m in model.named_modules() if type(m).__name__ in ("Conv1D", "LayerNorm")]
+
+
+def step(model, batch, dumper, window_step=0):
+    with dumper.hooks(model, 0, window_step):
+        loss = model(**batch).loss
+        loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_the_report_names_the_planted_module_and_direction(tmp_path, seed, direction):
+    model, batch = build("gpt2", "float32", seed=seed)
+    path = random.Random(seed).choice(leaf_modules(model))
+    plant(model, path, direction)
+    dumper = HookerAndDumper(tmp_path, steps=[5], on_nonfinite="raise")  # step 0: not dumped
+    with pytest.raises(NonFiniteError) as caught:
+        step(model, batch, dumper)
+    first = str(caught.value).splitlines()[0]
+    assert first.startswith(f"h5cmp: first non-finite value: {direction}:"), first
+    if direction == "forward":
+        assert f"of {path} (" in first and "this call made it" in first, first
+    else:
+        assert f"the backward of {path} made it" in first, first
+    assert "events before it" in str(caught.value)
+    assert dumper.nonfinite_report == str(caught.value)
+    assert not list(tmp_path.iterdir()) or all(p.suffix == ".lock" or p.name.startswith(".")
+                                               for p in tmp_path.iterdir())
+
+
+def test_a_healthy_run_reports_nothing_and_keeps_its_numerics(tmp_path):
+    def run(on_nonfinite):
+        model, batch = build("gpt2", "float32", seed=1)
+        dumper = HookerAndDumper(tmp_path / str(on_nonfinite), steps=[], on_nonfinite=on_nonfinite)
+        losses = [step(model, batch, dumper, s).detach() for s in range(2)]
+        assert dumper.nonfinite_report is None
+        return losses, [p.grad.clone() for p in model.parameters()]
+    (losses, grads), (plain_losses, plain_grads) = run("raise"), run(None)
+    assert all(torch.equal(a, b) for a, b in zip(losses, plain_losses))
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+
+
+def test_warn_lets_training_go_on(tmp_path):
+    model, batch = build("gpt2", "float32", seed=0)
+    plant(model, "transformer.h.1.mlp.c_fc", "forward")
+    dumper = HookerAndDumper(tmp_path, steps=[], on_nonfinite="warn")
+    with pytest.warns(RuntimeWarning, match="transformer.h.1.mlp.c_fc"):
+        loss = step(model, batch, dumper)
+    assert torch.isnan(loss)
+    assert "transformer.h.1.mlp.c_fc" in dumper.nonfinite_report
+
+
+def test_in_a_dumped_step_the_records_so_far_are_published(tmp_path):
+    model, batch = build("gpt2", "float32", seed=0)
+    plant(model, "transformer.h.0.attn.c_proj", "forward")
+    dumper = HookerAndDumper(tmp_path, on_nonfinite="raise")
+    with pytest.warns(RuntimeWarning, match="incomplete"), pytest.raises(NonFiniteError):
+        step(model, batch, dumper)
+    index = load_dump(tmp_path).index
+    outputs = index[(index["module"] == "transformer.h.0.attn.c_proj")
+                    & (index["kind"] == "output")]
+    assert len(outputs) == 1  # the failing call's output is recorded
+    assert "transformer.h.1.attn" not in set(index["module"])  # nothing after it
+    listing = CliRunner().invoke(main, [str(tmp_path)])
+    assert listing.exit_code == 0 and "INCOMPLETE: the step ended while NonFiniteError" in \
+        listing.output
+
+
+def test_nan_made_outside_modules_is_said_to_come_from_before_the_call(tmp_path):
+    class Outside(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(torch.log(self.a(x) - 100))  # log of negatives: NaN, in no module
+
+    model = Outside()
+    dumper = HookerAndDumper(tmp_path, steps=[], on_nonfinite="raise")
+    with pytest.raises(NonFiniteError, match=r"output of b \(Linear\).*already non-finite"):
+        with dumper.hooks(model, 0, 0):
+            model(torch.randn(2, 4))
+
+
+def test_on_nonfinite_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="on_nonfinite"):
+        HookerAndDumper(tmp_path, on_nonfinite="ignore")
