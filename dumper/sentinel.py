@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import math
 import warnings
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -80,6 +81,7 @@ class NonFiniteSentinel:
         # took it as input; the nodes are kept so that their ids stay unique
         self._watched: dict[tuple[int, int], _Watched] = {}
         self._nodes: list = []
+        self._checked: dict[int, tuple[weakref.ref, int]] = {}  # outputs found finite
         self.handles: list[RemovableHandle] = []
         for path, module in hookable_modules(model):
             cls = type(module).__name__
@@ -96,6 +98,7 @@ class NonFiniteSentinel:
         self.handles.clear()
         self._watched.clear()
         self._nodes.clear()
+        self._checked.clear()
 
     def _pre_hook(self, path: str, args: tuple, kwargs: dict) -> None:
         if in_backward() or self.report is not None:
@@ -112,7 +115,7 @@ class NonFiniteSentinel:
         self._calls += 1
         name = f"{path or '<root>'} ({cls}), call {self._calls}"
         for leaf_path, leaf in leaves(output, "output"):
-            if not isinstance(leaf, torch.Tensor):
+            if not isinstance(leaf, torch.Tensor) or self._seen_finite(leaf):
                 continue
             if not is_finite(leaf):
                 inputs = [(p, t) for p, t in call_leaves(args, kwargs)
@@ -126,7 +129,16 @@ class NonFiniteSentinel:
                             f"Inputs: {state}")
                 return
             self._watch(leaf, f"{leaf_path} of {path or '<root>'}")
+            if not leaf.is_inference():
+                self._checked[id(leaf)] = (weakref.ref(leaf), leaf._version)
         self._history.append(f"forward {name}: output finite")
+
+    def _seen_finite(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` was found finite at its current version (a container returns its last
+        child's output: checked once)."""
+        known = self._checked.get(id(t))
+        return (known is not None and known[0]() is t and not t.is_inference()
+                and known[1] == t._version)
 
     def _watch(self, t: torch.Tensor, what: str) -> Optional["_Watched"]:
         """Check ``t``'s gradient when autograd delivers it (once per gradient edge)."""
