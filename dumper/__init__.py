@@ -1,4 +1,5 @@
 """Capture side of h5cmp: hook a model and dump its tensors per step into HDF5."""
+from .consumers import CapturedRecord
 from .hooker import HookerAndDumper
 from .inspection import io_shapes, module_keys
 from .intervene import Injector, Perturbation, perturb
@@ -7,4 +8,5 @@ from .window import every
 from .writer import DumpWriteError
 
 __all__ = ["HookerAndDumper", "DumpWriteError", "every", "module_keys", "io_shapes", "Injector",
-           "Perturbation", "perturb", "NonFiniteError"]
+           "Perturbation", "perturb", "NonFiniteError",
+           "CapturedRecord"]

@@ -9,12 +9,14 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional, Union
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from compare import format as fmt
 
 from .calls import hook_target, runs_hooks, unhookable_roots
 from .capture import StepCapture
 from .claim import PublishedFiles, StepClaim, StepConflictError
+from .consumers import Consumer, Consumers
 from .memory import trim_heap
 from .record import ByteBudget, RecordMaker
 from .run_info import distributed_rank, run_attrs
@@ -89,10 +91,20 @@ class HookerAndDumper:
         self.nonfinite_history = nonfinite_history
         self._sentinel: Optional[NonFiniteSentinel] = None
         self.nonfinite_report: Optional[str] = None  # the sentinel's report of the last step
+        self._consumers = Consumers()
         self.written_files: list[Path] = []
         self._registered = False
         self._capture: Optional[StepCapture] = None
         self._writer: Optional[StepWriter] = None
+
+    def add_consumer(self, fn: Consumer, kinds: Optional[Iterable[str]] = None,
+                     modules: Patterns = None) -> RemovableHandle:
+        """Call ``fn(record)`` (a :class:`~dumper.consumers.CapturedRecord`: names, values or
+        statistics) for each record of the dumped steps, of ``kinds`` and of modules matching
+        the ``modules`` globs (all by default), on the writer's thread: off the training
+        thread, as the step is written. A consumer that raises gets a warning and is left out
+        for the rest of the step; training goes on. ``handle.remove()`` takes it out."""
+        return self._consumers.add(fn, kinds, modules)
 
     def in_window(self, epoch: int, step: int) -> bool:
         return epoch in self.epochs and step in self.steps
@@ -124,7 +136,8 @@ class HookerAndDumper:
             return False
         self._writer = StepWriter(claim, fmt.step_group_name(epoch, step),
                                   run_attrs(model, epoch, step, self.selection.mode),
-                                  self._maker.release, self.fsync, self._published.check)
+                                  self._maker.release, self.fsync, self._published.check,
+                                  self._consumers.for_step(epoch, step))
         self._budget.on_pressure = self._writer.flush
         self._capture = StepCapture(model, self._writer.submit, self._maker, self.selection,
                                     self.params)

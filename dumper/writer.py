@@ -22,6 +22,7 @@ from compare import format as fmt
 from .claim import StepClaim, StepConflictError
 from .encoding import dtype_name, encode
 from .memory import trim_heap
+from .consumers import StepConsumers
 from .record import CallInfo, Record, unreadable
 
 WRITE_AHEAD_BYTES = 16 << 20  # held bytes that make the thread write during the step
@@ -194,12 +195,14 @@ class StepWriter:
 
     def __init__(self, claim: StepClaim, step_group: str, attrs: dict,
                  release: Callable[[Record], None], fsync: bool = False,
-                 before_publish: Callable[[Path], None] = lambda path: None):
+                 before_publish: Callable[[Path], None] = lambda path: None,
+                 consumers: Optional[StepConsumers] = None):
         self.final_path = claim.path
         self.temp_path = claim.path.with_name(fmt.temp_file_name(
             claim.path.name, f"{os.getpid()}-{secrets.token_hex(4)}"))
         self._claim = claim
         self._before_publish = before_publish
+        self._consumers = consumers  # called with each written record (dumper.consumers)
         self._step_group = step_group
         self._attrs = attrs
         self._release = release
@@ -328,18 +331,23 @@ class StepWriter:
 
     def _write(self, datasets: LowLevelGroup, record: Record) -> None:
         try:
-            encoding, checksum = fmt.ENC_NONE, fmt.NO_CHECKSUM
+            encoding, checksum, values = fmt.ENC_NONE, fmt.NO_CHECKSUM, None
             group, dataset = self._index.group(record.call), record.dataset
             if record.snapshot is not None:
                 try:
-                    array, encoding = encode(record.snapshot.wait())
+                    values = record.snapshot.wait()
+                    array, encoding = encode(values)
                 except (RuntimeError, TypeError) as exc:  # copied by the hook, yet unreadable
                     record.status, record.value, dataset = fmt.ST_UNSUPPORTED, unreadable(exc), ""
+                    values = None
                 else:
                     datasets.write(group, dataset, array)
                     checksum = fmt.data_checksum(array)
             stats, sketch = _numbers(record.stats, _NO_STATS), _numbers(record.sketch, _NO_SKETCH)
             self._index.add(record, group, dataset, encoding, stats, sketch, checksum)
+            if self._consumers is not None and record.status == fmt.ST_OK and (
+                    values is not None or record.stats is not None):
+                self._consumers(record, values, None if record.stats is None else stats)
         finally:
             self._release(record)
 
