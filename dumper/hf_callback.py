@@ -1,0 +1,40 @@
+"""Dumping from Hugging Face ``Trainer``: a ``TrainerCallback`` that drives
+``register_hooks``/``remove_hooks`` from the trainer's own counters (``pip install
+'h5cmp[hf]'``).
+
+The step window counts optimizer steps (``state.global_step`` before the step, from 0), the
+epoch window the trainer's epochs (from 0). With gradient accumulation a dumped step holds
+every micro-batch: the n-th micro-batch is the root module's call ``call_idx`` n (each module's
+calls are numbered on through the micro-batches), and parameter gradients are recorded once,
+accumulated. Compare pairs records by ``call_idx``, so micro-batch by micro-batch.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from transformers import TrainerCallback
+
+from .hooker import HookerAndDumper
+
+
+class H5cmpCallback(TrainerCallback):
+    """``Trainer(..., callbacks=[H5cmpCallback("dumps/", steps=[10, 11])])``: the arguments are
+    :class:`~dumper.HookerAndDumper`'s (or pass one as ``dumper=``)."""
+
+    def __init__(self, *args, dumper: Optional[HookerAndDumper] = None, **options):
+        if dumper is not None and (args or options):
+            raise TypeError("H5cmpCallback: pass either a dumper or HookerAndDumper's arguments")
+        self.dumper = dumper if dumper is not None else HookerAndDumper(*args, **options)
+        self._epoch = -1
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self._epoch += 1
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self.dumper.register_hooks(model, max(self._epoch, 0), state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.dumper.remove_hooks()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.dumper.close()

@@ -1,0 +1,52 @@
+"""The Hugging Face Trainer callback with the real ``transformers.Trainer`` (tiny GPT-2, random
+weights, no download), gradient accumulation 2: the right optimizer steps are dumped, every
+micro-batch recorded, parameter gradients once, numerics unchanged, and two runs compare."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from click.testing import CliRunner  # noqa: E402
+
+from compare import compare_dumps, load_dump  # noqa: E402
+from compare.cli import main  # noqa: E402
+from dumper.hf_callback import H5cmpCallback  # noqa: E402
+from tests.architectures import build  # noqa: E402
+
+
+def train(directory, callback=None):
+    model, _ = build("gpt2", "float32", seed=0)
+    gen = torch.Generator().manual_seed(5)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 96, (12, 10),
+                                                                         generator=gen)]
+    args = transformers.TrainingArguments(
+        str(directory / "trainer"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        max_steps=3, learning_rate=1e-2, report_to=[], save_strategy="no", use_cpu=True,
+        disable_tqdm=True, logging_strategy="no", dataloader_num_workers=0, seed=7)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                   callbacks=[callback] if callback else [])
+    trainer.train()
+    return model
+
+
+def test_trainer_dumps_the_chosen_optimizer_step_with_both_micro_batches(tmp_path):
+    options = dict(steps=[1], params=True)
+    model = train(tmp_path, H5cmpCallback(tmp_path / "a", **options))
+    plain = train(tmp_path)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+    files = sorted(p.name for p in (tmp_path / "a").glob("*.hdf5"))
+    assert files == ["0-epoch_1-step_dump.hdf5"]
+    index = load_dump(tmp_path / "a").index
+    root = index[(index["module"] == "") & (index["kind"] == "output")]
+    assert sorted(set(root["call_idx"])) == [0, 1]  # two micro-batches
+    grads = index[index["kind"] == "param_grad"]
+    own = sum(len(list(m.parameters(recurse=False))) for m in model.modules())
+    assert len(grads) == own  # per module (the tied lm_head/wte weight under both)
+    assert grads.duplicated(["module", "index"]).sum() == 0  # once, accumulated
+    train(tmp_path, H5cmpCallback(tmp_path / "b", **options))
+    result = compare_dumps(tmp_path / "a", tmp_path / "b")
+    assert (result["status"] == "equal").all()
+    assert CliRunner().invoke(main, [str(tmp_path / "a"), str(tmp_path / "b")]).exit_code == 0
