@@ -20,7 +20,7 @@ from .errors import DumpError
 from . import format as fmt
 from .mapping import NameMapping, find_prefix, load_mapping
 from .metrics import METRIC_COLUMNS, ErrorAccumulator
-from .pairing import align_ranks, pair_records, select, tensor_rows
+from .pairing import KEY, align_ranks, pair_records, select, tensor_rows
 from .statistics import compare_stats, sketch_of_chunks, stats_of_chunks
 from .status import DROPPED, MISSING_IN_A, MISSING_IN_B, SHAPE_MISMATCH, UNSUPPORTED
 from .tolerance import pair_tolerance
@@ -77,7 +77,7 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
                            f"{', '.join(held)})" if steps else " in either dump"))
     mapping = _name_mapping(mapping, rows_a, rows_b)
     if mapping is not None:
-        rows_b = mapping.apply(rows_b)
+        rows_b = _one_to_one(mapping, rows_b, mapping.apply(rows_b))
     pairs = pair_records(rows_a, rows_b)
     files_a = {(s.epoch, s.step, s.rank if s.rank is not None else -1): s for s in dump_a.steps}
     files_b = {(s.epoch, s.step, s.rank if s.rank is not None else -1): s for s in dump_b.steps}
@@ -119,6 +119,18 @@ def _name_mapping(given: Union[NameMapping, PathLike, None], rows_a: pd.DataFram
     if len(modules_a & modules_b) * 2 >= len(modules_b):
         return None
     return find_prefix(modules_a, modules_b)
+
+
+def _one_to_one(mapping: NameMapping, before: pd.DataFrame, after: pd.DataFrame) -> pd.DataFrame:
+    """``after`` (B's rows renamed), refused if the rules gave two of B's records one key."""
+    clash = after.duplicated(KEY, keep=False).to_numpy()
+    if clash.any():
+        first, second = (before[clash].iloc[i] for i in (0, 1))
+        raise DumpError(f"{mapping.origin}: two of B's records get one name: {first['module']!r} "
+                        f"and {second['module']!r} both become "
+                        f"{after[clash].iloc[0]['module']!r} ({first['kind']} "
+                        f"{after[clash].iloc[0]['index']}); make the rules one-to-one")
+    return after
 
 
 class _PairRef(NamedTuple):

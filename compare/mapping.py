@@ -97,7 +97,11 @@ class NameMapping:
         """``path`` renamed by the first rule that matches it (unchanged if none), and the
         rule."""
         for rule in self.rules:
-            renamed = rule.rename(path)
+            try:
+                renamed = rule.rename(path)
+            except (re.error, IndexError) as exc:  # a replacement Python cannot expand
+                raise DumpError(f"{self.origin}: rule {rule.pattern!r} -> {rule.to!r}: cannot "
+                                f"rename {path!r} ({exc}); fix its 'to'") from exc
             if renamed is not None:
                 return renamed, rule
         return path, None

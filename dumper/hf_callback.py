@@ -19,19 +19,21 @@ from .hooker import HookerAndDumper
 
 class H5cmpCallback(TrainerCallback):
     """``Trainer(..., callbacks=[H5cmpCallback("dumps/", steps=[10, 11])])``: the arguments are
-    :class:`~dumper.HookerAndDumper`'s (or pass one as ``dumper=``)."""
+    :class:`~dumper.HookerAndDumper`'s (or pass one as ``dumper=``). An exception that ends
+    ``train()`` mid-step (a :class:`~dumper.NonFiniteError`) skips ``on_step_end``: call
+    ``callback.dumper.remove_hooks()`` (publishes the step so far) or ``close()`` after it."""
 
     def __init__(self, *args, dumper: Optional[HookerAndDumper] = None, **options):
         if dumper is not None and (args or options):
             raise TypeError("H5cmpCallback: pass either a dumper or HookerAndDumper's arguments")
         self.dumper = dumper if dumper is not None else HookerAndDumper(*args, **options)
-        self._epoch = -1
+        self._epoch = 0
 
     def on_epoch_begin(self, args, state, control, **kwargs):
-        self._epoch += 1
+        self._epoch = int(state.epoch or 0)  # whole epochs done (also after a resume)
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
-        self.dumper.register_hooks(model, max(self._epoch, 0), state.global_step)
+        self.dumper.register_hooks(model, self._epoch, state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.dumper.remove_hooks()

@@ -103,7 +103,8 @@ class HookerAndDumper:
         statistics) for each record of the dumped steps, of ``kinds`` and of modules matching
         the ``modules`` globs (all by default), on the writer's thread: off the training
         thread, as the step is written. A consumer that raises gets a warning and is left out
-        for the rest of the step; training goes on. ``handle.remove()`` takes it out."""
+        for the rest of the step; training goes on. ``handle.remove()`` takes it out from the
+        next dumped step on."""
         return self._consumers.add(fn, kinds, modules)
 
     def in_window(self, epoch: int, step: int) -> bool:
@@ -133,6 +134,7 @@ class HookerAndDumper:
         path = self.directory / fmt.step_file_name(epoch, step, rank)
         claim = self._claim(path)
         if claim is None:
+            self._start_sentinel(model)
             return False
         self._writer = StepWriter(claim, fmt.step_group_name(epoch, step),
                                   run_attrs(model, epoch, step, self.selection.mode),

@@ -175,5 +175,6 @@ class NonFiniteSentinel:
         self.report = (f"h5cmp: first non-finite value: {what}\nthe last {len(self._history)} "
                        f"events before it:\n{last}")
         if self.action == "raise":
+            self.remove()  # the step stops here: leave no hook behind whoever catches it
             raise NonFiniteError(self.report)
         warnings.warn(self.report, RuntimeWarning, stacklevel=2)

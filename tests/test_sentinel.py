@@ -72,6 +72,8 @@ def test_the_report_names_the_planted_module_and_direction(tmp_path, seed, direc
         assert f"the backward of {path} made it" in first, first
     assert "events before it" in str(caught.value)
     assert dumper.nonfinite_report == str(caught.value)
+    left = [h for m in model.modules() for h in (*m._forward_hooks, *m._forward_pre_hooks)]
+    assert len(left) == 1, "the sentinel left hooks behind"  # only the planted one
     assert not list(tmp_path.iterdir()) or all(p.suffix == ".lock" or p.name.startswith(".")
                                                for p in tmp_path.iterdir())
 
