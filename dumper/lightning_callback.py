@@ -1,0 +1,47 @@
+"""Dumping from PyTorch Lightning: a ``Callback`` that drives ``register_hooks``/
+``remove_hooks`` from the trainer's own counters (``pip install 'h5cmp[lightning]'``).
+
+The step window counts optimizer steps (``trainer.global_step`` before the step, from 0), the
+epoch window ``trainer.current_epoch``. The ``LightningModule`` is hooked, so module paths
+start with its attributes (``model.``): ``h5cmp`` pairs them with a plain run's by that prefix
+and says so. With ``accumulate_grad_batches=k`` a dumped step holds its k micro-batches (the
+``call_idx`` of the outermost module call: ``model`` when ``training_step`` calls
+``self.model``) and parameter gradients once, accumulated.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from lightning.pytorch.callbacks import Callback
+
+from .hooker import HookerAndDumper
+
+
+class H5cmpLightningCallback(Callback):
+    """``Trainer(callbacks=[H5cmpLightningCallback("dumps/", steps=[10])])``: the arguments are
+    :class:`~dumper.HookerAndDumper`'s (or pass one as ``dumper=``)."""
+
+    def __init__(self, *args, dumper: Optional[HookerAndDumper] = None, **options):
+        if dumper is not None and (args or options):
+            raise TypeError("H5cmpLightningCallback: pass either a dumper or HookerAndDumper's "
+                            "arguments")
+        self.dumper = dumper if dumper is not None else HookerAndDumper(*args, **options)
+        self._step: Optional[int] = None  # the optimizer step whose micro-batches are hooked
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self._step is None:  # the first micro-batch of an optimizer step
+            self._step = trainer.global_step
+            self.dumper.register_hooks(pl_module, trainer.current_epoch, self._step)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self._step is not None and trainer.global_step > self._step:  # the optimizer stepped
+            self._end_step()
+
+    def on_train_end(self, trainer, pl_module):
+        if self._step is not None:  # micro-batches of an optimizer step that never came
+            self._end_step()
+        self.dumper.close()
+
+    def _end_step(self) -> None:
+        self._step = None
+        self.dumper.remove_hooks()

@@ -1,0 +1,69 @@
+"""The Lightning callback with a real ``lightning.Trainer`` (CPU, tiny GPT-2 in a
+LightningModule, gradient accumulation 2): the right optimizer step is dumped with both
+micro-batches, numerics unchanged, two runs compare, and the LightningModule's ``model.``
+prefix pairs with a plain dump of the same model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch")
+pytest.importorskip("transformers")
+
+from compare import compare_dumps, load_dump  # noqa: E402
+from dumper import HookerAndDumper  # noqa: E402
+from dumper.lightning_callback import H5cmpLightningCallback  # noqa: E402
+from tests.architectures import build  # noqa: E402
+
+
+class LitGPT2(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model, _ = build("gpt2", "float32", seed=0)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+def data():
+    return torch.randint(0, 96, (12, 10), generator=torch.Generator().manual_seed(5))
+
+
+def fit(callback=None):
+    module = LitGPT2()
+    trainer = pl.Trainer(max_steps=3, accumulate_grad_batches=2, accelerator="cpu", devices=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[callback] if callback else [])
+    trainer.fit(module, torch.utils.data.DataLoader(data(), batch_size=2))
+    return module
+
+
+def test_lightning_dumps_the_chosen_optimizer_step(tmp_path):
+    module = fit(H5cmpLightningCallback(tmp_path / "a", steps=[1], params=True))
+    plain = fit()
+    assert all(torch.equal(p, q) for p, q in zip(module.parameters(), plain.parameters()))
+    assert sorted(p.name for p in (tmp_path / "a").glob("*.hdf5")) == ["0-epoch_1-step_dump.hdf5"]
+    index = load_dump(tmp_path / "a").index
+    # training_step calls self.model, not the LightningModule: "model" is the outermost call
+    outer = index[(index["module"] == "model") & (index["kind"] == "output")]
+    assert sorted(set(outer["call_idx"])) == [0, 1]  # two micro-batches
+    grads = index[index["kind"] == "param_grad"]
+    assert len(grads) and grads.duplicated(["module", "index"]).sum() == 0  # once, accumulated
+    fit(H5cmpLightningCallback(tmp_path / "b", steps=[1], params=True))
+    assert (compare_dumps(tmp_path / "a", tmp_path / "b")["status"] == "equal").all()
+
+
+def test_a_lightning_dump_pairs_with_a_plain_one_by_its_prefix(tmp_path):
+    fit(H5cmpLightningCallback(tmp_path / "lit", steps=[0], kinds=["output"]))
+    model, _ = build("gpt2", "float32", seed=0)
+    batch = data()[:2]
+    with HookerAndDumper(tmp_path / "plain", kinds=["output"]).hooks(model, 0, 0):
+        model(input_ids=batch, labels=batch).loss.backward()
+    result = compare_dumps(tmp_path / "plain", tmp_path / "lit", steps=["0:0"])
+    assert "prefix" in result.attrs["name_mapping"]
+    first = result[result["call_idx"] == 0]  # the plain run did one micro-batch
+    paired = first[first["status"].isin(["equal"])]
+    assert len(paired) >= 0.9 * len(first[first["module"] != "[B] <root>"])
