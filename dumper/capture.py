@@ -31,7 +31,7 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _hook_gradient(t: torch.Tensor, on_grad: Callable[[torch.Tensor], None]) -> RemovableHandle:
+def hook_gradient(t: torch.Tensor, on_grad: Callable[[torch.Tensor], None]) -> RemovableHandle:
     """Call ``on_grad(grad of t)`` when autograd computes it. A pre-hook on ``t``'s node reads
     it from the node's incoming gradients as they arrive, before the node runs (so the record
     precedes the gradients the node sends on, as in execution): the same value as a tensor
@@ -197,7 +197,7 @@ class StepCapture:
         for i, leaf_path, t in grad_outputs:
             if want_grad or i in passthrough:
                 on_grad = self._grad_output_hook(call, i, leaf_path, want_grad, passthrough.get(i))
-                self.handles.append(_hook_gradient(t, on_grad))
+                self.handles.append(hook_gradient(t, on_grad))
 
     def _note_producer(self, t: torch.Tensor, call: int) -> None:
         """Remember, weakly, the innermost call that output ``t``'s current value: the first

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .calls import hookable_modules
-from .capture import _hook_gradient, in_backward
+from .capture import hook_gradient, in_backward
 from .flatten import call_leaves, leaves
 from .grads import gradient_edge
 
@@ -150,7 +150,7 @@ class NonFiniteSentinel:
         if watched is None:
             watched = self._watched[key] = _Watched(what)
             self._nodes.append(node)
-            self.handles.append(_hook_gradient(t, lambda grad: self._on_grad(watched, grad)))
+            self.handles.append(hook_gradient(t, lambda grad: self._on_grad(watched, grad)))
         return watched
 
     def _on_grad(self, watched: "_Watched", grad: torch.Tensor) -> None:
