@@ -154,8 +154,8 @@ class HookerAndDumper:
 
     def _stop_sentinel(self) -> None:
         if self._sentinel is not None:
+            self._sentinel.remove()  # reads the checks still on the device first
             self.nonfinite_report = self._sentinel.report
-            self._sentinel.remove()
             self._sentinel = None
 
     def _claim(self, path: Path) -> Optional[StepClaim]:

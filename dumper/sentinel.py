@@ -9,8 +9,14 @@ module input and output is checked as autograd delivers it; the first non-finite
 back by the backward of the module(s) that took that tensor as input (their own output
 gradients, checked earlier, were finite), or comes from the loss when no module took it.
 
-A check is one reduction (a sum; only a non-finite sum is confirmed element by element), with a
-host read per tensor. Hooks only read: the model's numerics do not change.
+A CPU tensor's check is one sum (only a non-finite sum is confirmed element by element), read
+at once, so a ``"raise"`` stops the step in the failing hook. On other devices (CUDA) reading a
+result waits for the device, so a check is the tensor's minimum and maximum (one reduction,
+which cannot overflow), left there and read in one transfer when the outermost hooked call
+returns, at the end of each backward pass, after :data:`READ_EVERY` checks and at
+:meth:`NonFiniteSentinel.remove`: the report still names the first failing call, but a
+``"raise"`` comes at that read, later in the step. Hooks only read: the model's numerics do
+not change.
 """
 from __future__ import annotations
 
@@ -30,10 +36,16 @@ from .flatten import call_leaves, leaves
 from .grads import gradient_edge
 
 ACTIONS = ("raise", "warn")
+READ_EVERY = 1024  # device-side checks read at once at most (bounds what waits)
 
 
 class NonFiniteError(RuntimeError):
     """A module call made NaN or Inf (raised by the sentinel with ``on_nonfinite="raise"``)."""
+
+
+def checks_on_device(t: torch.Tensor) -> bool:
+    """Whether ``t``'s check stays on its device until the next read (else it is read at once)."""
+    return t.device.type != "cpu"
 
 
 def is_finite(t: torch.Tensor) -> bool:
@@ -46,9 +58,24 @@ def is_finite(t: torch.Tensor) -> bool:
     return math.isfinite(total) or bool(torch.isfinite(t).all())  # a sum may overflow
 
 
+def extremes(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``t``'s minimum and maximum as 0-d tensors on its device (no host read; none for a tensor
+    that is always finite). Both are finite iff every element is: ``aminmax`` propagates NaN, and
+    unlike a sum it cannot overflow."""
+    t = t.detach()
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return ()
+    return tuple(torch.aminmax(torch.view_as_real(t) if t.is_complex() else t))
+
+
+def signature(t: torch.Tensor) -> str:
+    """``shape dtype``."""
+    return f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+
+
 def describe(t: torch.Tensor) -> str:
-    """``shape dtype``, and its NaN/Inf counts when it has any."""
-    text = f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+    """:func:`signature`, and its NaN/Inf counts when it has any."""
+    text = signature(t)
     if not is_finite(t):
         nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
         text += f" with {nan} NaN, {inf} Inf of {t.numel()}"
@@ -63,25 +90,64 @@ class _Watched:
     def __init__(self, what: str):
         self.what, self.users = what, []
 
+    def origin(self) -> str:
+        """Where a non-finite gradient of this tensor came from."""
+        if not self.users:
+            return "no hooked module took this tensor as input: it comes from the loss"
+        depth = max(p.count(".") + bool(p) for p in self.users)
+        innermost = " or ".join(dict.fromkeys(p or "<root>" for p in self.users
+                                              if p.count(".") + bool(p) == depth))
+        return f"the backward of {innermost} made it (grad_input; its grad_output was finite)"
+
+
+class _Kept:
+    """A tensor as it was when checked: read again only if unchanged (same object, same
+    version); else only its signature is known."""
+
+    __slots__ = ("ref", "version", "signature")
+
+    def __init__(self, t: torch.Tensor):
+        self.ref = None if t.is_inference() else weakref.ref(t)
+        self.version = None if self.ref is None else t._version
+        self.signature = signature(t)
+
+    def get(self) -> Optional[torch.Tensor]:
+        t = None if self.ref is None else self.ref()
+        return t if t is not None and t._version == self.version else None
+
+
+class _Pending:
+    """A check whose result is still on the device: the event it stands for, the tensor's
+    :func:`extremes`, and the tensor (and, forward, the call's inputs) kept to describe it."""
+
+    __slots__ = ("event", "extremes", "tensor", "inputs", "watched")
+
+    def __init__(self, event: tuple, t: torch.Tensor, inputs: Optional[list], watched):
+        self.event, self.extremes, self.tensor = event, extremes(t), _Kept(t)
+        self.inputs, self.watched = inputs, watched
+
 
 class NonFiniteSentinel:
     """Hooks ``model`` for one step; reports the first non-finite value by ``action``
-    (``"raise"``: :class:`NonFiniteError` from the hook, stopping the step there; ``"warn"``:
-    a warning, once per step). ``history`` earlier events are quoted in the report.
-    :meth:`remove` removes every hook."""
+    (``"raise"``: :class:`NonFiniteError`, stopping the step; ``"warn"``: a warning, once per
+    step). ``history`` earlier events are quoted in the report. :meth:`remove` reads what is
+    left to read and removes every hook."""
 
     def __init__(self, model: nn.Module, action: str, history: int = 8):
         if action not in ACTIONS:
             raise ValueError(f"on_nonfinite must be one of {ACTIONS} or None, got {action!r}")
         self.action = action
         self.report: Optional[str] = None  # the first report of this step
-        self._history: collections.deque = collections.deque(maxlen=history)
+        self._history: collections.deque = collections.deque(maxlen=history)  # of events
         self._calls = 0
+        self._depth = 0  # hooked calls open
+        self._pending: list[_Pending] = []  # device-side checks not read yet, in order
+        self._read_queued = False  # a read is queued for the end of this backward pass
         # per gradient edge (node, slot) of a watched tensor: what it is and the modules that
         # took it as input; the nodes are kept so that their ids stay unique
         self._watched: dict[tuple[int, int], _Watched] = {}
         self._nodes: list = []
-        self._checked: dict[int, tuple[weakref.ref, int]] = {}  # outputs found finite
+        self._checked: dict[int, tuple[weakref.ref, int]] = {}  # outputs checked
         self.handles: list[RemovableHandle] = []
         for path, module in hookable_modules(model):
             cls = type(module).__name__
@@ -93,54 +159,64 @@ class NonFiniteSentinel:
                 self._post_hook(path, cls, args, kwargs, out), with_kwargs=True))
 
     def remove(self) -> None:
+        """Remove every hook; checks still on the device are read first (a failure found now
+        is reported as a warning, whatever the action: the step is over)."""
+        pending, self._pending = self._pending, []
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
         self._watched.clear()
         self._nodes.clear()
         self._checked.clear()
+        if pending and self.report is None:
+            self._read(pending, action="warn")
+
+    # forward
 
     def _pre_hook(self, path: str, args: tuple, kwargs: dict) -> None:
         if in_backward() or self.report is not None:
             return
-        for _, leaf in call_leaves(args, kwargs):
+        self._depth += 1
+        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+            inputs: Any = (("args[0]", args[0]),)  # the common case, without the generator
+        else:
+            inputs = call_leaves(args, kwargs)
+        for _, leaf in inputs:
             if isinstance(leaf, torch.Tensor):
-                watched = self._watch(leaf, f"the input of {path or '<root>'}")
+                watched = self._watch(leaf, ("the input of", path))
                 if watched is not None:
                     watched.users.append(path)
 
     def _post_hook(self, path: str, cls: str, args: tuple, kwargs: dict, output: Any) -> None:
         if in_backward() or self.report is not None:
             return
+        self._depth -= 1
         self._calls += 1
-        name = f"{path or '<root>'} ({cls}), call {self._calls}"
-        for leaf_path, leaf in leaves(output, "output"):
-            if not isinstance(leaf, torch.Tensor) or self._seen_finite(leaf):
+        call = (path, cls, self._calls)
+        outputs = (("output", output),) if isinstance(output, torch.Tensor) else \
+            leaves(output, "output")
+        for leaf_path, leaf in outputs:
+            if not isinstance(leaf, torch.Tensor) or self._seen(leaf):
                 continue
-            if not is_finite(leaf):
-                inputs = [(p, t) for p, t in call_leaves(args, kwargs)
-                          if isinstance(t, torch.Tensor)]
-                finite_in = all(is_finite(t) for _, t in inputs)
-                where = ("this call made it (its inputs are finite)" if finite_in else
-                         "its inputs were already non-finite: it arose before this call, in "
-                         "code outside the hooked modules")
-                state = "; ".join(f"{p}: {describe(t)}" for p, t in inputs) or "none"
-                self._found(f"forward: {leaf_path} of {name} is {describe(leaf)}; {where}. "
-                            f"Inputs: {state}")
+            self._check(leaf, ("forward", call, leaf_path), (args, kwargs), None)
+            if self.report is not None:
                 return
-            self._watch(leaf, f"{leaf_path} of {path or '<root>'}")
+            self._watch(leaf, (leaf_path + " of", path))
             if not leaf.is_inference():
                 self._checked[id(leaf)] = (weakref.ref(leaf), leaf._version)
-        self._history.append(f"forward {name}: output finite")
+        if self._depth <= 0 and self._pending:  # the outermost call returned
+            self._read_pending()
 
-    def _seen_finite(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` was found finite at its current version (a container returns its last
+    def _seen(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` was checked at its current version (a container returns its last
         child's output: checked once)."""
         known = self._checked.get(id(t))
         return (known is not None and known[0]() is t and not t.is_inference()
                 and known[1] == t._version)
 
-    def _watch(self, t: torch.Tensor, what: str) -> Optional["_Watched"]:
+    # backward
+
+    def _watch(self, t: torch.Tensor, what: tuple) -> Optional[_Watched]:
         """Check ``t``'s gradient when autograd delivers it (once per gradient edge)."""
         if not t.requires_grad or not torch.is_grad_enabled():
             return None
@@ -148,33 +224,123 @@ class NonFiniteSentinel:
         key = (id(node), slot)
         watched = self._watched.get(key)
         if watched is None:
-            watched = self._watched[key] = _Watched(what)
+            watched = self._watched[key] = _Watched(f"{what[0]} {what[1] or '<root>'}")
             self._nodes.append(node)
             self.handles.append(hook_gradient(t, lambda grad: self._on_grad(watched, grad)))
         return watched
 
-    def _on_grad(self, watched: "_Watched", grad: torch.Tensor) -> None:
-        if self.report is not None:
-            return
-        what, users = watched.what, watched.users
-        if is_finite(grad):
-            self._history.append(f"backward: gradient of {what}: finite")
-            return
-        if users:
-            depth = max(p.count(".") + bool(p) for p in users)
-            innermost = " or ".join(dict.fromkeys(p or "<root>" for p in users
-                                                  if p.count(".") + bool(p) == depth))
-            origin = (f"the backward of {innermost} made it (grad_input; its grad_output was "
-                      f"finite)")
-        else:
-            origin = "no hooked module took this tensor as input: it comes from the loss"
-        self._found(f"backward: the gradient of {what} is {describe(grad)}; {origin}")
+    def _on_grad(self, watched: _Watched, grad: torch.Tensor) -> None:
+        if self.report is None:
+            self._check(grad, ("backward", watched.what), None, watched)
+        if self._pending and not self._read_queued:  # read at the end of this backward pass
+            self._read_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._read_pending)
 
-    def _found(self, what: str) -> None:
-        last = "\n".join(f"  {event}" for event in self._history) or "  (none)"
+    # checking and reporting
+
+    def _check(self, t: torch.Tensor, event: tuple, call: Optional[tuple],
+               watched: Optional[_Watched]) -> None:
+        """Check ``t`` for ``event`` (``call``: the forward call's ``(args, kwargs)``)."""
+        if checks_on_device(t):
+            inputs = None if call is None else [
+                (p, _Kept(x)) for p, x in call_leaves(*call) if isinstance(x, torch.Tensor)]
+            self._pending.append(_Pending(event, t, inputs, watched))
+            if len(self._pending) >= READ_EVERY:
+                self._read_pending()
+            return
+        if self._pending:  # earlier checks come first
+            self._read_pending()
+            if self.report is not None:
+                return
+        if is_finite(t):
+            self._history.append(event)
+            return
+        inputs = None if call is None else [
+            (p, x) for p, x in call_leaves(*call) if isinstance(x, torch.Tensor)]
+        self._found(event, t, inputs, watched, self.action)
+
+    def _read_pending(self) -> None:
+        self._read_queued = False
+        pending, self._pending = self._pending, []
+        if pending and self.report is None:
+            self._read(pending, self.action)
+
+    def _read(self, pending: list[_Pending], action: str) -> None:
+        """Read ``pending``'s extremes (one transfer per device) and report the first failure."""
+        by_device: dict[torch.device, list[int]] = {}
+        for i, check in enumerate(pending):
+            if check.extremes:
+                by_device.setdefault(check.extremes[0].device, []).append(i)
+        finite = [True] * len(pending)
+        for indices in by_device.values():
+            values = torch.stack([x for i in indices for x in pending[i].extremes])
+            for i, ok in zip(indices, torch.isfinite(values).view(-1, 2).all(1).tolist()):
+                finite[i] = ok
+        for check, ok in zip(pending, finite):
+            if ok:
+                self._history.append(check.event)
+                continue
+            tensor = check.tensor.get()
+            inputs = None if check.inputs is None else [
+                (p, _or(kept.get(), kept.signature)) for p, kept in check.inputs]
+            self._found(check.event, _or(tensor, check.tensor.signature), inputs,
+                        check.watched, action)
+            return
+
+    def _found(self, event: tuple, t, inputs: Optional[list], watched: Optional[_Watched],
+               action: str) -> None:
+        """Report ``event``'s tensor ``t`` (or, if no longer there, its signature) as the first
+        non-finite value; ``inputs``: the forward call's ``(path, tensor or signature)``."""
+        if event[0] == "forward":
+            state = "; ".join(f"{p}: {_state(x, 'no longer there to check')}"
+                              for p, x in inputs) or "none"
+            what = f"forward: {_event_subject(event)} is {_state(t, GONE)}; {_where(inputs)}. " \
+                   f"Inputs: {state}"
+        else:
+            what = f"backward: the gradient of {event[1]} is {_state(t, GONE)}; " \
+                   f"{watched.origin()}"
+        last = "\n".join(f"  {_event_text(e)}" for e in self._history) or "  (none)"
         self.report = (f"h5cmp: first non-finite value: {what}\nthe last {len(self._history)} "
                        f"events before it:\n{last}")
-        if self.action == "raise":
+        if action == "raise":
             self.remove()  # the step stops here: leave no hook behind whoever catches it
             raise NonFiniteError(self.report)
         warnings.warn(self.report, RuntimeWarning, stacklevel=2)
+
+
+GONE = "non-finite: freed or changed in place before its check was read"
+
+
+def _or(t: Optional[torch.Tensor], signature_: str):
+    """``t``, or the signature of what is no longer there."""
+    return signature_ if t is None else t
+
+
+def _state(t, gone: str) -> str:
+    """A tensor described, or the signature of one no longer there and why (``gone``)."""
+    return describe(t) if isinstance(t, torch.Tensor) else f"{t} ({gone})"
+
+
+def _where(inputs: list) -> str:
+    """Who made a forward call's non-finite output, from its inputs' state."""
+    states = [is_finite(x) if isinstance(x, torch.Tensor) else None for _, x in inputs]
+    if False in states:
+        return ("its inputs were already non-finite: it arose before this call, in code outside "
+                "the hooked modules")
+    if None in states:
+        return ("this call made it, unless an input that is no longer there to check was "
+                "non-finite")
+    return "this call made it (its inputs are finite)"
+
+
+def _event_subject(event: tuple) -> str:
+    """``output of path (Class), call n`` for a forward event."""
+    (path, cls, n), leaf_path = event[1], event[2]
+    return f"{leaf_path} of {path or '<root>'} ({cls}), call {n}"
+
+
+def _event_text(event: tuple) -> str:
+    """A line of the report's history: an event found finite."""
+    if event[0] == "forward":
+        return f"forward {_event_subject(event)}: finite"
+    return f"backward: gradient of {event[1]}: finite"

@@ -1,6 +1,9 @@
 """The NaN/Inf sentinel (``on_nonfinite``) on GPT-2 (transformers, tiny config): NaN planted in
 randomly chosen modules, in forward or in backward only; the report must name that module
-and the direction, and say nothing on a healthy run, whose numerics it must not change."""
+and the direction, and say nothing on a healthy run, whose numerics it must not change.
+
+Tests taking ``reading`` run twice: checks read at once (CPU tensors) and checks kept on the
+device and read in batches (what CUDA tensors get), the latter forced here on CPU tensors."""
 from __future__ import annotations
 
 import random
@@ -12,10 +15,25 @@ from torch import nn
 
 from compare import load_dump
 from compare.cli import main
-from dumper import HookerAndDumper, NonFiniteError
-from tests.architectures import build
+from dumper import HookerAndDumper, NonFiniteError, sentinel
+from tests.architectures import build, precision_context
 
 pytest.importorskip("transformers")
+
+
+@pytest.fixture(params=["at once", "on device"])
+def reading(request, monkeypatch):
+    """Where the sentinel's checks wait to be read; yields the list of reads' sizes (on device)."""
+    reads: list[int] = []
+    if request.param == "on device":
+        monkeypatch.setattr(sentinel, "checks_on_device", lambda t: True)
+        read = sentinel.NonFiniteSentinel._read
+
+        def counted(self, pending, action):
+            reads.append(len(pending))
+            return read(self, pending, action)
+        monkeypatch.setattr(sentinel.NonFiniteSentinel, "_read", counted)
+    yield reads
 
 
 class NaNInBackward(torch.autograd.Function):
@@ -57,8 +75,9 @@ def step(model, batch, dumper, window_step=0):
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("direction", ["forward", "backward"])
-def test_the_report_names_the_planted_module_and_direction(tmp_path, seed, direction):
-    model, batch = build("gpt2", "float32", seed=seed)
+def test_the_report_names_the_planted_module_and_direction(tmp_path, seed, direction, reading,
+                                                           device="cpu"):
+    model, batch = build("gpt2", "float32", seed=seed, device=device)
     path = random.Random(seed).choice(leaf_modules(model))
     plant(model, path, direction)
     dumper = HookerAndDumper(tmp_path, steps=[5], on_nonfinite="raise")  # step 0: not dumped
@@ -78,19 +97,23 @@ def test_the_report_names_the_planted_module_and_direction(tmp_path, seed, direc
                                                for p in tmp_path.iterdir())
 
 
-def test_a_healthy_run_reports_nothing_and_keeps_its_numerics(tmp_path):
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])  # bfloat16: autocast, mixed dtypes
+def test_a_healthy_run_reports_nothing_and_keeps_its_numerics(tmp_path, reading, precision):
     def run(on_nonfinite):
-        model, batch = build("gpt2", "float32", seed=1)
+        model, batch = build("gpt2", precision, seed=1)
         dumper = HookerAndDumper(tmp_path / str(on_nonfinite), steps=[], on_nonfinite=on_nonfinite)
-        losses = [step(model, batch, dumper, s).detach() for s in range(2)]
+        with precision_context(precision):
+            losses = [step(model, batch, dumper, s).detach() for s in range(2)]
         assert dumper.nonfinite_report is None
         return losses, [p.grad.clone() for p in model.parameters()]
     (losses, grads), (plain_losses, plain_grads) = run("raise"), run(None)
     assert all(torch.equal(a, b) for a, b in zip(losses, plain_losses))
     assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+    # on the device: one read when the forward returns and one at the end of the backward
+    assert len(reading) in (0, 4) and all(n >= 20 for n in reading), reading
 
 
-def test_warn_lets_training_go_on(tmp_path):
+def test_warn_lets_training_go_on(tmp_path, reading):
     model, batch = build("gpt2", "float32", seed=0)
     plant(model, "transformer.h.1.mlp.c_fc", "forward")
     dumper = HookerAndDumper(tmp_path, steps=[], on_nonfinite="warn")
@@ -116,7 +139,7 @@ def test_in_a_dumped_step_the_records_so_far_are_published(tmp_path):
         listing.output
 
 
-def test_nan_made_outside_modules_is_said_to_come_from_before_the_call(tmp_path):
+def test_nan_made_outside_modules_is_said_to_come_from_before_the_call(tmp_path, reading):
     class Outside(nn.Module):
         def __init__(self):
             super().__init__()
@@ -135,3 +158,60 @@ def test_nan_made_outside_modules_is_said_to_come_from_before_the_call(tmp_path)
 def test_on_nonfinite_is_checked(tmp_path):
     with pytest.raises(ValueError, match="on_nonfinite"):
         HookerAndDumper(tmp_path, on_nonfinite="ignore")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_sum_that_overflows_is_no_alarm(tmp_path, reading, dtype):
+    big = torch.finfo(dtype).max / 2  # finite elements whose sum overflows the dtype
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).to(dtype)
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.fill_(big)
+    dumper = HookerAndDumper(tmp_path, steps=[], on_nonfinite="raise")
+    with dumper.hooks(model, 0, 0):
+        out = model(torch.randn(64, 4, dtype=dtype))
+    assert torch.isfinite(out).all() and dumper.nonfinite_report is None
+
+
+def test_on_device_a_failure_is_raised_at_the_read_and_names_the_first_call(tmp_path, reading):
+    """Checks on the device are read when the outermost call returns: the step goes on to
+    there, and the report still names the first call. An output changed in place before the
+    read is reported by its signature."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+            self.ran = []
+
+        def forward(self, x):
+            h = self.a(x)
+            self.ran.append("a")
+            out = self.c(self.b(h))
+            self.ran.append("c")
+            h.zero_()  # the failing output is changed before the checks are read
+            return out
+
+    model = Net()
+    model.a.register_forward_hook(lambda m, args, out: out * float("inf"))
+    dumper = HookerAndDumper(tmp_path, steps=[], on_nonfinite="raise")
+    with pytest.raises(NonFiniteError) as caught, dumper.hooks(model, 0, 0):
+        model(torch.randn(2, 4))
+    first = str(caught.value).splitlines()[0]
+    assert "output of a (Linear), call 1" in first and "this call made it" in first, first
+    if reading:  # read at the root's return, after c ran and h changed
+        assert model.ran == ["a", "c"] and sentinel.GONE in first and len(reading) == 1
+    else:  # raised in a's hook
+        assert model.ran == [] and "with 0 NaN, 8 Inf of 8" in first
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_cuda_checks_stay_on_the_device(tmp_path, direction, monkeypatch):
+    reads: list[int] = []
+    read = sentinel.NonFiniteSentinel._read
+    monkeypatch.setattr(sentinel.NonFiniteSentinel, "_read",
+                        lambda self, pending, action: reads.append(len(pending))
+                        or read(self, pending, action))
+    test_the_report_names_the_planted_module_and_direction(tmp_path, 0, direction, reads,
+                                                           device="cuda")
+    assert 1 <= len(reads) <= 2 and sum(reads) >= 20, reads
