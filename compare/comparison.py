@@ -30,7 +30,8 @@ from .verdict import VERDICT_COLUMNS, judge
 DEFAULT_CHUNK_ELEMENTS = 1 << 20  # elements read per dataset slice (4 MiB of float32)
 
 PAIR_COLUMNS = [
-    "epoch", "step", "rank", "seq", "call", "module", "cls", "call_idx", "kind", "index",
+    "epoch", "step", "rank", "seq", "call", "module", "cls", "call_idx", "micro_batch", "kind",
+    "index",
     "occurrence", "path", "producer", "dtype_a", "dtype_b", "shape_a", "shape_b", "status",
     *METRIC_COLUMNS, "rtol", "atol",
 ]
@@ -326,7 +327,11 @@ def _result_frame(pairs: pd.DataFrame, metrics: dict[int, dict]) -> pd.DataFrame
     frame = pairs.copy()
     for col in ("seq", "call", "producer", "cls", "path"):
         frame[col] = frame[f"{col}_a"].fillna(frame[f"{col}_b"])
-    frame[["seq", "call", "producer"]] = frame[["seq", "call", "producer"]].astype("int64")
+    known = frame["micro_batch_a"].notna() & (frame["micro_batch_a"] != fmt.NO_MICRO_BATCH)
+    frame["micro_batch"] = frame["micro_batch_a"].where(known, frame["micro_batch_b"]).fillna(
+        fmt.NO_MICRO_BATCH)
+    frame[["seq", "call", "producer", "micro_batch"]] = frame[
+        ["seq", "call", "producer", "micro_batch"]].astype("int64")
     computed = pd.DataFrame.from_dict(metrics, orient="index")
     frame = frame.join(computed)
     frame.loc[frame["side"] == "a_only", "status"] = MISSING_IN_B

@@ -247,7 +247,8 @@ def _strings(path: Path, name: str, column: np.ndarray) -> list[str]:
 
 def _absent(name: str, rows: int) -> np.ndarray:
     """A column an older format version lacks (see ``fmt.COLUMN_SINCE``)."""
-    return np.full(rows, fmt.NO_CHECKSUM if name == "checksum" else np.nan)
+    fill = {"checksum": fmt.NO_CHECKSUM, "micro_batch": fmt.NO_MICRO_BATCH}.get(name, np.nan)
+    return np.full(rows, fill)
 
 
 def _index_frame(path: Path, table: np.ndarray) -> pd.DataFrame:

@@ -13,10 +13,11 @@ from typing import Optional
 import numpy as np
 
 FORMAT_NAME = "h5cmp-dump"
-FORMAT_VERSION = 4
-# version 1: no sketch columns (read as NaN); versions 1-2: no data checksums, no `incomplete`.
+FORMAT_VERSION = 5
+# version 1: no sketch columns (read as NaN); versions 1-2: no data checksums, no `incomplete`;
+# versions 1-4: no `micro_batch` (read as NO_MICRO_BATCH).
 # Version 3 (a development version of 2026-11-23, crc32 data checksums) is not read.
-SUPPORTED_VERSIONS = frozenset({1, 2, 4})
+SUPPORTED_VERSIONS = frozenset({1, 2, 4, 5})
 
 # ---- files -------------------------------------------------------------------------
 FILE_SUFFIX = ".hdf5"
@@ -130,6 +131,7 @@ INDEX_COLUMNS: tuple[tuple[str, str], ...] = (
     ("module", "str"),        # module path in the model, "" for the root
     ("cls", "str"),           # module class name
     ("call_idx", "int32"),    # n-th call of this module in this step, from 0
+    ("micro_batch", "int32"),  # n-th forward pass (outermost call) of the step; since version 5
     ("group", "str"),         # name of the call's group inside the step group
     ("kind", "str"),          # one of KINDS
     ("index", "int32"),       # n-th tensor of this kind in this call; -1 for non-tensor leaves
@@ -162,8 +164,10 @@ INDEX_COLUMNS: tuple[tuple[str, str], ...] = (
 STAT_COLUMNS = tuple(name for name, _ in INDEX_COLUMNS if name.startswith("stat_"))
 SKETCH_COLUMNS = tuple(name for name, _ in INDEX_COLUMNS if name.startswith("sketch_"))
 # the version that added a column (absent: version 1); older indexes lack it
-COLUMN_SINCE = {**{name: 2 for name in SKETCH_COLUMNS}, "checksum": 4}
+COLUMN_SINCE = {**{name: 2 for name in SKETCH_COLUMNS}, "checksum": 4, "micro_batch": 5}
 NO_CHECKSUM = -1  # `checksum` of a row without a dataset, or of a file older than version 4
+# `micro_batch` of a parameter gradient (accumulated over the step), or in a file older than 5
+NO_MICRO_BATCH = -1
 INDEX_COLUMN_NAMES = tuple(name for name, _ in INDEX_COLUMNS)
 
 

@@ -11,8 +11,9 @@ from .dump import Dump
 from .errors import DumpError
 
 KEY = ["epoch", "step", "rank", "module", "call_idx", "kind", "index", "occurrence"]
-SIDE_COLUMNS = ["seq", "call", "cls", "group", "path", "dtype", "shape", "encoding", "dataset",
-                "status", "checksum", "producer", *fmt.STAT_COLUMNS, *fmt.SKETCH_COLUMNS]
+SIDE_COLUMNS = ["seq", "call", "cls", "micro_batch", "group", "path", "dtype", "shape", "encoding",
+                "dataset", "status", "checksum", "producer", *fmt.STAT_COLUMNS,
+                *fmt.SKETCH_COLUMNS]
 
 
 def align_ranks(a: Dump, b: Dump, rank: Optional[int] = None

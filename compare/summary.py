@@ -59,8 +59,9 @@ class Divergence:
 
     def describe(self) -> str:
         r = self.row
+        micro_batch = f" (micro-batch {r['micro_batch']})" if r["micro_batch"] > 0 else ""
         where = (f"step {fmt.step_label(r['epoch'], r['step'], r['rank'])}, {self.direction}, module "
-                 f"{r['module'] or '<root>'} ({r['cls']}) call {r['call_idx']}, "
+                 f"{r['module'] or '<root>'} ({r['cls']}) call {r['call_idx']}{micro_batch}, "
                  f"{r['kind']}[{r['index']}] {r['path']}")
         numel = int(r["numel"]) if pd.notna(r["numel"]) else "n/a"
         figures = (f"rel error {r['rel_error']:.3g}, max_abs_err {r['max_abs_err']:.3g}, "

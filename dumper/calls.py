@@ -72,6 +72,31 @@ def unhookable_roots(model: nn.Module) -> list[str]:
     return [p for p in paths if not any(p.startswith(q + ".") for q in paths)]
 
 
+class ForwardPasses:
+    """Numbers a step's forward passes (``micro_batch``: with gradient accumulation, one per
+    micro-batch): a call that starts while no hooked call is open, on any thread, starts the
+    next pass. Every module of the model takes part, recorded or not, so the numbering does not
+    depend on what is selected."""
+
+    def __init__(self) -> None:
+        self._open = 0
+        self._number = -1
+        self._lock = threading.Lock()
+
+    def enter(self) -> int:
+        """A call starts: the number of its pass."""
+        with self._lock:
+            if self._open == 0:
+                self._number += 1
+            self._open += 1
+            return self._number
+
+    def leave(self) -> None:
+        """A call that :meth:`enter` counted returned."""
+        with self._lock:
+            self._open -= 1
+
+
 class CallTracker:
     """Numbers each module's calls within a step (``call_idx``: the n-th call of that module,
     from 0 — the numbering dumps and injection agree on) and carries per-call state from a

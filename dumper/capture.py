@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from compare import format as fmt
 
-from .calls import CallTracker, hookable_modules
+from .calls import CallTracker, ForwardPasses, hookable_modules
 from .flatten import call_leaves, leaves
 from .grads import GradInputCollector, current_sequence_nr, gradient_edge
 from .record import CallInfo, Record, RecordMaker, leaf_record
@@ -71,6 +71,7 @@ class StepCapture:
         self._calls = itertools.count()
         self._lock = threading.Lock()
         self._tracker = CallTracker()
+        self._passes = ForwardPasses()
         self._collectors: list[GradInputCollector] = []
         self._first_call: dict[int, CallInfo] = {}
         self._param_grads: dict[tuple[int, int], Record] = {}
@@ -81,6 +82,8 @@ class StepCapture:
         for path, module in hookable_modules(model):
             if selection.wants_module(path, module):
                 self._install(path, module)
+            else:
+                self._count_passes(module)
 
     @property
     def modules_run(self) -> int:
@@ -106,6 +109,18 @@ class StepCapture:
                 if p.requires_grad:
                     self.handles.append(p.register_post_accumulate_grad_hook(
                         self._param_grad_hook(id(module), i, name)))
+
+    def _count_passes(self, module: nn.Module) -> None:
+        """Hooks on a module that is not recorded, so that its calls still open passes."""
+        def enter(m, args) -> None:
+            if not in_backward():
+                self._passes.enter()
+
+        def leave(m, args, output) -> None:
+            if not in_backward():
+                self._passes.leave()
+        self.handles.append(module.register_forward_pre_hook(enter))
+        self.handles.append(module.register_forward_hook(leave))
 
     def finish(self) -> None:
         """Emit what only completes at step end (partial grad sums, final parameter grads)."""
@@ -136,7 +151,8 @@ class StepCapture:
         if in_backward():  # activation-checkpoint recomputation: already recorded
             self._tracker.push(module, None)
             return
-        info = CallInfo(next(self._calls), path, cls, self._tracker.next_index(module), stats_only)
+        info = CallInfo(next(self._calls), path, cls, self._tracker.next_index(module), stats_only,
+                        self._passes.enter())
         self._first_call.setdefault(id(module), info)
         seq = self._next_seq()
         want_input = self._sel.wants_kind(fmt.INPUT)
@@ -172,6 +188,7 @@ class StepCapture:
         call = self._tracker.pop(module)
         if call is None:
             return
+        self._passes.leave()
         seq = self._next_seq()
         want_output = self._sel.wants_kind(fmt.OUTPUT)
         want_grad = self._sel.wants_kind(fmt.GRAD_OUTPUT)

@@ -24,9 +24,9 @@ from .selection import Patterns
 
 @dataclasses.dataclass(frozen=True)
 class CapturedRecord:
-    """One captured tensor, as a consumer sees it. ``values`` is the snapshot (a CPU tensor,
-    valid only during the call: copy what you keep), None for statistics-only records, which
-    carry ``stats`` (``stat_min`` ... as in the index) instead."""
+    """One captured tensor, as a consumer sees it (fields as the index's columns). ``values`` is
+    the snapshot (a CPU tensor, valid only during the call: copy what you keep), None for
+    statistics-only records, which carry ``stats`` (``stat_min`` ... as in the index) instead."""
 
     epoch: int
     step: int
@@ -34,6 +34,7 @@ class CapturedRecord:
     cls: str
     call: int
     call_idx: int
+    micro_batch: int
     kind: str
     index: int
     path: str
@@ -100,7 +101,7 @@ class StepConsumers:
         call = record.call
         captured = CapturedRecord(
             self._epoch, self._step, call.module, call.cls, call.number, call.call_idx,
-            record.kind, record.index, record.path, values,
+            record.micro_batch, record.kind, record.index, record.path, values,
             None if stats is None else dict(zip(fmt.STAT_COLUMNS, stats)))
         for registered in wanting:
             try:

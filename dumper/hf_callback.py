@@ -4,9 +4,9 @@
 
 The step window counts optimizer steps (``state.global_step`` before the step, from 0), the
 epoch window the trainer's epochs (from 0). With gradient accumulation a dumped step holds
-every micro-batch: the n-th micro-batch is the root module's call ``call_idx`` n (each module's
-calls are numbered on through the micro-batches), and parameter gradients are recorded once,
-accumulated. Compare pairs records by ``call_idx``, so micro-batch by micro-batch.
+every micro-batch: each record's ``micro_batch`` says which (each module's calls are numbered
+on through the micro-batches), and parameter gradients are recorded once, accumulated. Compare
+pairs records by ``call_idx``, so micro-batch by micro-batch.
 """
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ class CallInfo:
     cls: str
     call_idx: int
     stats_only: bool = False   # statistics instead of values for this call's tensors
+    micro_batch: int = 0       # the step's forward pass this call is part of (see capture)
 
     @property
     def group(self) -> str:
@@ -53,6 +54,11 @@ class Record:
     sketch: Union[tuple, Snapshot, None] = None  # likewise (parameter statistics)
     occurrence: int = 0
     producer: int = -1
+
+    @property
+    def micro_batch(self) -> int:
+        """Its call's forward pass; none for a parameter gradient (accumulated over them)."""
+        return fmt.NO_MICRO_BATCH if self.kind == fmt.PARAM_GRAD else self.call.micro_batch
 
     @property
     def dataset(self) -> str:

@@ -90,10 +90,10 @@ class _IndexRows:
                                                  str(r.device))
         dtype, shape, device = described
         c = r.call
-        self.rows.append((r.seq, c.number, c.module, c.cls, c.call_idx, group, r.kind, r.index,
-                          r.occurrence, r.path, dataset, dtype, shape, encoding, device,
-                          int(r.requires_grad), r.status, r.value, r.producer, *stats, *sketch,
-                          checksum))
+        self.rows.append((r.seq, c.number, c.module, c.cls, c.call_idx, r.micro_batch, group,
+                          r.kind, r.index, r.occurrence, r.path, dataset, dtype, shape, encoding,
+                          device, int(r.requires_grad), r.status, r.value, r.producer, *stats,
+                          *sketch, checksum))
 
 
 _HDF5_TYPES: dict[tuple, h5t.TypeID] = {}  # shared by steps: the index's compound type

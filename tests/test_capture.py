@@ -124,6 +124,29 @@ def test_shared_module_calls_are_numbered_and_paired(tmp_path):
     assert groups == ["0001_shared.Linear", "0002_shared.Linear"]
 
 
+@pytest.mark.parametrize("include", [None, ["shared"]])
+def test_micro_batches_are_numbered_whatever_is_selected(tmp_path, include):
+    """Three forward/backward passes in one step (gradient accumulation): every record says its
+    pass in ``micro_batch``, also for a module called twice per pass and when only it is
+    selected (the root, not recorded, still opens the passes); parameter gradients, accumulated
+    over the passes, say none."""
+    model = SharedTwice()
+    dumper = HookerAndDumper(tmp_path, include=include, params=True)
+    dumper.register_hooks(model, 0, 0)
+    for _ in range(3):
+        loss_of(model(torch.randn(4, 8))).backward()
+    dumper.remove_hooks()
+    index = load_dump(tmp_path).index
+    shared = index[(index["module"] == "shared") & (index["kind"] != "param_grad")]
+    assert (shared["micro_batch"] == shared["call_idx"] // 2).all()  # two calls per pass
+    assert sorted(shared["micro_batch"].unique()) == [0, 1, 2]
+    assert set(shared["kind"]) >= {"input", "output", "grad_input", "grad_output"}
+    assert (index[index["kind"] == "param_grad"]["micro_batch"] == fmt.NO_MICRO_BATCH).all()
+    if include is None:
+        root = index[(index["module"] == "") & (index["kind"] == "output")]
+        assert root["micro_batch"].tolist() == root["call_idx"].tolist() == [0, 1, 2]
+
+
 def test_structured_leaves_and_non_tensors_are_indexed(tmp_path):
     from zoo import StructuredModel
     _dump_one_step(StructuredModel(), torch.randn(4, 8), tmp_path)

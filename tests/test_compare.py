@@ -199,3 +199,36 @@ def test_non_ascii_names_and_values_round_trip(tmp_path):
         assert column.encoding == "utf-8" and column.length == len("blocks.blöck".encode())
     result = compare_dumps(tmp_path / "a", tmp_path / "b")
     assert "blocks.blöck" in set(result["module"]) and (result["status"] == "equal").all()
+
+
+def test_a_divergence_in_a_later_micro_batch_is_named_so(tmp_path):
+    """Gradient accumulation: B's second micro-batch alone differs (its head's weights changed
+    between the passes); the first divergence names that micro-batch."""
+    from click.testing import CliRunner
+    from torch import nn
+
+    from compare.cli import main
+    from dumper import HookerAndDumper
+
+    def run(directory, bump):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+        batches = torch.randn(2, 4, 8)
+        dumper = HookerAndDumper(directory)
+        dumper.register_hooks(model, 0, 0)
+        for i, batch in enumerate(batches):
+            if i == 1:
+                with torch.no_grad():
+                    model[2].weight.add_(bump)
+            model(batch).square().sum().backward()
+        dumper.remove_hooks()
+
+    run(tmp_path / "a", 0.0)
+    run(tmp_path / "b", 1e-2)
+    result = compare_dumps(tmp_path / "a", tmp_path / "b")
+    first = summarize(result).first.row
+    assert (first["module"], first["kind"], first["micro_batch"]) == ("2", "output", 1)
+    assert (result[result["micro_batch"] == 0]["status"] == "equal").all()
+    listing = CliRunner().invoke(main, [str(tmp_path / "a"), str(tmp_path / "b")])
+    assert listing.exit_code == 1, listing.output
+    assert "module 2 (Linear) call 1 (micro-batch 1), output[0]" in listing.output, listing.output

@@ -42,7 +42,10 @@ def test_trainer_dumps_the_chosen_optimizer_step_with_both_micro_batches(tmp_pat
     index = load_dump(tmp_path / "a").index
     root = index[(index["module"] == "") & (index["kind"] == "output")]
     assert sorted(set(root["call_idx"])) == [0, 1]  # two micro-batches
+    per_pass = index[index["kind"] != "param_grad"]  # GPT-2 calls each module once per pass
+    assert (per_pass["micro_batch"] == per_pass["call_idx"]).all()
     grads = index[index["kind"] == "param_grad"]
+    assert (grads["micro_batch"] == -1).all()  # accumulated over both
     own = sum(len(list(m.parameters(recurse=False))) for m in model.modules())
     assert len(grads) == own  # per module (the tied lm_head/wte weight under both)
     assert grads.duplicated(["module", "index"]).sum() == 0  # once, accumulated

@@ -50,6 +50,8 @@ def test_lightning_dumps_the_chosen_optimizer_step(tmp_path):
     # training_step calls self.model, not the LightningModule: "model" is the outermost call
     outer = index[(index["module"] == "model") & (index["kind"] == "output")]
     assert sorted(set(outer["call_idx"])) == [0, 1]  # two micro-batches
+    per_pass = index[index["kind"] != "param_grad"]
+    assert (per_pass["micro_batch"] == per_pass["call_idx"]).all()
     grads = index[index["kind"] == "param_grad"]
     assert len(grads) and grads.duplicated(["module", "index"]).sum() == 0  # once, accumulated
     fit(H5cmpLightningCallback(tmp_path / "b", steps=[1], params=True))

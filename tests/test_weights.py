@@ -2,13 +2,17 @@
 still found, and their drift is not blamed on the modules they feed."""
 from __future__ import annotations
 
+import zlib
+
 import h5py
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 
-from compare import compare_dumps, summarize
+from compare import compare_dumps, load_dump, summarize
 from compare import format as fmt
+from compare.cli import main
 from compare.statistics import sketch_of_chunks, sketch_rel_error
 from dumper import HookerAndDumper
 from dumper.stats import tensor_sketch
@@ -74,21 +78,26 @@ def test_drifted_weights_neither_hide_nor_fake_an_error(tmp_path, params):
     assert (planted.first.row["module"], planted.first.row["kind"]) == ("mid", "output")
 
 
-def _as_version_1(directory) -> None:
-    """Rewrite every step file of ``directory`` as format version 1 wrote it (no sketches)."""
+def _as_version(directory, version: int) -> None:
+    """Rewrite every step file of ``directory`` as format ``version`` wrote it: without the
+    index columns added since (sketches in 2, checksums in 4, micro_batch in 5), and before
+    version 4 without the root attributes ``index_crc32`` and ``incomplete``."""
     for path in directory.glob("*.hdf5"):
         with h5py.File(path, "r+") as f:
             group = f[f"{f.attrs['epoch']}-epoch_{f.attrs['step']}-step"]
             table = group[fmt.INDEX_DATASET][()]
-            names = [n for n in table.dtype.names if n not in fmt.COLUMN_SINCE]
+            names = [n for n in table.dtype.names if fmt.COLUMN_SINCE.get(n, 1) <= version]
             old = np.empty(len(table), dtype=[(n, table.dtype[n]) for n in names])
             for n in names:
                 old[n] = table[n]
             del group[fmt.INDEX_DATASET]
             group[fmt.INDEX_DATASET] = old
-            f.attrs[fmt.ATTR_FORMAT_VERSION] = 1
-            del f.attrs[fmt.ATTR_INDEX_CRC]
-            del f.attrs[fmt.ATTR_INCOMPLETE]
+            f.attrs[fmt.ATTR_FORMAT_VERSION] = version
+            if version < 4:
+                del f.attrs[fmt.ATTR_INDEX_CRC]
+                del f.attrs[fmt.ATTR_INCOMPLETE]
+            else:
+                f.attrs[fmt.ATTR_INDEX_CRC] = zlib.crc32(old.tobytes())
 
 
 def test_version_1_dumps_are_read_and_their_weights_not_overtrusted(tmp_path):
@@ -96,9 +105,20 @@ def test_version_1_dumps_are_read_and_their_weights_not_overtrusted(tmp_path):
     they differ, so what they feed is not blamed on them (inherited), and the dump reads."""
     a = _train(tmp_path / "a", 0.05)
     b = _train(tmp_path / "b", 0.05 * 1.01)
-    _as_version_1(a)
-    _as_version_1(b)
+    _as_version(a, 1)
+    _as_version(b, 1)
     result = compare_dumps(a, b)
     assert result["sketched"].fillna(0).eq(0).all()
     assert summarize(result).ok
     assert (result[result["kind"] == "param"]["status"] == "inherited").all()
+
+
+def test_version_4_dumps_are_read_without_micro_batches(tmp_path):
+    a = _train(tmp_path / "a", 0.05)
+    b = _train(tmp_path / "b", 0.05)
+    _as_version(a, 4)
+    assert (load_dump(a).index["micro_batch"] == fmt.NO_MICRO_BATCH).all()
+    assert (load_dump(b).index["micro_batch"] >= 0).any()
+    result = compare_dumps(a, b)
+    assert (result["status"] == "equal").all()
+    assert CliRunner().invoke(main, [str(a), str(b)]).exit_code == 0
