@@ -131,7 +131,7 @@ INDEX_COLUMNS: tuple[tuple[str, str], ...] = (
     ("module", "str"),        # module path in the model, "" for the root
     ("cls", "str"),           # module class name
     ("call_idx", "int32"),    # n-th call of this module in this step, from 0
-    ("micro_batch", "int32"),  # n-th forward pass (outermost call) of the step; since version 5
+    ("micro_batch", "int32"),  # n-th micro-batch of the step (cut by backward passes); since 5
     ("group", "str"),         # name of the call's group inside the step group
     ("kind", "str"),          # one of KINDS
     ("index", "int32"),       # n-th tensor of this kind in this call; -1 for non-tensor leaves

@@ -72,29 +72,36 @@ def unhookable_roots(model: nn.Module) -> list[str]:
     return [p for p in paths if not any(p.startswith(q + ".") for q in paths)]
 
 
-class ForwardPasses:
-    """Numbers a step's forward passes (``micro_batch``: with gradient accumulation, one per
-    micro-batch): a call that starts while no hooked call is open, on any thread, starts the
-    next pass. Every module of the model takes part, recorded or not, so the numbering does not
-    depend on what is selected."""
+class MicroBatches:
+    """Numbers a step's micro-batches (``micro_batch``): its forward work, cut by backward
+    passes. A call that starts while no hooked call is open, after a backward pass went through
+    the outputs of an earlier such call, starts the next micro-batch. Every module of the model
+    takes part, recorded or not, so the numbering does not depend on what is selected."""
 
     def __init__(self) -> None:
+        self.number = 0  # the current micro-batch
         self._open = 0
-        self._number = -1
+        self._backward_ran = False
         self._lock = threading.Lock()
 
-    def enter(self) -> int:
-        """A call starts: the number of its pass."""
+    def enter(self) -> None:
+        """A call starts."""
         with self._lock:
-            if self._open == 0:
-                self._number += 1
+            if self._open == 0 and self._backward_ran:
+                self.number += 1
+                self._backward_ran = False
             self._open += 1
-            return self._number
 
-    def leave(self) -> None:
-        """A call that :meth:`enter` counted returned."""
+    def leave(self) -> bool:
+        """A call returned or raised; True when no call is open any more (its outputs are the
+        ones to watch for a backward pass)."""
         with self._lock:
-            self._open -= 1
+            self._open = max(0, self._open - 1)
+            return self._open == 0
+
+    def backward_ran(self, grad: Any = None) -> None:
+        """A backward pass went through an outermost call's output (a gradient hook)."""
+        self._backward_ran = True
 
 
 class CallTracker:

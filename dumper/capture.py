@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from compare import format as fmt
 
-from .calls import CallTracker, ForwardPasses, hookable_modules
+from .calls import CallTracker, MicroBatches, hookable_modules
 from .flatten import call_leaves, leaves
 from .grads import GradInputCollector, current_sequence_nr, gradient_edge
 from .record import CallInfo, Record, RecordMaker, leaf_record
@@ -71,7 +71,7 @@ class StepCapture:
         self._calls = itertools.count()
         self._lock = threading.Lock()
         self._tracker = CallTracker()
-        self._passes = ForwardPasses()
+        self._micro_batches = MicroBatches()
         self._collectors: list[GradInputCollector] = []
         self._first_call: dict[int, CallInfo] = {}
         self._param_grads: dict[tuple[int, int], Record] = {}
@@ -80,10 +80,9 @@ class StepCapture:
         self._producers: dict[int, tuple[weakref.ref, int, int]] = {}
         self.handles: list[RemovableHandle] = []
         for path, module in hookable_modules(model):
+            self._count_micro_batches(module)  # first: its pre-hook runs before the capture's
             if selection.wants_module(path, module):
                 self._install(path, module)
-            else:
-                self._count_passes(module)
 
     @property
     def modules_run(self) -> int:
@@ -110,17 +109,22 @@ class StepCapture:
                     self.handles.append(p.register_post_accumulate_grad_hook(
                         self._param_grad_hook(id(module), i, name)))
 
-    def _count_passes(self, module: nn.Module) -> None:
-        """Hooks on a module that is not recorded, so that its calls still open passes."""
+    def _count_micro_batches(self, module: nn.Module) -> None:
+        """Hooks that feed :class:`MicroBatches`: calls opening and closing (also when the
+        forward raises), and a gradient hook on the outputs of outermost calls."""
+        batches = self._micro_batches
+
         def enter(m, args) -> None:
             if not in_backward():
-                self._passes.enter()
+                batches.enter()
 
         def leave(m, args, output) -> None:
-            if not in_backward():
-                self._passes.leave()
+            if not in_backward() and batches.leave():
+                for _, leaf in leaves(output, "output"):
+                    if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                        self.handles.append(hook_gradient(leaf, batches.backward_ran))
         self.handles.append(module.register_forward_pre_hook(enter))
-        self.handles.append(module.register_forward_hook(leave))
+        self.handles.append(module.register_forward_hook(leave, always_call=True))
 
     def finish(self) -> None:
         """Emit what only completes at step end (partial grad sums, final parameter grads)."""
@@ -152,7 +156,7 @@ class StepCapture:
             self._tracker.push(module, None)
             return
         info = CallInfo(next(self._calls), path, cls, self._tracker.next_index(module), stats_only,
-                        self._passes.enter())
+                        self._micro_batches.number)
         self._first_call.setdefault(id(module), info)
         seq = self._next_seq()
         want_input = self._sel.wants_kind(fmt.INPUT)
@@ -188,7 +192,6 @@ class StepCapture:
         call = self._tracker.pop(module)
         if call is None:
             return
-        self._passes.leave()
         seq = self._next_seq()
         want_output = self._sel.wants_kind(fmt.OUTPUT)
         want_grad = self._sel.wants_kind(fmt.GRAD_OUTPUT)

@@ -5,8 +5,7 @@ The step window counts optimizer steps (``trainer.global_step`` before the step,
 epoch window ``trainer.current_epoch``. The ``LightningModule`` is hooked, so module paths
 start with its attributes (``model.``): ``h5cmp`` pairs them with a plain run's by that prefix
 and says so. With ``accumulate_grad_batches=k`` a dumped step holds its k micro-batches (each
-record's ``micro_batch``: the forward pass of the outermost module call, ``model`` when
-``training_step`` calls ``self.model``) and parameter gradients once, accumulated.
+record's ``micro_batch`` says which) and parameter gradients once, accumulated.
 """
 from __future__ import annotations
 

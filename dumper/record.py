@@ -23,7 +23,7 @@ class CallInfo:
     cls: str
     call_idx: int
     stats_only: bool = False   # statistics instead of values for this call's tensors
-    micro_batch: int = 0       # the step's forward pass this call is part of (see capture)
+    micro_batch: int = 0       # the step's micro-batch this call is part of (calls.MicroBatches)
 
     @property
     def group(self) -> str:
@@ -57,7 +57,7 @@ class Record:
 
     @property
     def micro_batch(self) -> int:
-        """Its call's forward pass; none for a parameter gradient (accumulated over them)."""
+        """Its call's micro-batch; none for a parameter gradient (accumulated over them)."""
         return fmt.NO_MICRO_BATCH if self.kind == fmt.PARAM_GRAD else self.call.micro_batch
 
     @property

@@ -147,6 +147,44 @@ def test_micro_batches_are_numbered_whatever_is_selected(tmp_path, include):
         assert root["micro_batch"].tolist() == root["call_idx"].tolist() == [0, 1, 2]
 
 
+def test_micro_batches_survive_a_forward_that_raises(tmp_path):
+    """A forward that raises (the loop skips it, no backward) leaves no call open for the
+    counting: it belongs to the next micro-batch's work, and later ones are numbered on."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    dumper = HookerAndDumper(tmp_path)
+    dumper.register_hooks(model, 0, 0)
+    for i in range(4):
+        x = torch.randn(4, 8 if i != 1 else 7)  # micro-batch 1: wrong width, forward raises
+        try:
+            model(x).square().sum().backward()
+        except RuntimeError:
+            continue
+    with pytest.warns(RuntimeWarning, match="incomplete"):  # the failed calls never returned
+        dumper.remove_hooks()
+    out = load_dump(tmp_path).index.query("kind == 'output' and module == ''")
+    assert out["micro_batch"].tolist() == [0, 1, 2], out
+
+
+class ModelAndLoss(nn.Module):
+    """Like a LightningModule: training code calls its model, then its loss module."""
+
+    def __init__(self):
+        super().__init__()
+        self.model, self.criterion = nn.Linear(8, 2), nn.MSELoss()
+
+
+def test_micro_batches_with_a_loss_module_called_after_the_model(tmp_path):
+    holder = ModelAndLoss()
+    dumper = HookerAndDumper(tmp_path)
+    dumper.register_hooks(holder, 0, 0)
+    for _ in range(2):
+        holder.criterion(holder.model(torch.randn(4, 8)), torch.zeros(4, 2)).backward()
+    dumper.remove_hooks()
+    out = load_dump(tmp_path).index.query("kind == 'output'")
+    assert list(zip(out["module"], out["micro_batch"])) == [
+        ("model", 0), ("criterion", 0), ("model", 1), ("criterion", 1)]
+
+
 def test_structured_leaves_and_non_tensors_are_indexed(tmp_path):
     from zoo import StructuredModel
     _dump_one_step(StructuredModel(), torch.randn(4, 8), tmp_path)
