@@ -55,8 +55,10 @@ class HookerAndDumper:
     (:mod:`dumper.sentinel`) on *every* step ``register_hooks`` is called for, in the window or
     not: the first module call whose output, or the first gradient, holds NaN/Inf is reported
     with its inputs' state and the ``nonfinite_history`` events before it
-    (:class:`~dumper.sentinel.NonFiniteError`, or a warning). In a dumped step the records so
-    far are published, the step marked incomplete, also under ``with d.hooks(...)``.
+    (:class:`~dumper.sentinel.NonFiniteError`, or a warning): on the CPU from the failing hook,
+    on a GPU at the next read of the checks it leaves on the device (see :mod:`dumper.sentinel`).
+    In a dumped step the records so far are published, the step marked incomplete, also under
+    ``with d.hooks(...)``.
     """
 
     def __init__(self, file_path: Union[str, os.PathLike] = "dumps/", epochs: WindowSpec = None,
@@ -153,10 +155,12 @@ class HookerAndDumper:
                                                self.nonfinite_history)
 
     def _stop_sentinel(self) -> None:
-        if self._sentinel is not None:
-            self._sentinel.remove()  # reads the checks still on the device first
-            self.nonfinite_report = self._sentinel.report
-            self._sentinel = None
+        sentinel, self._sentinel = self._sentinel, None
+        if sentinel is not None:
+            try:
+                sentinel.remove()  # then reads the checks still on the device (may warn)
+            finally:
+                self.nonfinite_report = sentinel.report
 
     def _claim(self, path: Path) -> Optional[StepClaim]:
         """The right to write ``path``; None (after a warning, with ``on_error="warn"``) when
@@ -181,7 +185,12 @@ class HookerAndDumper:
         never returned, is published marked incomplete (``h5cmp`` says so); ``with
         d.hooks(...)`` discards such a step instead."""
         self._registered = False
-        self._stop_sentinel()
+        try:
+            return self._publish_step()
+        finally:
+            self._stop_sentinel()  # last: whatever its read raises, nothing is left behind
+
+    def _publish_step(self) -> Optional[Path]:
         capture, writer = self._capture, self._writer
         self._capture = self._writer = None
         if capture is None:
@@ -195,30 +204,32 @@ class HookerAndDumper:
             warnings.warn(f"h5cmp: no module call was recorded in {writer.final_path.name}: the "
                           f"hooked model did not run between register_hooks and remove_hooks, or "
                           f"ran as torch.compile'd code, which skips module hooks",
-                          RuntimeWarning, stacklevel=2)
+                          RuntimeWarning, stacklevel=3)
         try:
             path = writer.finish(incomplete)
         except DumpWriteError as exc:
             if self.on_error == "raise":
                 raise
-            warnings.warn(str(exc), RuntimeWarning, stacklevel=2)
+            warnings.warn(str(exc), RuntimeWarning, stacklevel=3)
             return None
         self._published.published(path)
         self.written_files.append(path)
         if incomplete:
             warnings.warn(f"h5cmp: {path} is marked incomplete: {incomplete}", RuntimeWarning,
-                          stacklevel=2)
+                          stacklevel=3)
         return path
 
     def abort_step(self) -> None:
         """Remove every hook and discard the step in flight (nothing is published)."""
         self._registered = False
-        self._stop_sentinel()
         capture, writer = self._capture, self._writer
         self._capture = self._writer = None
-        if capture is not None:
-            capture.remove()
-            writer.abort()
+        try:
+            if capture is not None:
+                capture.remove()
+                writer.abort()
+        finally:
+            self._stop_sentinel()
 
     @contextlib.contextmanager
     def hooks(self, model: nn.Module, epoch: int, step: int) -> Iterator[bool]:

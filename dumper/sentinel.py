@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import math
+import threading
 import warnings
 import weakref
 from typing import Any, Optional
@@ -70,7 +71,11 @@ def extremes(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def signature(t: torch.Tensor) -> str:
     """``shape dtype``."""
-    return f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+    return _signature(tuple(t.shape), t.dtype)
+
+
+def _signature(shape: tuple, dtype: torch.dtype) -> str:
+    return f"{shape} {str(dtype).replace('torch.', '')}"
 
 
 def describe(t: torch.Tensor) -> str:
@@ -102,18 +107,25 @@ class _Watched:
 
 class _Kept:
     """A tensor as it was when checked: read again only if unchanged (same object, same
-    version); else only its signature is known."""
+    version; an inference tensor has no version: if it is still there, it is taken as
+    unchanged); else only its signature is known."""
 
-    __slots__ = ("ref", "version", "signature")
+    __slots__ = ("ref", "version", "shape", "dtype")
 
     def __init__(self, t: torch.Tensor):
-        self.ref = None if t.is_inference() else weakref.ref(t)
-        self.version = None if self.ref is None else t._version
-        self.signature = signature(t)
+        self.ref = weakref.ref(t)
+        self.version = None if t.is_inference() else t._version
+        self.shape, self.dtype = tuple(t.shape), t.dtype
 
     def get(self) -> Optional[torch.Tensor]:
-        t = None if self.ref is None else self.ref()
-        return t if t is not None and t._version == self.version else None
+        t = self.ref()
+        if t is None or (self.version is not None and t._version != self.version):
+            return None
+        return t
+
+    @property
+    def signature(self) -> str:
+        return _signature(self.shape, self.dtype)
 
 
 class _Pending:
@@ -142,7 +154,8 @@ class NonFiniteSentinel:
         self._calls = 0
         self._depth = 0  # hooked calls open
         self._pending: list[_Pending] = []  # device-side checks not read yet, in order
-        self._read_queued = False  # a read is queued for the end of this backward pass
+        self._read_task: Optional[int] = None  # the backward pass whose end reads them
+        self._lock = threading.Lock()  # depth and pending (forwards may run on threads)
         # per gradient edge (node, slot) of a watched tensor: what it is and the modules that
         # took it as input; the nodes are kept so that their ids stay unique
         self._watched: dict[tuple[int, int], _Watched] = {}
@@ -154,14 +167,17 @@ class NonFiniteSentinel:
             self.handles.append(module.register_forward_pre_hook(
                 lambda m, args, kwargs, path=path: self._pre_hook(path, args, kwargs),
                 with_kwargs=True))
-            self.handles.append(module.register_forward_hook(
+            self.handles.append(module.register_forward_hook(  # also when the forward raises
                 lambda m, args, kwargs, out, path=path, cls=cls:
-                self._post_hook(path, cls, args, kwargs, out), with_kwargs=True))
+                self._post_hook(path, cls, args, kwargs, out), with_kwargs=True,
+                always_call=True))
 
     def remove(self) -> None:
-        """Remove every hook; checks still on the device are read first (a failure found now
-        is reported as a warning, whatever the action: the step is over)."""
-        pending, self._pending = self._pending, []
+        """Remove every hook, then read the checks still on the device: a failure found now
+        is reported as a warning, whatever the action (the step is over); a read that fails
+        (a device error) is warned about."""
+        with self._lock:
+            pending, self._pending = self._pending, []
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
@@ -169,14 +185,19 @@ class NonFiniteSentinel:
         self._nodes.clear()
         self._checked.clear()
         if pending and self.report is None:
-            self._read(pending, action="warn")
+            try:
+                self._read(pending, action="warn")
+            except RuntimeError as exc:
+                warnings.warn(f"h5cmp: the NaN/Inf sentinel could not read its last "
+                              f"{len(pending)} checks ({exc})", RuntimeWarning, stacklevel=2)
 
     # forward
 
     def _pre_hook(self, path: str, args: tuple, kwargs: dict) -> None:
         if in_backward() or self.report is not None:
             return
-        self._depth += 1
+        with self._lock:
+            self._depth += 1
         if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
             inputs: Any = (("args[0]", args[0]),)  # the common case, without the generator
         else:
@@ -190,7 +211,9 @@ class NonFiniteSentinel:
     def _post_hook(self, path: str, cls: str, args: tuple, kwargs: dict, output: Any) -> None:
         if in_backward() or self.report is not None:
             return
-        self._depth -= 1
+        with self._lock:
+            self._depth -= 1
+            outermost = self._depth <= 0
         self._calls += 1
         call = (path, cls, self._calls)
         outputs = (("output", output),) if isinstance(output, torch.Tensor) else \
@@ -204,7 +227,7 @@ class NonFiniteSentinel:
             self._watch(leaf, (leaf_path + " of", path))
             if not leaf.is_inference():
                 self._checked[id(leaf)] = (weakref.ref(leaf), leaf._version)
-        if self._depth <= 0 and self._pending:  # the outermost call returned
+        if outermost and output is not None and self._pending:  # None: also when it raised
             self._read_pending()
 
     def _seen(self, t: torch.Tensor) -> bool:
@@ -232,8 +255,9 @@ class NonFiniteSentinel:
     def _on_grad(self, watched: _Watched, grad: torch.Tensor) -> None:
         if self.report is None:
             self._check(grad, ("backward", watched.what), None, watched)
-        if self._pending and not self._read_queued:  # read at the end of this backward pass
-            self._read_queued = True
+        task = torch._C._current_graph_task_id()
+        if self._pending and self._read_task != task:  # read at the end of this backward pass
+            self._read_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._read_pending)
 
     # checking and reporting
@@ -242,10 +266,12 @@ class NonFiniteSentinel:
                watched: Optional[_Watched]) -> None:
         """Check ``t`` for ``event`` (``call``: the forward call's ``(args, kwargs)``)."""
         if checks_on_device(t):
-            inputs = None if call is None else [
-                (p, _Kept(x)) for p, x in call_leaves(*call) if isinstance(x, torch.Tensor)]
-            self._pending.append(_Pending(event, t, inputs, watched))
-            if len(self._pending) >= READ_EVERY:
+            inputs = None if call is None else [(p, _Kept(x)) for p, x in _tensor_inputs(call)]
+            check = _Pending(event, t, inputs, watched)
+            with self._lock:
+                self._pending.append(check)
+                full = len(self._pending) >= READ_EVERY
+            if full:
                 self._read_pending()
             return
         if self._pending:  # earlier checks come first
@@ -254,14 +280,14 @@ class NonFiniteSentinel:
                 return
         if is_finite(t):
             self._history.append(event)
-            return
-        inputs = None if call is None else [
-            (p, x) for p, x in call_leaves(*call) if isinstance(x, torch.Tensor)]
-        self._found(event, t, inputs, watched, self.action)
+        else:
+            self._found(event, t, None if call is None else _tensor_inputs(call), watched,
+                        self.action)
 
     def _read_pending(self) -> None:
-        self._read_queued = False
-        pending, self._pending = self._pending, []
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self._read_task = None
         if pending and self.report is None:
             self._read(pending, self.action)
 
@@ -319,6 +345,11 @@ def _or(t: Optional[torch.Tensor], signature_: str):
 def _state(t, gone: str) -> str:
     """A tensor described, or the signature of one no longer there and why (``gone``)."""
     return describe(t) if isinstance(t, torch.Tensor) else f"{t} ({gone})"
+
+
+def _tensor_inputs(call: tuple) -> list[tuple[str, torch.Tensor]]:
+    """The tensors among a call's ``(args, kwargs)``, with their paths."""
+    return [(p, x) for p, x in call_leaves(*call) if isinstance(x, torch.Tensor)]
 
 
 def _where(inputs: list) -> str:

@@ -506,8 +506,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--models", default="mlp,cnn,deep,transformer")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--paired-rounds", type=int, default=40,
-                        help="rounds of the paired sentinel and no-op-hooks measurement")
+    parser.add_argument("--paired-rounds", type=lambda v: max(1, int(v)), default=40,
+                        help="rounds of the paired sentinel and no-op-hooks measurement (>= 1)")
     parser.add_argument("--memory-steps", type=int, default=20)
     parser.add_argument("--memory-child", nargs=3, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -215,3 +215,47 @@ def test_cuda_checks_stay_on_the_device(tmp_path, direction, monkeypatch):
     test_the_report_names_the_planted_module_and_direction(tmp_path, 0, direction, reads,
                                                            device="cuda")
     assert 1 <= len(reads) <= 2 and sum(reads) >= 20, reads
+
+
+def test_a_forward_that_raises_leaves_the_sentinel_armed(tmp_path, reading):
+    """A forward that fails (the loop catches it) must not leave the sentinel counting a call
+    as open: a later NaN still raises at once (read at the outermost return on the device)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    dumper = HookerAndDumper(tmp_path, steps=[], on_nonfinite="raise")
+    dumper.register_hooks(model, 0, 0)
+    with pytest.raises(RuntimeError, match="shapes"):
+        model(torch.randn(2, 3))
+    with pytest.raises(NonFiniteError, match=r"output of 0 \(Linear\)"):
+        model(torch.full((2, 4), float("inf")))
+    dumper.remove_hooks()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_inference_tensors_are_described(tmp_path, reading):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    dumper = HookerAndDumper(tmp_path, steps=[], on_nonfinite="raise")
+    with pytest.raises(NonFiniteError) as caught, torch.inference_mode(), \
+            dumper.hooks(model, 0, 0):
+        model(torch.full((2, 4), float("nan")))
+    first = str(caught.value).splitlines()[0]
+    assert "already non-finite" in first and "with 8 NaN" in first, first
+
+
+def test_a_read_that_fails_at_the_end_leaves_no_hook_behind(tmp_path, monkeypatch):
+    """Checks left on the device when a forward raised are read at remove_hooks; if that read
+    fails (a device error), it is a warning, and every hook is gone, the step published."""
+    monkeypatch.setattr(sentinel, "checks_on_device", lambda t: True)
+
+    def device_error(self, pending, action):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+    monkeypatch.setattr(sentinel.NonFiniteSentinel, "_read", device_error)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(3, 3))  # the second call raises
+    dumper = HookerAndDumper(tmp_path, on_nonfinite="raise")
+    dumper.register_hooks(model, 0, 0)
+    with pytest.raises(RuntimeError, match="shapes"):
+        model(torch.randn(2, 4))
+    with pytest.warns(RuntimeWarning, match="could not read its last 1 checks"), \
+            pytest.warns(RuntimeWarning, match="incomplete"):
+        path = dumper.remove_hooks()
+    assert path is not None and path.exists()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
