@@ -165,6 +165,34 @@ def test_micro_batches_survive_a_forward_that_raises(tmp_path):
     assert out["micro_batch"].tolist() == [0, 1, 2], out
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_micro_batches_under_activation_checkpointing(tmp_path, reentrant):
+    """The recomputation in backward opens no micro-batch and takes no number."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.head(checkpoint(self.block, x, use_reentrant=reentrant))
+
+    model = Checkpointed()
+    dumper = HookerAndDumper(tmp_path)
+    dumper.register_hooks(model, 0, 0)
+    for _ in range(3):
+        model(torch.randn(4, 8, requires_grad=True)).square().sum().backward()
+    dumper.remove_hooks()
+    index = load_dump(tmp_path).index
+    forward = index[index["kind"].isin(["input", "output"])]
+    assert (forward["micro_batch"] == forward["call_idx"]).all()
+    assert sorted(index["micro_batch"].unique()) == [0, 1, 2]
+    grads = index[index["kind"] == "grad_output"]
+    assert (grads["micro_batch"] == grads["call_idx"]).all()
+
+
 class ModelAndLoss(nn.Module):
     """Like a LightningModule: training code calls its model, then its loss module."""
 
