@@ -14,7 +14,7 @@ from typing import Optional
 
 from transformers import TrainerCallback
 
-from .hooker import HookerAndDumper
+from .hooker import HookerAndDumper, given_or_new
 
 
 class H5cmpCallback(TrainerCallback):
@@ -24,9 +24,7 @@ class H5cmpCallback(TrainerCallback):
     ``callback.dumper.remove_hooks()`` (publishes the step so far) or ``close()`` after it."""
 
     def __init__(self, *args, dumper: Optional[HookerAndDumper] = None, **options):
-        if dumper is not None and (args or options):
-            raise TypeError("H5cmpCallback: pass either a dumper or HookerAndDumper's arguments")
-        self.dumper = dumper if dumper is not None else HookerAndDumper(*args, **options)
+        self.dumper = given_or_new("H5cmpCallback", dumper, args, options)
         self._epoch = 0
 
     def on_epoch_begin(self, args, state, control, **kwargs):

@@ -21,7 +21,7 @@ from .memory import trim_heap
 from .record import ByteBudget, RecordMaker
 from .run_info import distributed_rank, run_attrs
 from .selection import Patterns, Selection, Types
-from .sentinel import ACTIONS as SENTINEL_ACTIONS, NonFiniteError, NonFiniteSentinel
+from .sentinel import NonFiniteError, NonFiniteSentinel, check_action
 from .snapshot import SnapshotPool
 from .window import Window, WindowSpec
 from .writer import DumpWriteError, StepWriter
@@ -87,8 +87,8 @@ class HookerAndDumper:
         self._maker = RecordMaker(self._pool, self._budget, drop_when_full=when_full == "drop")
         self._published = PublishedFiles(self.directory)
         self.fsync = fsync
-        if on_nonfinite not in (None, *SENTINEL_ACTIONS):
-            raise ValueError(f"on_nonfinite must be None, 'raise' or 'warn', got {on_nonfinite!r}")
+        if on_nonfinite is not None:
+            check_action(on_nonfinite)
         self.on_nonfinite = on_nonfinite
         self.nonfinite_history = nonfinite_history
         self._sentinel: Optional[NonFiniteSentinel] = None
@@ -269,6 +269,15 @@ class HookerAndDumper:
         """Print the structure of the dump (groups, datasets, dtypes, shapes); default: all of it."""
         from compare.inspect import print_tree
         print_tree(self.directory if path is None else path)
+
+
+def given_or_new(owner: str, dumper: Optional[HookerAndDumper], args: tuple,
+                 options: dict) -> HookerAndDumper:
+    """The dumper of an integration (``owner``, e.g. a trainer callback): ``dumper`` if given,
+    else one made from :class:`HookerAndDumper`'s ``args`` and ``options``, not both."""
+    if dumper is not None and (args or options):
+        raise TypeError(f"{owner}: pass either a dumper or HookerAndDumper's arguments")
+    return dumper if dumper is not None else HookerAndDumper(*args, **options)
 
 
 def _why_incomplete(open_calls: int) -> str:

@@ -13,7 +13,7 @@ from typing import Optional
 
 from lightning.pytorch.callbacks import Callback
 
-from .hooker import HookerAndDumper
+from .hooker import HookerAndDumper, given_or_new
 
 
 class H5cmpLightningCallback(Callback):
@@ -21,10 +21,7 @@ class H5cmpLightningCallback(Callback):
     :class:`~dumper.HookerAndDumper`'s (or pass one as ``dumper=``)."""
 
     def __init__(self, *args, dumper: Optional[HookerAndDumper] = None, **options):
-        if dumper is not None and (args or options):
-            raise TypeError("H5cmpLightningCallback: pass either a dumper or HookerAndDumper's "
-                            "arguments")
-        self.dumper = dumper if dumper is not None else HookerAndDumper(*args, **options)
+        self.dumper = given_or_new("H5cmpLightningCallback", dumper, args, options)
         self._step: Optional[int] = None  # the optimizer step whose micro-batches are hooked
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):

@@ -40,6 +40,12 @@ ACTIONS = ("raise", "warn")
 READ_EVERY = 1024  # device-side checks read at once at most (bounds what waits)
 
 
+def check_action(action: str) -> None:
+    """Refuse an ``on_nonfinite`` that is not one of :data:`ACTIONS`."""
+    if action not in ACTIONS:
+        raise ValueError(f"on_nonfinite must be one of {ACTIONS} or None, got {action!r}")
+
+
 class NonFiniteError(RuntimeError):
     """A module call made NaN or Inf (raised by the sentinel with ``on_nonfinite="raise"``)."""
 
@@ -146,8 +152,7 @@ class NonFiniteSentinel:
     left to read and removes every hook."""
 
     def __init__(self, model: nn.Module, action: str, history: int = 8):
-        if action not in ACTIONS:
-            raise ValueError(f"on_nonfinite must be one of {ACTIONS} or None, got {action!r}")
+        check_action(action)
         self.action = action
         self.report: Optional[str] = None  # the first report of this step
         self._history: collections.deque = collections.deque(maxlen=history)  # of events

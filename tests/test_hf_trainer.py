@@ -53,3 +53,11 @@ def test_trainer_dumps_the_chosen_optimizer_step_with_both_micro_batches(tmp_pat
     result = compare_dumps(tmp_path / "a", tmp_path / "b")
     assert (result["status"] == "equal").all()
     assert CliRunner().invoke(main, [str(tmp_path / "a"), str(tmp_path / "b")]).exit_code == 0
+
+
+def test_a_dumper_or_its_arguments_not_both(tmp_path):
+    from dumper import HookerAndDumper
+    dumper = HookerAndDumper(tmp_path)
+    assert H5cmpCallback(dumper=dumper).dumper is dumper
+    with pytest.raises(TypeError, match="H5cmpCallback: pass either a dumper"):
+        H5cmpCallback(tmp_path, dumper=dumper)

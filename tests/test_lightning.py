@@ -69,3 +69,10 @@ def test_a_lightning_dump_pairs_with_a_plain_one_by_its_prefix(tmp_path):
     first = result[result["call_idx"] == 0]  # the plain run did one micro-batch
     paired = first[first["status"].isin(["equal"])]
     assert len(paired) >= 0.9 * len(first[first["module"] != "[B] <root>"])
+
+
+def test_a_dumper_or_its_arguments_not_both(tmp_path):
+    dumper = HookerAndDumper(tmp_path)
+    assert H5cmpLightningCallback(dumper=dumper).dumper is dumper
+    with pytest.raises(TypeError, match="H5cmpLightningCallback: pass either a dumper"):
+        H5cmpLightningCallback(steps=[1], dumper=dumper)
