@@ -33,7 +33,7 @@ def tensor_stats(t: torch.Tensor) -> Stats:
     if n == 0:
         return stats_from_sums(math.nan, math.nan, 0.0, 0.0, 0, 0, 0, 0)
     if x.dtype in _NUMPY_FLOATS and x.is_cpu and n <= SMALL:
-        return _small_cpu_stats(x.numpy().reshape(-1))  # the common case, kept short
+        return _small_cpu_stats(_float64_copy(x))  # the common case, kept short
     if x.is_complex():
         x = x.abs()
     if not x.is_floating_point():
@@ -47,34 +47,8 @@ def tensor_stats(t: torch.Tensor) -> Stats:
 
 _NUMPY_FLOATS = (torch.float32, torch.float64)
 _MIN, _MAX, _SUM = np.minimum.reduce, np.maximum.reduce, np.add.reduce
-
-
-def _small_cpu_stats(a: np.ndarray) -> tuple:
-    """Statistics of a small float32/float64 array. Ufunc reductions are called directly:
-    for 2048 elements numpy's Python wrappers (``a.min()``, ``np.einsum``) took a third of the
-    time. No BLAS: numpy's OpenBLAS threads spin after a call, taking a core from training."""
-    lo, hi = float(_MIN(a)), float(_MAX(a))
-    finite = math.isfinite(lo) and math.isfinite(hi)
-    if finite and a.dtype == np.float32:  # float64 sums of finite float32 values cannot overflow
-        total, sumsq = _float64_sums(a)
-    else:
-        with np.errstate(all="ignore"):  # inf - inf is the NaN the counts explain; overflow: inf
-            total, sumsq = _float64_sums(a)
-    nan = inf = 0.0
-    if not finite:
-        nan, inf = float(np.count_nonzero(np.isnan(a))), float(np.count_nonzero(np.isinf(a)))
-    zero = float(a.size - np.count_nonzero(a))
-    return stats_from_sums(lo, hi, total, sumsq, a.size, nan, inf, zero)
-
-
-def _float64_sums(a: np.ndarray) -> tuple[float, float]:
-    wide = a.astype(np.float64)  # a copy even of float64: squared in place below
-    total = float(_SUM(wide))
-    return total, float(_SUM(np.multiply(wide, wide, out=wide)))
-
-
+_scratch = threading.local()  # per-thread buffers: hooks may run on several threads
 CHUNK = 1 << 18  # elements per pass over a chunk: scratch buffers stay small and in cache
-_scratch = threading.local()
 
 
 def _scratch_buffer(dtype: torch.dtype, n: int) -> torch.Tensor:
@@ -87,6 +61,32 @@ def _scratch_buffer(dtype: torch.dtype, n: int) -> torch.Tensor:
     return buffers[dtype][:n]
 
 
+def _float64_copy(x: torch.Tensor) -> np.ndarray:
+    """``x`` (a CPU float tensor of at most ``SMALL`` elements) copied into this thread's
+    float64 scratch array. Never ``x.numpy()``: exposing a tensor's storage to numpy marks it
+    not resizable for good, and FSDP frees unsharded parameters by resizing their storage."""
+    wide = _scratch_buffer(torch.float64, x.numel())
+    wide.view(x.shape).copy_(x)
+    return wide.numpy()
+
+
+def _small_cpu_stats(a: np.ndarray) -> tuple:
+    """Statistics of a small float64 array (``a`` is scratch: squared in place). Ufunc
+    reductions are called directly: for 2048 elements numpy's Python wrappers (``a.min()``,
+    ``np.einsum``) took a third of the time. No BLAS: numpy's OpenBLAS threads spin after a
+    call, taking a core from training."""
+    lo, hi = float(_MIN(a)), float(_MAX(a))
+    finite = math.isfinite(lo) and math.isfinite(hi)
+    nan = inf = 0.0
+    if not finite:
+        nan, inf = float(np.count_nonzero(np.isnan(a))), float(np.count_nonzero(np.isinf(a)))
+    zero = float(a.size - np.count_nonzero(a))
+    with np.errstate(all="ignore"):  # inf - inf is the NaN the counts explain; overflow: inf
+        total = float(_SUM(a))
+        sumsq = float(_SUM(np.multiply(a, a, out=a)))
+    return stats_from_sums(lo, hi, total, sumsq, a.size, nan, inf, zero)
+
+
 def _cpu_stats(x: torch.Tensor) -> tuple:
     """One aminmax pass over ``x`` (float32 or float64), then chunk by chunk: a float64 copy
     for the sum and the dot product, and sign(x)·sign(x) for the non-zeros (a quarter of
@@ -95,7 +95,7 @@ def _cpu_stats(x: torch.Tensor) -> tuple:
     both are finite, no zero outside [min, max]."""
     n = x.numel()
     if n <= SMALL:
-        return _small_cpu_stats(x.numpy())
+        return _small_cpu_stats(_float64_copy(x))
     low, high = torch.aminmax(x)
     lo, hi = low.item(), high.item()
     finite = math.isfinite(lo) and math.isfinite(hi)
@@ -152,7 +152,7 @@ def tensor_sketch(t: torch.Tensor) -> Stats:
     if x.device.type == "cpu" and x.dtype in _NUMPY_FLOATS and x.numel() <= SMALL:
         # one product with each element's sign, precomputed: a few us (no dispatcher, no BLAS)
         signs = _element_signs()[:, :x.numel()]
-        return tuple(float(v) for v in np.einsum("kn,n->k", signs, x.numpy().astype(np.float64)))
+        return tuple(float(v) for v in np.einsum("kn,n->k", signs, _float64_copy(x)))
     return _sketch(x, _signs_on(x.device))
 
 

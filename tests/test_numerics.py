@@ -114,3 +114,20 @@ def test_hooks_are_all_removed(tmp_path, monkeypatch):
     loss_of(out).backward()
     assert submitted == []
     assert len(dumper.written_files) == 1
+
+
+@pytest.mark.parametrize("options", [{}, {"params": True}, {"mode": "stats"},
+                                     {"mode": "stats", "params": True}])
+def test_user_storages_stay_resizable(tmp_path, options):
+    """Exposing a tensor's storage to numpy marks it not resizable for good; FSDP frees
+    unsharded parameters by resizing theirs. The dumper must never do that to a user's
+    tensor: parameters, inputs, outputs or gradients."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(4, 8, requires_grad=True)
+    with HookerAndDumper(tmp_path, **options).hooks(model, 0, 0):
+        out = model(x)
+        out.sum().backward()
+    tensors = {"input": x, "input grad": x.grad, "output": out}
+    for name, p in model.named_parameters():
+        tensors |= {name: p, f"{name} grad": p.grad}
+    assert [n for n, t in tensors.items() if not t.untyped_storage().resizable()] == []

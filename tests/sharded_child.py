@@ -1,0 +1,146 @@
+"""One rank of a sharded training run, with and without the dumper (``tests/test_sharded.py``).
+
+usage: RANK=r WORLD_SIZE=n MASTER_ADDR=... MASTER_PORT=... sharded_child.py LAYOUT DIR
+LAYOUT: ``fsdp2`` (``fully_shard`` per block of a small transformer), ``fsdp1``
+(``FullyShardedDataParallel``), ``tp`` (``ColwiseParallel``/``RowwiseParallel`` on an MLP
+block) or ``ddp``. Trains three SGD steps without a dumper, then once per dumper mode, and
+prints one JSON line: per mode, whether losses, outputs and gradients are bit-identical to
+the plain run, and the step files written.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dumper import HookerAndDumper
+
+STEPS = 3
+MODES = {"default": {}, "params": {"params": True}, "stats": {"mode": "stats"},
+         "stats-params": {"mode": "stats", "params": True}}
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block (attention through ``nn.MultiheadAttention``, GELU MLP,
+    an in-place residual add)."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, 2, batch_first=True)
+        self.mlp = MLP(width)
+
+    def forward(self, x):
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        out = self.mlp(self.norm2(x))
+        out += x
+        return out
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+class Transformer(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 2):
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build(layout: str) -> nn.Module:
+    torch.manual_seed(0)
+    if layout == "tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+        model = nn.Sequential(nn.Linear(8, 16), MLP(16), nn.Linear(16, 4))
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        parallelize_module(model, mesh, {"1.up": ColwiseParallel(), "1.down": RowwiseParallel()})
+        return model
+    model = Transformer()
+    if layout == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+        for block in model.blocks:
+            fully_shard(block)
+        return fully_shard(model)
+    if layout == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        return FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+    if layout == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def _full(t: torch.Tensor | None) -> torch.Tensor:
+    """The whole value of a (possibly sharded) tensor; a rank's empty shard (FSDP1 leaves
+    the gradient of a parameter with no elements on this rank None) as an empty tensor."""
+    if t is None:
+        return torch.empty(0)
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def train(layout: str, dumper: HookerAndDumper | None) -> list[torch.Tensor]:
+    """Losses, outputs, gradients and final weights of ``STEPS`` steps, as whole tensors."""
+    model = build(layout)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(dist.get_rank())
+    seen = []
+    for step in range(STEPS):
+        x = torch.randn(2, 5, 8, generator=data)
+        if dumper is not None:
+            dumper.register_hooks(model, 0, step)
+        out = model(x)
+        loss = out.pow(2).mean()
+        loss.backward()
+        if dumper is not None:
+            dumper.remove_hooks()
+        seen += [loss.detach().clone(), _full(out.detach()).clone()]
+        seen += [_full(p.grad).clone() for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad()
+    return seen + [_full(p.detach()).clone() for p in model.parameters()]
+
+
+def _bits_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+        and torch.equal(torch.signbit(x), torch.signbit(y)) for x, y in zip(a, b))
+
+
+def main() -> None:
+    layout, directory = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    plain = train(layout, None)
+    report = {}
+    for mode, options in MODES.items():
+        dumper = HookerAndDumper(os.path.join(directory, mode), steps=[0, 2], **options)
+        identical = _bits_equal(plain, train(layout, dumper))
+        report[mode] = {"identical": identical,
+                        "files": sorted(p.name for p in dumper.written_files)}
+    dist.barrier()
+    dist.destroy_process_group()
+    print(json.dumps({"rank": int(os.environ["RANK"]), "modes": report}))
+
+
+if __name__ == "__main__":
+    main()
