@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -187,6 +188,22 @@ def precision_context(precision: str, device: str = "cpu"):
     if precision in ("bfloat16", "float16"):
         return torch.autocast(torch.device(device).type, dtype=getattr(torch, precision))
     return contextlib.nullcontext()
+
+
+@functools.cache
+def cannot_run(arch: str, precision: str, device: str = "cpu") -> str:
+    """Why torch itself cannot run a training step of ``arch`` at ``precision`` on this
+    machine, with no dumper involved (e.g. oneDNN has no bfloat16 LSTM kernel on CPUs without
+    native bfloat16 arithmetic), or "" when it can. Tests skip such variants with this reason;
+    a failure with the dumper attached in a variant torch runs is ours."""
+    model, batch = build(arch, precision, 0, device)
+    try:
+        with precision_context(precision, device):
+            loss = ARCHITECTURES[arch].loss(model, batch)
+        loss.backward()
+    except (RuntimeError, NotImplementedError) as exc:
+        return f"{type(exc).__name__}: {next(iter(str(exc).splitlines()), '')}"
+    return ""
 
 
 def run_step(arch: str, precision: str, directory, *, seed: int = 0,
