@@ -62,8 +62,8 @@ class Options:
               help="Write the first compared step's call graph, coloured by status, to FILE.dot "
                    "(.png/.svg rendered with Graphviz).")
 @click.option("--injected", type=click.Path(path_type=Path),
-              help="A dump of run B with reference inputs injected (dumper.Injector): report each "
-                   "module's local error and whether it is the origin or inherits the error.")
+              help="A re-run of B on A's values (HookerAndDumper(..., inject=A)): report each "
+                   "record's local error, the origins, and exit 1 if there is one, else 0.")
 @click.option("--track", metavar="MODULE:KIND:INDEX[:CALL]",
               help="With only A: plot this tensor over A's steps into the --plot file.")
 @click.option("--rank", type=click.IntRange(min=0),
@@ -118,7 +118,7 @@ def main(a: Path, b: Optional[Path], track: Optional[str], debug: bool, **option
 
 def compare_command(a: Path, b: Path, opts: Options) -> int:
     """Run one comparison as ``h5cmp A B`` does; returns the exit status."""
-    from .comparison import NAME_MAPPING, compare_dumps
+    from .comparison import NAME_MAPPING, NOT_COMPARED, compare_dumps
     from .dump import load_dump
     from .pairing import align_ranks, select
     from .plot import check_plot_path, plot_errors, plot_heatmap
@@ -150,8 +150,10 @@ def compare_command(a: Path, b: Path, opts: Options) -> int:
                            hidden=not show_progress) as bar:
         result = compare_dumps(dump_a, dump_b, opts.rtol, opts.atol, steps=opts.steps,
                                jobs=opts.jobs, progress=bar.update, mapping=mapping)
-    if result.attrs.get(NAME_MAPPING) and not opts.quiet:
-        click.echo(f"h5cmp: {result.attrs[NAME_MAPPING]}", err=True)
+    if not opts.quiet:
+        for note in [result.attrs.get(NAME_MAPPING), *result.attrs.get(NOT_COMPARED, ())]:
+            if note:
+                click.echo(f"h5cmp: {note}", err=True)
     summary = summarize(result)  # of every record: the filters below only choose what is shown
     shown = select(result, opts.modules, opts.kinds).reset_index(drop=True)
     if shown.empty:
@@ -174,13 +176,15 @@ def compare_command(a: Path, b: Path, opts: Options) -> int:
                          result=result), opts.dot)
     if not opts.quiet:
         click.echo(render_text(shown, summary, opts.show_all, opts.top, opts.order))
-    if opts.injected is not None:
+    if opts.injected is not None:  # the re-run's answer is the definite one
         from .injection import describe_origins, localize
+        from .status import ORIGIN
         origins = localize(dump_a, dump_b, opts.injected, opts.rtol, opts.atol,
                            steps=opts.steps, modules=opts.modules, free_result=result)
         if not opts.quiet:
-            click.echo("\nlocal vs accumulated error (with reference inputs injected):")
+            click.echo("\nlocal vs accumulated error (the reference's values injected):")
             click.echo(describe_origins(origins))
+        return EXIT_DIFFERENT if (origins["verdict"] == ORIGIN).any() else EXIT_SAME
     return EXIT_SAME if summary.ok else EXIT_DIFFERENT
 
 

@@ -20,7 +20,7 @@ from .errors import DumpError
 from . import format as fmt
 from .mapping import NameMapping, find_prefix, load_mapping
 from .metrics import METRIC_COLUMNS, ErrorAccumulator
-from .pairing import KEY, align_ranks, pair_records, select, tensor_rows
+from .pairing import KEY, align_ranks, pair_records, recorded_on_both_sides, select, tensor_rows
 from .statistics import compare_stats, sketch_of_chunks, stats_of_chunks
 from .status import DROPPED, MISSING_IN_A, MISSING_IN_B, SHAPE_MISMATCH, UNSUPPORTED
 from .tolerance import pair_tolerance
@@ -31,14 +31,16 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 20  # elements read per dataset slice (4 MiB of fl
 
 PAIR_COLUMNS = [
     "epoch", "step", "rank", "seq", "call", "module", "cls", "call_idx", "micro_batch", "kind",
-    "index", "occurrence", "path", "producer", "dtype_a", "dtype_b", "shape_a", "shape_b",
-    "status", *METRIC_COLUMNS, "rtol", "atol",
+    "index", "occurrence", "path", "producer", "injected", "dtype_a", "dtype_b", "shape_a",
+    "shape_b", "status", *METRIC_COLUMNS, "rtol", "atol",
 ]
 RESULT_COLUMNS = PAIR_COLUMNS + list(VERDICT_COLUMNS)
 # result.attrs key: the compared steps a dumper marked incomplete, as "B's step 0:1 (why)"
 INCOMPLETE_STEPS = "incomplete_steps"
 # result.attrs key: how B's module names were renamed before pairing ("" when they were not)
 NAME_MAPPING = "name_mapping"
+# result.attrs key: what one side recorded that the other's dumper was not asked to record
+NOT_COMPARED = "not_compared"
 
 
 def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Optional[float] = None,
@@ -78,7 +80,7 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     mapping = _name_mapping(mapping, rows_a, rows_b)
     if mapping is not None:
         rows_b = _one_to_one(mapping, rows_b, mapping.apply(rows_b))
-    pairs = pair_records(rows_a, rows_b)
+    pairs, not_compared = recorded_on_both_sides(pair_records(rows_a, rows_b))
     files_a = {(s.epoch, s.step, s.rank if s.rank is not None else -1): s for s in dump_a.steps}
     files_b = {(s.epoch, s.step, s.rank if s.rank is not None else -1): s for s in dump_b.steps}
     tasks = _tasks(pairs, files_a, files_b, max(1, jobs), chunk_elements, rtol, atol)
@@ -101,6 +103,7 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     compared = {(e, s, -1 if r != r else r) for e, s, r in
                 pairs[["epoch", "step", "rank"]].drop_duplicates().itertuples(index=False)}
     result.attrs[NAME_MAPPING] = mapping.describe() if mapping is not None else ""
+    result.attrs[NOT_COMPARED] = not_compared
     result.attrs[INCOMPLETE_STEPS] = [
         f"{side}'s step {f.label} ({f.incomplete})" for side, files in (("A", files_a),
                                                                           ("B", files_b))
@@ -329,8 +332,9 @@ def _result_frame(pairs: pd.DataFrame, metrics: dict[int, dict]) -> pd.DataFrame
     known = frame["micro_batch_a"].notna() & (frame["micro_batch_a"] != fmt.NO_MICRO_BATCH)
     frame["micro_batch"] = frame["micro_batch_a"].where(known, frame["micro_batch_b"]).fillna(
         fmt.NO_MICRO_BATCH)
-    frame[["seq", "call", "producer", "micro_batch"]] = frame[
-        ["seq", "call", "producer", "micro_batch"]].astype("int64")
+    frame["injected"] = frame["injected_b"].fillna(0)  # B ran on A's value here (B injected)
+    frame[["seq", "call", "producer", "micro_batch", "injected"]] = frame[
+        ["seq", "call", "producer", "micro_batch", "injected"]].astype("int64")
     computed = pd.DataFrame.from_dict(metrics, orient="index")
     frame = frame.join(computed)
     frame.loc[frame["side"] == "a_only", "status"] = MISSING_IN_B

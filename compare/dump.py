@@ -84,6 +84,12 @@ class StepFile:
         return str(self.attrs.get(fmt.ATTR_INCOMPLETE, ""))
 
     @property
+    def injected_from(self) -> str:
+        """"" or, for a localizing re-run, the reference whose values it ran on and the kinds
+        injected (``dumper.injection``; since format version 6)."""
+        return str(self.attrs.get(fmt.ATTR_INJECTED_FROM, ""))
+
+    @property
     def label(self) -> str:
         """``epoch:step`` (and the rank), as reports name steps."""
         return fmt.step_label(self.epoch, self.step, self.rank)
@@ -247,7 +253,8 @@ def _strings(path: Path, name: str, column: np.ndarray) -> list[str]:
 
 def _absent(name: str, rows: int) -> np.ndarray:
     """A column an older format version lacks (see ``fmt.COLUMN_SINCE``)."""
-    fill = {"checksum": fmt.NO_CHECKSUM, "micro_batch": fmt.NO_MICRO_BATCH}.get(name, np.nan)
+    fill = {"checksum": fmt.NO_CHECKSUM, "micro_batch": fmt.NO_MICRO_BATCH,
+            "injected": 0}.get(name, np.nan)
     return np.full(rows, fill)
 
 

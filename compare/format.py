@@ -13,11 +13,12 @@ from typing import Optional
 import numpy as np
 
 FORMAT_NAME = "h5cmp-dump"
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 # version 1: no sketch columns (read as NaN); versions 1-2: no data checksums, no `incomplete`;
-# versions 1-4: no `micro_batch` (read as NO_MICRO_BATCH).
+# versions 1-4: no `micro_batch` (read as NO_MICRO_BATCH); versions 1-5: no `injected` (read as
+# 0) and no `injected_from` attribute (read as "").
 # Version 3 (a development version of 2026-11-23, crc32 data checksums) is not read.
-SUPPORTED_VERSIONS = frozenset({1, 2, 4, 5})
+SUPPORTED_VERSIONS = frozenset({1, 2, 4, 5, 6})
 
 # ---- files -------------------------------------------------------------------------
 FILE_SUFFIX = ".hdf5"
@@ -146,6 +147,9 @@ INDEX_COLUMNS: tuple[tuple[str, str], ...] = (
     ("status", "str"),        # ST_OK / ST_DROPPED / ST_UNSUPPORTED
     ("value", "str"),         # short repr of a non-tensor leaf, or why a tensor was not stored
     ("producer", "int32"),    # input rows: `call` of the module call that output this tensor, else -1
+    # 1: the call ran on the reference's value instead of this one, which is what arrived
+    # (an input, a parameter or an incoming gradient; see ATTR_INJECTED_FROM). Since 6.
+    ("injected", "int8"),
     # Statistics (statistics mode; NaN where not computed). Counts are exact below 2**53.
     ("stat_min", "float64"),
     ("stat_max", "float64"),
@@ -164,7 +168,8 @@ INDEX_COLUMNS: tuple[tuple[str, str], ...] = (
 STAT_COLUMNS = tuple(name for name, _ in INDEX_COLUMNS if name.startswith("stat_"))
 SKETCH_COLUMNS = tuple(name for name, _ in INDEX_COLUMNS if name.startswith("sketch_"))
 # the version that added a column (absent: version 1); older indexes lack it
-COLUMN_SINCE = {**{name: 2 for name in SKETCH_COLUMNS}, "checksum": 4, "micro_batch": 5}
+COLUMN_SINCE = {**{name: 2 for name in SKETCH_COLUMNS}, "checksum": 4, "micro_batch": 5,
+                "injected": 6}
 NO_CHECKSUM = -1  # `checksum` of a row without a dataset, or of a file older than version 4
 # `micro_batch` of a parameter gradient (accumulated over the step), or in a file older than 5
 NO_MICRO_BATCH = -1
@@ -228,19 +233,23 @@ ATTR_INDEX_CRC = "index_crc32"  # zlib.crc32 of the index table's bytes (since v
 # Why the step is incomplete ("" when it is complete): written when the step ended while an
 # exception was propagating or module calls were left open. Since version 4.
 ATTR_INCOMPLETE = "incomplete"
+# "" or, for a localizing re-run (dumper.injection), the reference dump whose values were
+# injected and the kinds injected: "dumps/a (input, param, grad_output)". Since version 6.
+ATTR_INJECTED_FROM = "injected_from"
 MODE_TENSORS, MODE_STATS = "tensors", "stats"
 RUN_ATTR_TYPES: dict[str, type] = {
     "mode": str, "epoch": int, "step": int, "rank": int, "world_size": int,
     "torch_version": str, "device": str, "default_dtype": str, "tf32_matmul": bool,
     "tf32_cudnn": bool, "float32_matmul_precision": str, "deterministic_algorithms": bool,
-    "cudnn_deterministic": bool, "created": str,
+    "cudnn_deterministic": bool, "created": str, ATTR_INJECTED_FROM: str,
 }
 RUN_ATTRS = tuple(RUN_ATTR_TYPES)
 # the type of every root attribute a reader relies on
 ATTR_TYPES: dict[str, type] = {**RUN_ATTR_TYPES, ATTR_FORMAT_NAME: str, ATTR_FORMAT_VERSION: int,
                                ATTR_INDEX_CRC: int, ATTR_INCOMPLETE: str}
 # root attributes a reader requires, by the format version since which they are written
-REQUIRED_ATTRS_SINCE = {"epoch": 1, "step": 1, "rank": 1, ATTR_INDEX_CRC: 4, ATTR_INCOMPLETE: 4}
+REQUIRED_ATTRS_SINCE = {"epoch": 1, "step": 1, "rank": 1, ATTR_INDEX_CRC: 4, ATTR_INCOMPLETE: 4,
+                        ATTR_INJECTED_FROM: 6}
 
 # Root attributes that decide which kernels a step ran. Two steps that agree on them (the device
 # by type), on the CPU or with deterministic algorithms on both sides, compute tensors of equal

@@ -1,11 +1,21 @@
-"""Localizing an error: accumulated vs local error per module call, from three dumps.
+"""Localizing an error: accumulated vs local error per record, from three dumps.
 
-``reference`` is the trusted run, ``free`` the suspect run left alone, ``injected`` the suspect
-run with every module's inputs (forward) or incoming gradients (backward) replaced by the
-reference's (``dumper.Injector``). In the injected run a module can only be wrong by itself, so
-its error there is its *local* error, judged by the same error model as any comparison: against
-the typical local error of comparable records of the injected run (e.g. every bfloat16 Linear
-adds about the same rounding error; a module adding 30 times that is the origin).
+``reference`` is the trusted run A, ``free`` the suspect run B left alone, ``injected`` the
+suspect run re-run on A's values (``HookerAndDumper(..., inject=A)``, see
+``dumper.injection``): every module call computed from A's inputs, weights and incoming
+gradients, so a module can only be wrong there by itself. Comparing A with the injected run
+gives each record's *local* error, judged by the same error model as any comparison (against
+what comparable records of the injected run add, e.g. every bfloat16 Linear adds about the
+same rounding; a module adding thirty times that is an origin). What arrived at a module
+before it was replaced (an input or an incoming gradient, flagged ``injected``) is judged
+too: its local error is that of the code between modules (a residual add, rotary embedding,
+the attention around a projection, the loss).
+
+Which records are judged: those of the directions that were injected (forward records when
+inputs were, backward records when incoming gradients were), read from the ``injected`` flags
+of the injected dump. A dump made with a standalone ``Injector`` (no flags: the dumper saw the
+injected values only) is read by values instead: a call counts as injected where its inputs
+(or incoming gradients) are A's, up to the rounding of B's dtype.
 """
 from __future__ import annotations
 
@@ -17,51 +27,65 @@ import pandas as pd
 from . import format as fmt
 from . import status as st
 from .comparison import compare_dumps
-from .dump import Dump, PathLike
+from .dump import Dump, PathLike, load_dump
 from .precision import rounding_of
 
 ORIGINS_SHOWN = 10  # origins listed by describe_origins
-# What a module produces, and what must have been injected for its error to be local.
+# What a module makes, and what must have been injected for its error to be local.
 PRODUCED = {fmt.OUTPUT: fmt.INPUT, fmt.GRAD_INPUT: fmt.GRAD_OUTPUT}
+DIRECTION_KINDS = {"forward": fmt.FORWARD_KINDS, "backward": fmt.BACKWARD_KINDS}
 KEY = ["epoch", "step", "rank", "module", "cls", "call_idx", "kind", "index", "occurrence"]
 CALL = ["epoch", "step", "rank", "module", "call_idx"]
+JUDGED = ["status", "rel_error", "added_ratio", "reason"]
 
 
 def localize(reference: PathLike | Dump, free: PathLike | Dump, injected: PathLike | Dump,
              rtol: Optional[float] = None, atol: Optional[float] = None, *,
              steps: Optional[Iterable[str]] = None, modules: Optional[Iterable[str]] = None,
              free_result: Optional[pd.DataFrame] = None) -> pd.DataFrame:
-    """One row per produced tensor whose upstream was injected (outputs, when inputs were;
-    grad_inputs, when incoming gradients were), in execution order, with ``accumulated_*``
-    (free vs reference) and ``local_*`` (injected vs reference) errors and a ``verdict``:
-    ``origin`` (wrong even from the reference's inputs), ``inherited`` (wrong only in the free
-    run), ``fine``. ``free_result``: ``compare_dumps(reference, free, ...)`` if already done."""
+    """One row per record of the injected run that carries local error only (see the module
+    docstring), in execution order, with ``local_*`` (injected vs reference) and
+    ``accumulated_*`` (free vs reference) status, rel_error, added_ratio and reason, the
+    ``injected`` flag (1: what arrived, replaced by A's value before the module ran) and a
+    ``verdict``: ``origin`` (wrong even from the reference's values), ``inherited`` (wrong only
+    in the free run), ``fine``. ``free_result``: ``compare_dumps(reference, free, ...)`` if
+    already done."""
     acc = free_result if free_result is not None else compare_dumps(
         reference, free, rtol, atol, steps=steps)
-    loc = compare_dumps(reference, injected, rtol, atol, steps=steps)
-    local = loc[loc["kind"].isin(list(PRODUCED)) & _upstream_injected(loc)]
-    cols = ["status", "rel_error", "added_ratio"]
-    merged = local[KEY + ["seq"] + cols].merge(acc[KEY + cols], on=KEY, how="left",
-                                              suffixes=("_local", "_accumulated"))
-    merged = merged.rename(columns={f"{c}_local": f"local_{c}" for c in cols}
-                           | {f"{c}_accumulated": f"accumulated_{c}" for c in cols})
-    merged["verdict"] = np.where(
-        merged["local_status"].isin(st.FAILING), st.ORIGIN,
-        np.where(merged["accumulated_status"].isin(st.CARRYING), st.INHERITED,
-                 st.FINE))
+    loc = compare_dumps(reference, load_dump(injected), rtol, atol, steps=steps)
+    local = loc[_judged_locally(loc)]
+    judged = local[KEY + ["seq", "injected"] + JUDGED].merge(
+        acc[KEY + JUDGED], on=KEY, how="left", suffixes=("_local", "_accumulated"))
+    judged = judged.rename(columns={f"{c}_local": f"local_{c}" for c in JUDGED}
+                           | {f"{c}_accumulated": f"accumulated_{c}" for c in JUDGED})
+    judged["verdict"] = np.where(
+        judged["local_status"].isin(st.FAILING), st.ORIGIN,
+        np.where(judged["accumulated_status"].isin(st.CARRYING), st.INHERITED, st.FINE))
     if modules:
         patterns = list(modules)
-        merged = merged[[fmt.module_matches(m, c, patterns)
-                         for m, c in zip(merged["module"], merged["cls"])]]
-    return merged.reset_index(drop=True)
+        judged = judged[[fmt.module_matches(m, c, patterns)
+                         for m, c in zip(judged["module"], judged["cls"])]]
+    return judged.reset_index(drop=True)
+
+
+def _judged_locally(loc: pd.DataFrame) -> pd.Series:
+    """Rows of the comparison with the injected run that carry local error only."""
+    flagged = loc[loc["injected"] == 1]
+    if len(flagged):
+        out = pd.Series(False, index=loc.index)
+        for kinds in DIRECTION_KINDS.values():
+            if flagged["kind"].isin(list(kinds)).any():
+                out |= loc["kind"].isin(list(kinds))
+        return out
+    return _upstream_injected(loc)
 
 
 def _upstream_injected(loc: pd.DataFrame) -> pd.Series:
-    """Whether each row's call had its upstream (inputs for outputs, incoming gradients for
-    grad_inputs) replaced: present, and no element further from the reference than rounding
-    it to B's dtype moves it (half a unit roundoff)."""
-    half_unit = loc["dtype_b"].map(lambda d: rounding_of(d).unit / 2).fillna(0.0)
-    within = (loc["status"] == st.EQUAL) | (loc["max_rel_err"] <= half_unit * (1 + 1e-9))
+    """For an injected run without flags: the produced rows (outputs, grad_inputs) whose call
+    had its upstream (inputs, incoming gradients) replaced: present, and no element further from
+    the reference than rounding it to B's dtype moves it (one unit roundoff)."""
+    unit = loc["dtype_b"].map(lambda d: rounding_of(d).unit).fillna(0.0)
+    within = (loc["status"] == st.EQUAL) | (loc["max_rel_err"] <= unit * (1 + 1e-9))
     calls = loc.assign(rank=loc["rank"].fillna(-1), within=within)
     injected = pd.Series(False, index=loc.index)
     for produced, upstream in PRODUCED.items():
@@ -73,19 +97,20 @@ def _upstream_injected(loc: pd.DataFrame) -> pd.Series:
 
 
 def describe_origins(frame: pd.DataFrame, shown: int = ORIGINS_SHOWN) -> str:
-    """Text: how many records are origins, inherit or are fine; the origins, worst local added
-    error first (at most ``shown``)."""
-    origins = frame[frame["verdict"] == st.ORIGIN].sort_values(
-        "local_added_ratio", ascending=False, kind="stable")
-    lines = [f"{len(frame)} produced tensors with injected inputs: {len(origins)} origin, "
-             f"{int((frame['verdict'] == st.INHERITED).sum())} inherited, "
-             f"{int((frame['verdict'] == st.FINE).sum())} fine"]
+    """Text: how many records are origins, inherit or are fine; the origins in execution order
+    (at most ``shown``), each with why (the local reason)."""
+    origins = frame[frame["verdict"] == st.ORIGIN]
+    lines = [f"{len(frame)} records judged with the reference's values injected: "
+             f"{len(origins)} origin, {int((frame['verdict'] == st.INHERITED).sum())} "
+             f"inherited, {int((frame['verdict'] == st.FINE).sum())} fine"]
     for r in origins.head(shown).itertuples():
         ratio = ("" if not np.isfinite(r.local_added_ratio)
                  else f", {r.local_added_ratio:.0f}x the typical local error")
+        arrived = (" (as it arrived: made by the code before this module)" if r.injected
+                   else "")
         lines.append(f"  origin: step {fmt.step_label(r.epoch, r.step, r.rank)} "
                      f"{fmt.direction_of(r.kind)} "
-                     f"{fmt.record_label(r.module, r.cls, r.call_idx, r.kind, r.index)} "
+                     f"{fmt.record_label(r.module, r.cls, r.call_idx, r.kind, r.index)}{arrived} "
                      f"local rel error {r.local_rel_error:.3g}{ratio} "
                      f"(accumulated {r.accumulated_rel_error:.3g})")
     if len(origins) > shown:

@@ -4,15 +4,17 @@ from __future__ import annotations
 import copy
 from typing import Iterable, Optional
 
+import numpy as np
 import pandas as pd
 
 from . import format as fmt
 from .dump import Dump
 from .errors import DumpError
 
-KEY = ["epoch", "step", "rank", "module", "call_idx", "kind", "index", "occurrence"]
+STEP_KEY = ["epoch", "step", "rank"]
+KEY = [*STEP_KEY, "module", "call_idx", "kind", "index", "occurrence"]
 SIDE_COLUMNS = ["seq", "call", "cls", "micro_batch", "group", "path", "dtype", "shape", "encoding",
-                "dataset", "status", "checksum", "producer", *fmt.STAT_COLUMNS,
+                "dataset", "status", "checksum", "producer", "injected", *fmt.STAT_COLUMNS,
                 *fmt.SKETCH_COLUMNS]
 
 
@@ -91,3 +93,36 @@ def pair_records(rows_a: pd.DataFrame, rows_b: pd.DataFrame) -> pd.DataFrame:
     merged["order"] = merged["seq_a"].fillna(merged["seq_b"])
     merged = merged.sort_values(["epoch", "step", "rank", "order"], kind="stable")
     return merged.drop(columns="order").reset_index(drop=True)
+
+
+def recorded_on_both_sides(pairs: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    """``pairs`` less the one-sided records the other side's dumper was not asked to record,
+    and a note per kind left out. A kind that one side recorded none of in a step both sides
+    recorded (``kinds=``,
+    or ``params=True`` on one side only) is not a missing record; nor are weights that one side
+    records at each call (``params=True``) and the other at the module's first call only:
+    they are compared where both sides have them."""
+    keep = pd.Series(True, index=pairs.index)
+    notes = []
+    step_kind = [*STEP_KEY, "kind"]
+    present = pairs.groupby(step_kind)["side"].agg(lambda s: set(s))
+    in_step = pairs.groupby(STEP_KEY)["side"].agg(lambda s: set(s))
+    both_steps = {k for k, sides in in_step.items() if "both" in sides
+                  or {"a_only", "b_only"} <= sides}
+    present = present[[k[:3] in both_steps for k in present.index]]
+    for side, other, name, other_name in (("a_only", "b_only", "A", "B"),
+                                          ("b_only", "a_only", "B", "A")):
+        lone = present.map(lambda sides: sides == {side})
+        for key in lone[lone].index:
+            rows = (pairs[step_kind] == pd.Series(key, index=step_kind)).all(axis=1)
+            keep &= ~rows
+            notes.append(f"{name}'s {key[-1]} records of step {fmt.step_label(*key[:3])} are "
+                         f"not compared: {other_name} recorded none (dumped with other kinds or "
+                         f"params)")
+    params = pairs[(pairs["kind"] == fmt.PARAM) & keep]
+    both = params[params["side"] == "both"][["module", "index"]].drop_duplicates()
+    known = set(map(tuple, both.to_numpy()))
+    lone_params = (params["side"] != "both").to_numpy() & np.array(
+        [(m, i) in known for m, i in zip(params["module"], params["index"])], dtype=bool)
+    keep[params.index[lone_params]] = False
+    return pairs[keep].reset_index(drop=True), notes

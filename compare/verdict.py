@@ -145,11 +145,16 @@ class _Records:
         self.sources = self._merged_sources(frame)
         self.repeat = self.first != np.arange(n)
         self.has_sources = np.array([len(s) > 0 for s in self.sources])
+        # B ran on A's value instead (a localizing re-run): as a source it gives what the cast
+        # to B's dtype moves A's value by, whatever arrived
+        self.replaced = (frame["injected"] == 1).to_numpy()
+        cast = np.array([rounding_of(precision_of(a, b)).unit if a != b else 0.0
+                         for a, b in self.dtypes])
         # as a source, weights count WEIGHT_GAIN times their error (times STATS_GAIN more when
         # it is estimated from their sketch, which may be low)
-        given = np.where(self.params, err * WEIGHT_GAIN * np.where(self.from_stats, STATS_GAIN, 1),
-                         err)
-        self.err_in = np.array([self.combined(given, s) for s in self.sources])
+        self.given = np.where(self.replaced, cast, np.where(
+            self.params, err * WEIGHT_GAIN * np.where(self.from_stats, STATS_GAIN, 1), err))
+        self.err_in = np.array([self.combined(self.given, s) for s in self.sources])
         self.err_in = np.hypot(self.err_in, self._decided(frame))
         with np.errstate(invalid="ignore"):  # inf - inf: a non-finite record, judged apart
             self.added = np.sqrt(np.clip(err ** 2 - self.err_in ** 2, 0.0, None))
@@ -201,14 +206,15 @@ class _Records:
         tolerance), else ``inherited``."""
         out = self.measured.copy()
         for i in np.flatnonzero(self.params & self.compared & (self.measured != st.EQUAL)):
-            within = self.within_tolerance(i) if self.user_tol else self.within_rounding(i)
+            within = self.err[i] == 0 or (self.within_tolerance(i) if self.user_tol
+                                          else self.within_rounding(i))
             out[i] = st.CLOSE if within else st.INHERITED
         return out
 
     def _unbounded(self) -> np.ndarray:
         discrete = np.array([rounding_of(a).unit == 0 and rounding_of(b).unit == 0
                              for a, b in self.dtypes])
-        drifted = self.weight_status == st.INHERITED
+        drifted = (self.weight_status == st.INHERITED) & ~self.replaced
         unknown = self.from_stats & ~self.sketched  # how much: five statistics cannot tell
         out = discrete & (self.err_in > 0)
         for i, s in enumerate(self.sources):
@@ -251,11 +257,12 @@ class _Judgement:
         if r.repeat[i]:
             self._repeat(i, r.first[i])
             return
-        carrying = s[np.isin(self.status[s], list(st.CARRYING)) | self.tainted[s]]
+        carrying = s[(np.isin(self.status[s], list(st.CARRYING)) | self.tainted[s])
+                     & ~r.replaced[s]]
         self.tainted[i] = len(carrying) > 0
         level = SPREAD * self.expected.level[i]
         envelope = math.hypot(r.combined(self.healthy, s), level)
-        self.healthy[i] = min(r.err[i], envelope)
+        self.healthy[i] = r.given[i] if r.replaced[i] else min(r.err[i], envelope)
         if r.measured[i] == st.EQUAL:
             return
         if r.params[i]:

@@ -2,7 +2,8 @@
 from .consumers import CapturedRecord
 from .hooker import HookerAndDumper
 from .inspection import io_shapes, module_keys
-from .intervene import Injector, Perturbation, perturb
+from .injection import Injector
+from .perturbation import Perturbation, perturb
 from .sentinel import NonFiniteError
 from .window import every
 from .writer import DumpWriteError

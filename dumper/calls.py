@@ -11,6 +11,11 @@ import torch
 from torch import nn
 
 
+def in_backward() -> bool:
+    """True while autograd runs a backward pass on this thread (e.g. checkpoint recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _layers(model: nn.Module) -> Iterator[nn.Module]:
     """``model``, then each model a ``torch.compile``, ``DistributedDataParallel`` or
     ``DataParallel`` wrapper holds, the innermost last."""

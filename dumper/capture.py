@@ -17,35 +17,38 @@ from torch.utils.hooks import RemovableHandle
 
 from compare import format as fmt
 
-from .calls import CallTracker, MicroBatches, hookable_modules
+from .calls import CallTracker, MicroBatches, hookable_modules, in_backward
 from .flatten import call_leaves, leaves
+from .flatten import map_tensors
 from .grads import GradInputCollector, current_sequence_nr, gradient_edge
+from .injection import StepReference, restore_parameters
 from .record import CallInfo, Record, RecordMaker, leaf_record
 from .selection import Selection
 
 Sink = Callable[[Record], None]
 
 
-def in_backward() -> bool:
-    """True while autograd runs a backward pass on this thread (e.g. checkpoint recomputation)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def hook_gradient(t: torch.Tensor, on_grad: Callable[[torch.Tensor], None]) -> RemovableHandle:
-    """Call ``on_grad(grad of t)`` when autograd computes it. A pre-hook on ``t``'s node reads
-    it from the node's incoming gradients as they arrive, before the node runs (so the record
-    precedes the gradients the node sends on, as in execution): the same value as a tensor
-    hook sees after the hooks registered on ``t`` (the node is fixed now, so a later in-place
-    op does not change which gradient is read) at a seventh of the registration cost. Leaves
-    have no node and get a tensor hook."""
+def hook_gradient(t: torch.Tensor, on_grad: Callable[[torch.Tensor], Optional[torch.Tensor]]
+                  ) -> RemovableHandle:
+    """Call ``on_grad(grad of t)`` when autograd computes it; a tensor it returns is used
+    instead of the gradient (injection). A pre-hook on ``t``'s node reads it from the node's
+    incoming gradients as they arrive, before the node runs (so the record precedes the
+    gradients the node sends on, as in execution): the same value as a tensor hook sees after
+    the hooks registered on ``t`` (the node is fixed now, so a later in-place op does not
+    change which gradient is read) at a seventh of the registration cost. Leaves have no node
+    and get a tensor hook."""
     node = t.grad_fn
     if node is None:
         return t.register_hook(on_grad)
     slot = t.output_nr
 
-    def hook(grad_outputs) -> None:
-        if grad_outputs[slot] is not None:
-            on_grad(grad_outputs[slot])
+    def hook(grad_outputs):
+        if grad_outputs[slot] is None:
+            return None
+        instead = on_grad(grad_outputs[slot])
+        if instead is None:
+            return None
+        return (*grad_outputs[:slot], instead, *grad_outputs[slot + 1:])
     return node.register_prehook(hook)
 
 
@@ -59,11 +62,17 @@ class _OpenCall:
 
 
 class StepCapture:
-    """Hooks ``model`` for one step and sends a :class:`Record` per captured leaf to ``sink``."""
+    """Hooks ``model`` for one step and sends a :class:`Record` per captured leaf to ``sink``.
+
+    With ``inject`` (a localizing re-run, :mod:`dumper.injection`), each hooked call records
+    what arrives (inputs, its own parameters, incoming gradients), flagged ``injected`` where
+    the reference has a value for it, then runs on the reference's value instead."""
 
     def __init__(self, model: nn.Module, sink: Sink, maker: RecordMaker, selection: Selection,
-                 params: bool):
+                 params: bool, inject: Optional[StepReference] = None):
         self._sink = sink
+        self._inject = inject
+        self._swapped = CallTracker()  # parameters swapped for the reference's, per open call
         self._maker = maker
         self._sel = selection
         self._params = params
@@ -98,11 +107,16 @@ class StepCapture:
     def _install(self, path: str, module: nn.Module) -> None:
         cls = type(module).__name__
         stats_only = not self._sel.wants_values(path, module)
+        inject = self._inject if self._inject is not None and self._inject.wants(path, module) \
+            else None
         self.handles.append(module.register_forward_pre_hook(
-            lambda m, args, kwargs: self._pre_hook(m, path, cls, stats_only, args, kwargs),
+            lambda m, args, kwargs: self._pre_hook(m, path, cls, stats_only, inject, args, kwargs),
             with_kwargs=True))
         self.handles.append(module.register_forward_hook(
-            lambda m, args, kwargs, out: self._post_hook(m, out), with_kwargs=True))
+            lambda m, args, kwargs, out: self._post_hook(m, out, inject), with_kwargs=True))
+        if inject is not None and fmt.PARAM in inject.kinds:  # put them back, also on errors
+            self.handles.append(module.register_forward_hook(
+                lambda m, args, out: self._restore_parameters(m), always_call=True))
         if self._params and self._sel.wants_kind(fmt.PARAM_GRAD):
             for i, (name, p) in enumerate(module.named_parameters(recurse=False)):
                 if p.requires_grad:
@@ -150,15 +164,17 @@ class StepCapture:
         with self._lock:
             return next(self._seq)
 
-    def _pre_hook(self, module: nn.Module, path: str, cls: str, stats_only: bool, args: tuple,
-                  kwargs: dict) -> None:
+    def _pre_hook(self, module: nn.Module, path: str, cls: str, stats_only: bool,
+                  inject: Optional[StepReference], args: tuple, kwargs: dict) -> Optional[tuple]:
         if in_backward():  # activation-checkpoint recomputation: already recorded
             self._tracker.push(module, None)
-            return
+            return None
         info = CallInfo(next(self._calls), path, cls, self._tracker.next_index(module), stats_only,
                         self._micro_batches.number)
         self._first_call.setdefault(id(module), info)
         seq = self._next_seq()
+        seq_lo = current_sequence_nr()  # the call's autograd nodes, the injection's included
+        injects = inject.kinds if inject is not None else frozenset()
         want_input = self._sel.wants_kind(fmt.INPUT)
         want_grad = self._sel.wants_kind(fmt.GRAD_INPUT) and torch.is_grad_enabled()
         edges, keep_alive, paths, index = {}, [], {}, 0
@@ -167,6 +183,8 @@ class StepCapture:
                 if want_input:
                     record = self._maker.tensor(seq, info, fmt.INPUT, index, leaf_path, leaf)
                     record.producer = self._producer_of(leaf)
+                    record.injected = fmt.INPUT in injects and inject.has(
+                        (path, info.call_idx, fmt.INPUT, index))
                     self._sink(record)
                 if want_grad and leaf.requires_grad:
                     node, nr = gradient_edge(leaf)
@@ -180,15 +198,29 @@ class StepCapture:
             # values with params=True; otherwise statistics and a sketch, once per module: cheap,
             # and enough for a comparison to tell how much weights differ
             for i, (name, p) in enumerate(module.named_parameters(recurse=False)):
-                self._sink(self._maker.tensor(seq, info, fmt.PARAM, i, name, p,
-                                              stats=not self._params, sketch=not self._params))
+                record = self._maker.tensor(seq, info, fmt.PARAM, i, name, p,
+                                            stats=not self._params, sketch=not self._params)
+                record.injected = fmt.PARAM in injects and inject.has(
+                    (path, info.call_idx, fmt.PARAM, i))
+                self._sink(record)
         grads = None
         if edges:
             grads = GradInputCollector(edges, keep_alive, self._grad_input_emitter(info, paths))
             self._collectors.append(grads)
-        self._tracker.push(module, _OpenCall(info, current_sequence_nr(), grads))
+        self._tracker.push(module, _OpenCall(info, seq_lo, grads))
+        if fmt.PARAM in injects:
+            self._swapped.push(module, inject.swap_parameters(path, info.call_idx, module))
+        if fmt.INPUT in injects:
+            replace = inject.leaf_replacer(path, info.call_idx, fmt.INPUT)
+            return map_tensors(args, replace), map_tensors(kwargs, replace)
+        return None
 
-    def _post_hook(self, module: nn.Module, output: Any) -> None:
+    def _restore_parameters(self, module: nn.Module) -> None:
+        swapped = self._swapped.pop(module)
+        if swapped:
+            restore_parameters(module, swapped)
+
+    def _post_hook(self, module: nn.Module, output: Any, inject: Optional[StepReference]) -> None:
         call = self._tracker.pop(module)
         if call is None:
             return
@@ -214,9 +246,14 @@ class StepCapture:
                                       current_sequence_nr(), self.handles)
             by_tensor = {id(t): idx for t, idx in found}
             passthrough = {i: by_tensor[id(t)] for i, _, t in grad_outputs if id(t) in by_tensor}
+        if inject is None or fmt.GRAD_OUTPUT not in inject.kinds:
+            inject = None
         for i, leaf_path, t in grad_outputs:
-            if want_grad or i in passthrough:
-                on_grad = self._grad_output_hook(call, i, leaf_path, want_grad, passthrough.get(i))
+            key = (call.info.module, call.info.call_idx, fmt.GRAD_OUTPUT, i)
+            injecting = inject is not None and inject.has(key)
+            if want_grad or i in passthrough or injecting:
+                on_grad = self._grad_output_hook(call, i, leaf_path, want_grad, passthrough.get(i),
+                                                 inject if injecting else None)
                 self.handles.append(hook_gradient(t, on_grad))
 
     def _note_producer(self, t: torch.Tensor, call: int) -> None:
@@ -237,13 +274,20 @@ class StepCapture:
 
     # -- backward ----------------------------------------------------------------------
     def _grad_output_hook(self, call: _OpenCall, index: int, path: str, record: bool,
-                          passthrough_input: Optional[int]):
-        def hook(grad: torch.Tensor) -> None:
+                          passthrough_input: Optional[int], inject: Optional[StepReference]):
+        """Records the gradient that arrived; returns the reference's instead when injecting."""
+        key = (call.info.module, call.info.call_idx, fmt.GRAD_OUTPUT, index)
+
+        def hook(grad: torch.Tensor) -> Optional[torch.Tensor]:
+            instead = inject.tensor(key, grad) if inject is not None else None
             if record:
-                self._emit_gradient(self._maker.tensor(self._next_seq(), call.info,
-                                                       fmt.GRAD_OUTPUT, index, path, grad))
+                made = self._maker.tensor(self._next_seq(), call.info, fmt.GRAD_OUTPUT, index,
+                                          path, grad)
+                made.injected = instead is not None
+                self._emit_gradient(made)
             if passthrough_input is not None:
-                call.grads.add_passthrough(passthrough_input, grad)
+                call.grads.add_passthrough(passthrough_input, grad if instead is None else instead)
+            return instead
         return hook
 
     def _grad_input_emitter(self, info: CallInfo, paths: dict[int, str]

@@ -12,11 +12,13 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from compare import format as fmt
+from compare.dump import Dump
 
 from .calls import hook_target, runs_hooks, unhookable_roots
 from .capture import StepCapture
 from .claim import PublishedFiles, StepClaim, StepConflictError
 from .consumers import Consumer, Consumers
+from .injection import LOCALIZING, Injector, StepReference
 from .memory import trim_heap
 from .record import ByteBudget, RecordMaker
 from .run_info import distributed_rank, run_attrs
@@ -59,6 +61,13 @@ class HookerAndDumper:
     on a GPU at the next read of the checks it leaves on the device (see :mod:`dumper.sentinel`).
     In a dumped step the records so far are published, the step marked incomplete, also under
     ``with d.hooks(...)``.
+
+    ``inject`` makes the dumped steps a localizing re-run (:mod:`dumper.injection`): a reference
+    dump (its directory; it must hold the same steps, dumped with ``params=True`` for the
+    weights to be injected), whose inputs, weights and incoming gradients replace the run's in
+    every hooked module call, after what arrived is recorded; or an :class:`Injector` choosing
+    other kinds or modules. ``compare.localize`` (``h5cmp A B --injected C``) then tells each
+    module's own error. The run's numerics change in those steps, by design.
     """
 
     def __init__(self, file_path: Union[str, os.PathLike] = "dumps/", epochs: WindowSpec = None,
@@ -68,7 +77,8 @@ class HookerAndDumper:
                  full_tensors: Patterns = None, on_error: str = "raise",
                  max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT,
                  when_full: str = "wait", fsync: bool = False,
-                 on_nonfinite: Optional[str] = None, nonfinite_history: int = 8):
+                 on_nonfinite: Optional[str] = None, nonfinite_history: int = 8,
+                 inject: Union[str, os.PathLike, Dump, Injector, None] = None):
         self.directory = _prepare_directory(file_path)
         self.epochs = Window(epochs, "epochs")
         self.steps = Window(steps, "steps")
@@ -98,6 +108,10 @@ class HookerAndDumper:
         self._registered = False
         self._capture: Optional[StepCapture] = None
         self._writer: Optional[StepWriter] = None
+        self.injector: Optional[Injector] = (
+            inject if isinstance(inject, Injector) or inject is None
+            else Injector(inject, kinds=LOCALIZING))
+        self._reference: Optional[StepReference] = None  # the injected step's values
 
     def add_consumer(self, fn: Consumer, kinds: Optional[Iterable[str]] = None,
                      modules: Patterns = None) -> RemovableHandle:
@@ -132,19 +146,26 @@ class HookerAndDumper:
             return False
         model = hook_target(model)
         _warn_if_scripted_inside(model)
+        try:
+            self._reference = self.injector.step(epoch, step) if self.injector else None
+        except KeyError:
+            self._registered = False
+            raise
         rank, _ = distributed_rank()
         path = self.directory / fmt.step_file_name(epoch, step, rank)
         claim = self._claim(path)
         if claim is None:
+            self._close_reference()
             self._start_sentinel(model)
             return False
+        injected_from = self.injector.describe() if self.injector else ""
         self._writer = StepWriter(claim, fmt.step_group_name(epoch, step),
-                                  run_attrs(model, epoch, step, self.selection.mode),
+                                  run_attrs(model, epoch, step, self.selection.mode, injected_from),
                                   self._maker.release, self.fsync, self._published.check,
                                   self._consumers.for_step(epoch, step))
         self._budget.on_pressure = self._writer.flush
         self._capture = StepCapture(model, self._writer.submit, self._maker, self.selection,
-                                    self.params)
+                                    self.params, self._reference)
         self._start_sentinel(model)  # after the capture: a failing call's tensors are recorded
         return True
 
@@ -200,6 +221,7 @@ class HookerAndDumper:
             capture.finish()
         finally:
             capture.remove()
+            self._close_reference()
         if not capture.modules_run:
             warnings.warn(f"h5cmp: no module call was recorded in {writer.final_path.name}: the "
                           f"hooked model did not run between register_hooks and remove_hooks, or "
@@ -229,7 +251,14 @@ class HookerAndDumper:
                 capture.remove()
                 writer.abort()
         finally:
+            self._close_reference()
             self._stop_sentinel()
+
+    def _close_reference(self) -> None:
+        reference, self._reference = self._reference, None
+        if reference is not None:
+            self.injector.injected += reference.injected
+            reference.close()
 
     @contextlib.contextmanager
     def hooks(self, model: nn.Module, epoch: int, step: int) -> Iterator[bool]:

@@ -54,6 +54,7 @@ class Record:
     sketch: Union[tuple, Snapshot, None] = None  # likewise (parameter statistics)
     occurrence: int = 0
     producer: int = -1
+    injected: bool = False  # the call ran on the reference's value instead (dumper.injection)
 
     @property
     def micro_batch(self) -> int:

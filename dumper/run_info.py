@@ -28,8 +28,9 @@ def model_device(model: nn.Module) -> str:
     return "cpu"
 
 
-def run_attrs(model: nn.Module, epoch: int, step: int, mode: str) -> dict:
-    """The root attributes of a step file (names in ``compare.format``)."""
+def run_attrs(model: nn.Module, epoch: int, step: int, mode: str, injected_from: str = "") -> dict:
+    """The root attributes of a step file (names in ``compare.format``); ``injected_from``:
+    what a localizing re-run injects (``Injector.describe()``)."""
     rank, world_size = distributed_rank()
     attrs = {
         fmt.ATTR_FORMAT_NAME: fmt.FORMAT_NAME,
@@ -48,6 +49,7 @@ def run_attrs(model: nn.Module, epoch: int, step: int, mode: str) -> dict:
         "deterministic_algorithms": bool(torch.are_deterministic_algorithms_enabled()),
         "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        fmt.ATTR_INJECTED_FROM: injected_from,
     }
     assert set(attrs) == {fmt.ATTR_FORMAT_NAME, fmt.ATTR_FORMAT_VERSION, *fmt.RUN_ATTRS}
     return attrs

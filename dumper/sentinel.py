@@ -32,7 +32,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .calls import hookable_modules
-from .capture import hook_gradient, in_backward
+from .calls import in_backward
+from .capture import hook_gradient
 from .flatten import call_leaves, leaves
 from .grads import gradient_edge
 

@@ -92,8 +92,8 @@ class _IndexRows:
         c = r.call
         self.rows.append((r.seq, c.number, c.module, c.cls, c.call_idx, r.micro_batch, group,
                           r.kind, r.index, r.occurrence, r.path, dataset, dtype, shape, encoding,
-                          device, int(r.requires_grad), r.status, r.value, r.producer, *stats,
-                          *sketch, checksum))
+                          device, int(r.requires_grad), r.status, r.value, r.producer,
+                          int(r.injected), *stats, *sketch, checksum))
 
 
 _HDF5_TYPES: dict[tuple, h5t.TypeID] = {}  # shared by steps: the index's compound type

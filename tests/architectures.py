@@ -206,25 +206,36 @@ def cannot_run(arch: str, precision: str, device: str = "cpu") -> str:
     return ""
 
 
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+}
+
+
 def run_step(arch: str, precision: str, directory, *, seed: int = 0,
-             plant: Optional[dict] = None, dumper_options: Optional[dict] = None,
-             steps: int = 1, lr: float = 0.05, device: str = "cpu") -> float:
-    """Train ``arch`` at ``precision`` for ``steps`` SGD steps on one batch and dump the last
-    one into ``directory``; ``plant`` is passed to ``dumper.perturb`` (e.g. ``{"include":
-    "model.layers.0.mlp", "scale": 1.1, "where": "output"}``) and stays for every step.
+             plant: Optional[dict] = None, plant_last_only: bool = False,
+             dumper_options: Optional[dict] = None, steps: int = 1, optimizer: str = "sgd",
+             device: str = "cpu") -> float:
+    """Train ``arch`` at ``precision`` for ``steps`` optimizer steps (``OPTIMIZERS``) on one
+    batch and dump the last one into ``directory`` (``dumper_options`` are passed to
+    ``HookerAndDumper``, e.g. ``{"params": True}`` or ``{"inject": reference}``); ``plant`` is
+    passed to ``dumper.perturb`` (e.g. ``{"include": "model.layers.0.mlp", "scale": 1.1,
+    "where": "output"}``), in every step, or in the dumped one only with ``plant_last_only``.
     Returns the last loss."""
     from dumper import HookerAndDumper, perturb
     model, batch = build(arch, precision, seed, device)
-    planted = perturb(model, **plant) if plant else None
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = OPTIMIZERS[optimizer](model.parameters())
     dumper = HookerAndDumper(directory, steps=[steps - 1], **(dumper_options or {}))
+    planted = None
     for step in range(steps):
+        if plant and planted is None and (not plant_last_only or step == steps - 1):
+            planted = perturb(model, **plant)
         with dumper.hooks(model, 0, step):
             with precision_context(precision, device):
                 loss = ARCHITECTURES[arch].loss(model, batch)
             loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        opt.step()
+        opt.zero_grad()
     if planted is not None:
         planted.remove()
     return float(loss.detach())

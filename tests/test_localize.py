@@ -102,17 +102,17 @@ def test_injection_names_the_origin_and_the_inheritors(tmp_path, where, kinds, o
 def test_injection_errors_are_clear(tmp_path):
     ref = _run(tmp_path / "ref")
     with pytest.raises(ValueError, match="kinds must be"):
-        Injector(ref, kinds=["param"])
+        Injector(ref, kinds=["param_grad"])
     with pytest.raises(KeyError, match="no step 0:5"):
         Injector(ref).register(Planted(), 0, 5)
-    wrong = nn.Sequential(nn.Linear(6, 16))
-    injector = Injector(ref, include=["0"])
-    injector._tensors = {}
-    injector.register(wrong, 0, 0)
-    injector._tensors = {("0", 0, "input", 0): next(load_dump(ref).index.itertuples())}
-    with pytest.raises(ValueError, match="reference shape"):
-        wrong(torch.randn(3, 6))
-    injector.remove()
+    with pytest.raises(KeyError, match="no step 0:5"):
+        HookerAndDumper(tmp_path / "b", inject=ref).register_hooks(Planted(), 0, 5)
+    model = Planted()
+    with Injector(ref).injecting(model, 0, 0):  # the reference's batch had 8 rows
+        with pytest.raises(ValueError, match=r"reference shape \(8, 6\) != run shape \(3, 6\)"
+                                             r"; the runs must have the same model and batch"):
+            model(torch.randn(3, 6))
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
 def test_perturbation_scales_outputs_and_gradients(tmp_path):

@@ -1,0 +1,258 @@
+"""Reference injection (teacher forcing): run a step on a reference dump's values.
+
+An :class:`Injector` names a reference dump, the kinds of record to inject and the modules to
+inject into. For one step, :class:`StepReference` reads the reference's values on demand and
+the replacement helpers put them in place:
+
+- ``input``: a module call's tensor arguments are replaced before the module runs (exactly the
+  reference's values after the cast to the run's dtype; the gradient passes through to the
+  tensor that arrived, unchanged);
+- ``param``: the module's own parameters are the reference's values for the call (the
+  reference must have been dumped with ``params=True``), restored when the call returns; their
+  gradients still accumulate into the run's parameters;
+- ``grad_output``: the gradient arriving at a module call's output is replaced before the
+  module's backward runs;
+- ``output``: a module call's result is replaced (repairs everything downstream).
+
+With all of ``input``, ``param`` and ``grad_output`` (:data:`LOCALIZING`), every module computes
+from the reference's values in both directions, so what differs in its results is its own
+computation's error alone: give the injector to :class:`~dumper.HookerAndDumper` (``inject=``)
+and it records what *arrived* at each module before replacing it (flagged ``injected`` in the
+index), then what the module made of the reference's values. ``compare.localize`` reads it.
+Used alone (:meth:`Injector.register`), the injector installs its own hooks and changes the
+run without recording anything.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import warnings
+from typing import Callable, Iterable, Iterator, Optional, Union
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from compare import format as fmt
+from compare.dump import Dump, StepFile, load_dump
+
+from .calls import CallTracker, hook_target, hookable_modules, in_backward
+from .encoding import decode_to_tensor
+from .flatten import map_tensors
+
+INJECTABLE = (fmt.INPUT, fmt.OUTPUT, fmt.GRAD_OUTPUT, fmt.PARAM)
+# what a localizing re-run injects: every module computes from the reference's values
+LOCALIZING = (fmt.INPUT, fmt.PARAM, fmt.GRAD_OUTPUT)
+Key = tuple  # (module path, call_idx, kind, index)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: the replacement values, exactly. Backward: the gradient passes unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, replacement):
+        return replacement.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def replaced(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` in place of ``t`` in the graph: the gradient of the result flows to ``t``."""
+    if t.requires_grad and torch.is_grad_enabled():
+        return _StraightThrough.apply(t, values)
+    return values
+
+
+class StepReference:
+    """The reference's values of one step, read when first asked for (on the caller's thread).
+
+    :meth:`tensor` gives the value of a record key cast to the run's tensor's dtype and
+    device, or None where the reference holds none (another call structure, a record it did
+    not store)."""
+
+    def __init__(self, injector: "Injector", step_file: StepFile):
+        self.injector = injector
+        self.label = step_file.label
+        rows = step_file.index[step_file.index["dataset"] != ""]
+        self._rows = {(r.module, r.call_idx, r.kind, r.index): r for r in rows.itertuples()
+                      if r.kind in injector.kinds and r.occurrence == 0}
+        self._reader = step_file.open()
+        self.injected = 0
+        if fmt.PARAM in injector.kinds and not any(k[2] == fmt.PARAM for k in self._rows):
+            warnings.warn(f"h5cmp: the reference {injector.reference.path} holds no parameter "
+                          f"values in step {self.label} (dump it with params=True): weights are "
+                          f"not injected, so a module's error there includes what weights that "
+                          f"differ explain", RuntimeWarning, stacklevel=4)
+
+    @property
+    def kinds(self) -> frozenset:
+        return self.injector.kinds
+
+    def wants(self, path: str, module: nn.Module) -> bool:
+        """Whether ``module`` (at ``path``) is one the injector injects into."""
+        patterns = self.injector.include
+        return not patterns or fmt.module_matches(path, type(module).__name__, patterns)
+
+    def has(self, key: Key) -> bool:
+        return key in self._rows
+
+    def tensor(self, key: Key, like: torch.Tensor) -> Optional[torch.Tensor]:
+        row = self._rows.get(key)
+        if row is None:
+            return None
+        ref = decode_to_tensor(self._reader.read_raw(row), row.dtype)
+        if tuple(ref.shape) != tuple(like.shape):
+            raise ValueError(f"h5cmp: cannot inject {row.group}/{row.dataset} of "
+                             f"{self.injector.reference.path} step {self.label}: reference shape "
+                             f"{tuple(ref.shape)} != run shape {tuple(like.shape)}; the runs must "
+                             f"have the same model and batch")
+        self.injected += 1
+        return ref.to(dtype=like.dtype, device=like.device)
+
+    def leaf_replacer(self, path: str, call_idx: int, kind: str) -> Callable:
+        """``fn(leaf)`` for :func:`~dumper.flatten.map_tensors`: the n-th tensor leaf replaced by
+        the reference's ``kind`` n of that call, where it has one."""
+        counter = itertools.count()
+
+        def replace(leaf):
+            if not isinstance(leaf, torch.Tensor):
+                return leaf
+            ref = self.tensor((path, call_idx, kind, next(counter)), leaf)
+            return leaf if ref is None else replaced(leaf, ref)
+        return replace
+
+    def swap_parameters(self, path: str, call_idx: int, module: nn.Module) -> list[tuple]:
+        """Put the reference's values of ``module``'s own parameters in their place for this
+        call; returns what :func:`restore_parameters` needs to put the originals back."""
+        swapped = []
+        for index, (name, p) in enumerate(list(module.named_parameters(recurse=False))):
+            ref = self.tensor((path, call_idx, fmt.PARAM, index), p)
+            if ref is not None:
+                swapped.append((name, p))
+                module._parameters[name] = replaced(p, ref)  # no __setattr__: not a Parameter
+        return swapped
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+def restore_parameters(module: nn.Module, swapped: list[tuple]) -> None:
+    """Undo :meth:`StepReference.swap_parameters`."""
+    for name, p in swapped:
+        module._parameters[name] = p
+
+
+class Injector:
+    """Which reference values to inject: ``reference`` (a dump directory or
+    :class:`~compare.dump.Dump`), ``kinds`` ⊆ ``INJECTABLE`` and ``include`` globs on module
+    paths or keys (all modules by default). For step ``(epoch, step)`` the values of the same
+    module, call and index in the reference's step are used, cast to the run's dtype and device.
+
+    ``HookerAndDumper(..., inject=injector)`` records what arrives before replacing it (the
+    localizing re-run, see the module docstring); :meth:`register` / :meth:`injecting` install
+    hooks of its own instead.
+    """
+
+    def __init__(self, reference: Union[str, os.PathLike, Dump],
+                 kinds: Union[str, Iterable[str]] = (fmt.INPUT,),
+                 include: Union[str, Iterable[str], None] = None):
+        self.reference = load_dump(reference)
+        self.kinds = frozenset((kinds,) if isinstance(kinds, str) else kinds)
+        bad = self.kinds - set(INJECTABLE)
+        if bad or not self.kinds:
+            raise ValueError(f"kinds must be a non-empty subset of {list(INJECTABLE)}, "
+                             f"got {sorted(bad) or 'none'}")
+        self.include = (include,) if isinstance(include, str) else tuple(include or ())
+        self._step: Optional[StepReference] = None
+        self._handles: list[RemovableHandle] = []
+        self._calls = CallTracker()
+        self.injected = 0  # values injected so far, all steps
+
+    def step(self, epoch: int, step: int) -> StepReference:
+        """The reference's values of step ``(epoch, step)``; ``close()`` it after the step."""
+        step_file = next((s for s in self.reference.steps if (s.epoch, s.step) == (epoch, step)),
+                         None)
+        if step_file is None:
+            raise KeyError(f"h5cmp: reference dump {self.reference.path} has no step "
+                           f"{epoch}:{step}; dump that step of the reference run too")
+        return StepReference(self, step_file)
+
+    def describe(self) -> str:
+        """What the index's ``injected_from`` attribute says: the reference and the kinds."""
+        return f"{self.reference.path} ({', '.join(k for k in INJECTABLE if k in self.kinds)})"
+
+    # -- used alone: hooks of its own ------------------------------------------------------
+    def register(self, model: nn.Module, epoch: int, step: int) -> None:
+        """Install hooks injecting into step ``(epoch, step)``; :meth:`remove` takes them away.
+        Register it *before* a dumper's hooks for the dump to record what was used."""
+        self._step = self.step(epoch, step)
+        for path, module in hookable_modules(hook_target(model)):
+            if self._step.wants(path, module):
+                self._handles.append(module.register_forward_pre_hook(
+                    self._pre_hook(path), with_kwargs=True, prepend=True))
+                self._handles.append(module.register_forward_hook(
+                    self._post_hook(path), with_kwargs=True, always_call=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._calls.clear()
+        if self._step is not None:
+            self.injected += self._step.injected
+            self._step.close()
+            self._step = None
+
+    @contextlib.contextmanager
+    def injecting(self, model: nn.Module, epoch: int, step: int) -> Iterator["Injector"]:
+        self.register(model, epoch, step)
+        try:
+            yield self
+        finally:
+            self.remove()
+
+    def _pre_hook(self, path: str):
+        def hook(module, args, kwargs):
+            if in_backward():  # activation-checkpoint recomputation
+                return None
+            call_idx = self._calls.next_index(module)
+            swapped = (self._step.swap_parameters(path, call_idx, module)
+                       if fmt.PARAM in self.kinds else [])
+            self._calls.push(module, (call_idx, swapped))
+            if fmt.INPUT not in self.kinds:
+                return None
+            replace = self._step.leaf_replacer(path, call_idx, fmt.INPUT)
+            return map_tensors(args, replace), map_tensors(kwargs, replace)
+        return hook
+
+    def _post_hook(self, path: str):
+        def hook(module, args, kwargs, output):
+            if in_backward():
+                return None
+            state = self._calls.pop(module)
+            if state is None:
+                return None
+            call_idx, swapped = state
+            restore_parameters(module, swapped)
+            if output is None:  # the forward raised (an always-called hook)
+                return None
+            if fmt.OUTPUT in self.kinds:
+                output = map_tensors(output, self._step.leaf_replacer(path, call_idx,
+                                                                      fmt.OUTPUT))
+            if fmt.GRAD_OUTPUT in self.kinds:
+                counter = itertools.count()
+
+                def hook_grad(leaf):
+                    if isinstance(leaf, torch.Tensor):
+                        key = (path, call_idx, fmt.GRAD_OUTPUT, next(counter))
+                        if leaf.requires_grad and self._step.has(key):
+                            step = self._step
+                            self._handles.append(leaf.register_hook(
+                                lambda g, key=key: step.tensor(key, g)))
+                    return leaf
+                map_tensors(output, hook_grad)
+            return output
+        return hook

@@ -1,0 +1,172 @@
+"""The localizing re-run: ``HookerAndDumper(inject=A)`` runs every module on A's inputs,
+weights and incoming gradients, records what arrived, and ``compare.localize`` names the
+module (or the code between modules) that is wrong by itself, in every precision pair, forward
+and backward in one re-run, at the first step and after optimizer steps."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from compare import compare_dumps, load_dump, localize
+from compare.cli import main as h5cmp
+from compare.status import ORIGIN
+from dumper import HookerAndDumper, Injector
+
+from architectures import cannot_run, run_step
+from helpers import read_tensors
+
+pytest.importorskip("transformers")
+warnings.filterwarnings("ignore", module="transformers")
+
+# (A, B) precision pairs and the planted error's relative size
+PAIRS = {
+    "same": ("float32", "float32", 1e-3),
+    "fp64": ("float64", "float32", 1e-3),
+    "bf16": ("float32", "bfloat16", 0.1),
+    "fp16": ("float32", "float16", 3e-2),
+}
+# per architecture: a module planted in forward (its output), one in backward (the gradient
+# arriving at its output)
+PLANTS = {
+    "gpt2": ("transformer.h.0.mlp.c_proj", "transformer.h.1.attn.c_attn"),
+    "resnet": ("layer2.0.bn1", "layer1.0.conv1"),
+    "lstm": ("lstm", "embed"),
+}
+
+
+def _origins(table) -> set[tuple[str, str]]:
+    """(module, kind) of each origin (an LSTM's three outputs are one)."""
+    return {(m, k) for m, k in table[table["verdict"] == ORIGIN][["module", "kind"]].values}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("steps", [1, 4], ids=["first-step", "after-3-adamw-steps"])
+@pytest.mark.parametrize("arch", sorted(PLANTS))
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+def test_a_localizing_rerun_names_the_planted_module(tmp_path, pair, arch, steps):
+    prec_a, prec_b, size = PAIRS[pair]
+    for precision in (prec_a, prec_b):
+        if cannot_run(arch, precision):
+            pytest.skip(f"torch cannot run {arch} at {precision} here: "
+                        f"{cannot_run(arch, precision)}")
+    common = dict(steps=steps, optimizer="adamw", plant_last_only=True)
+    a = tmp_path / "a"
+    run_step(arch, prec_a, a, dumper_options={"params": True}, **common)
+    inject = {"inject": a}
+    healthy = tmp_path / "healthy"
+    run_step(arch, prec_b, healthy, dumper_options=inject, **common)
+    assert _origins(localize(a, healthy, healthy)) == set()
+    for module, where in zip(PLANTS[arch], ("output", "grad_output")):
+        plant = {"include": [module], "where": where, "scale": 1 + size}
+        free, injected = tmp_path / f"free-{where}", tmp_path / f"injected-{where}"
+        run_step(arch, prec_b, free, plant=plant, **common)
+        run_step(arch, prec_b, injected, plant=plant, dumper_options=inject, **common)
+        table = localize(a, free, injected)
+        assert _origins(table) == {(module, where)}, table[table["verdict"] == ORIGIN]
+
+
+def test_injecting_a_run_into_its_own_configuration_reproduces_it(tmp_path):
+    """A run fed its own reference values, weights included, computes every record of the
+    reference bit for bit; what arrived is flagged injected."""
+    run_step("gpt2", "float32", tmp_path / "a", dumper_options={"params": True})
+    run_step("gpt2", "float32", tmp_path / "b", dumper_options={"inject": tmp_path / "a",
+                                                              "params": True})
+    a, b = read_tensors(tmp_path / "a"), read_tensors(tmp_path / "b")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    index = load_dump(tmp_path / "b").index
+    assert set(index[index["injected"] == 1]["kind"]) == {"input", "param", "grad_output"}
+    step = load_dump(tmp_path / "b").steps[0]
+    assert step.injected_from == f"{tmp_path / 'a'} (input, grad_output, param)"
+    assert step.attrs["format_version"] == 6
+
+
+def test_wrong_weights_are_replaced_and_put_back(tmp_path):
+    """B's weights differ (a checkpoint-conversion bug): injected, B computes A's values from
+    A's weights; its own parameters are the same objects with the same values afterwards, and
+    their gradients still accumulate."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LSTM(16, 16, batch_first=True))
+    x = torch.randn(2, 5, 8)
+
+    def step(directory, **options):
+        with HookerAndDumper(directory, params=True, **options).hooks(model, 0, 0):
+            model(x)[0].sum().backward()
+
+    step(tmp_path / "a")
+    params = [p for p in model.parameters()]
+    with torch.no_grad():
+        model[0].weight.mul_(1.01)
+        model[1].weight_hh_l0.mul_(1.01)
+    before = [p.detach().clone() for p in params]
+    model.zero_grad()
+    step(tmp_path / "b", inject=tmp_path / "a")
+    assert list(model.parameters()) == params and all(p.grad is not None for p in params)
+    assert all(torch.equal(p, q) for p, q in zip(params, before))
+    a, b = read_tensors(tmp_path / "a"), read_tensors(tmp_path / "b")
+    assert torch.equal(a[("1", 0, "output", 0)], b[("1", 0, "output", 0)])  # the LSTM too
+    assert not torch.equal(a[("0", 0, "param", 0)], b[("0", 0, "param", 0)])  # what arrived
+
+
+def test_parameters_are_put_back_when_the_forward_raises(tmp_path):
+    class Fails(nn.Linear):
+        def forward(self, x):
+            super().forward(x)
+            raise RuntimeError("boom")
+
+    x = torch.randn(2, 4)
+    reference = nn.Linear(4, 4)
+    with HookerAndDumper(tmp_path / "a", params=True).hooks(reference, 0, 0):
+        reference(x)
+    model = Fails(4, 4)
+    weight = model.weight
+    with pytest.raises(RuntimeError, match="boom"):
+        with HookerAndDumper(tmp_path / "b", inject=tmp_path / "a").hooks(model, 0, 0):
+            model(x)
+    assert model.weight is weight and model._parameters["weight"] is weight
+
+
+def test_a_reference_without_weights_is_injected_without_them(tmp_path):
+    run_step("mlp", "float32", tmp_path / "a")  # parameter statistics only
+    with pytest.warns(RuntimeWarning, match="holds no parameter values in step 0:0 "
+                                            r"\(dump it with params=True\)"):
+        run_step("mlp", "float32", tmp_path / "b", dumper_options={"inject": tmp_path / "a"})
+    index = load_dump(tmp_path / "b").index
+    assert set(index[index["injected"] == 1]["kind"]) == {"input", "grad_output"}
+
+
+def test_an_injector_chooses_kinds_and_modules(tmp_path):
+    run_step("mlp", "float32", tmp_path / "a", dumper_options={"params": True})
+    injector = Injector(tmp_path / "a", kinds=["grad_output"], include=["1.*"])
+    run_step("mlp", "float32", tmp_path / "b", dumper_options={"inject": injector})
+    index = load_dump(tmp_path / "b").index
+    injected = index[index["injected"] == 1]
+    assert set(injected["kind"]) == {"grad_output"}
+    # "1.*" matches the block itself by its key, 1.ResidualMLPBlock
+    assert set(injected["module"]) == {"1", "1.norm", "1.up", "1.act", "1.down"}
+    assert injector.injected == len(injected)
+
+
+def test_the_cli_reports_origins_from_the_injected_rerun(tmp_path):
+    """A bfloat16 backward error under a later step's drifted weights: the injected re-run names
+    it; the exit status follows the re-run."""
+    plant = {"include": ["transformer.h.1.mlp.c_fc"], "where": "grad_output", "scale": 1.1}
+    common = dict(steps=3, optimizer="adamw", plant_last_only=True)
+    run_step("gpt2", "float32", tmp_path / "a", dumper_options={"params": True}, **common)
+    run_step("gpt2", "bfloat16", tmp_path / "b", plant=plant, **common)
+    run_step("gpt2", "bfloat16", tmp_path / "c", plant=plant,
+             dumper_options={"inject": tmp_path / "a"}, **common)
+    out = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "b"),
+                                     "--injected", str(tmp_path / "c")])
+    assert out.exit_code == 1, out.output
+    assert ("origin: step 0:2 backward transformer.h.1.mlp.c_fc.Conv1D#0 grad_output[0] (as it "
+            "arrived: made by the code before this module)") in out.output
+    run_step("gpt2", "bfloat16", tmp_path / "healthy", dumper_options={"inject": tmp_path / "a"},
+             **common)
+    ok = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "b"),
+                                    "--injected", str(tmp_path / "healthy")])
+    assert " 0 origin" in ok.output
