@@ -48,7 +48,9 @@ def localize(reference: PathLike | Dump, free: PathLike | Dump, injected: PathLi
     ``accumulated_*`` (free vs reference) status, rel_error, added_ratio and reason, the
     ``injected`` flag (1: what arrived, replaced by A's value before the module ran) and a
     ``verdict``: ``origin`` (wrong even from the reference's values), ``inherited`` (wrong only
-    in the free run), ``fine``. ``free_result``: ``compare_dumps(reference, free, ...)`` if
+    in the free run), ``fine``. Records the injected run has and the reference has not, or the
+    other way round (an in-place module fed a copy makes a gradient the original run merges),
+    are no origin. ``free_result``: ``compare_dumps(reference, free, ...)`` if
     already done."""
     acc = free_result if free_result is not None else compare_dumps(
         reference, free, rtol, atol, steps=steps)
@@ -58,8 +60,8 @@ def localize(reference: PathLike | Dump, free: PathLike | Dump, injected: PathLi
         acc[KEY + JUDGED], on=KEY, how="left", suffixes=("_local", "_accumulated"))
     judged = judged.rename(columns={f"{c}_local": f"local_{c}" for c in JUDGED}
                            | {f"{c}_accumulated": f"accumulated_{c}" for c in JUDGED})
-    judged["verdict"] = np.where(
-        judged["local_status"].isin(st.FAILING), st.ORIGIN,
+    judged["verdict"] = np.where(  # a record only one run has is no local error
+        judged["local_status"].isin(st.VALUE_FAILURES), st.ORIGIN,
         np.where(judged["accumulated_status"].isin(st.CARRYING), st.INHERITED, st.FINE))
     if modules:
         patterns = list(modules)

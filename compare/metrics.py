@@ -7,6 +7,8 @@ Definitions (a = reference side A, b = side B; sums over elements finite on both
   max_abs_err   max |b - a|                     mean_abs_err  mean |b - a|
   max_rel_err   max |b - a| / max(|a|, atol)    (guarded near zero; 0/0 = 0, x/0 = inf)
   rel_l2_err    ||b - a|| / ||a||               cosine        <a, b> / (||a|| ||b||)
+  scale_err     <a, b - a> / <a, a>: the error along A's values (b = (1 + s) a + noise
+                orthogonal to a); a scaled tensor has s, uncorrelated noise ~ rel_l2_err / sqrt(n)
   rmse          sqrt(mean |b - a|^2)          rms_a         sqrt(mean |a|^2), A's scale
   mismatches    elements with |b - a| > atol + rtol |b|, plus non-finite positions that differ
   max_tol_ratio max |b - a| / (atol + rtol |b|): above 1 is outside tolerance (inf if exact)
@@ -25,7 +27,7 @@ from .status import CLOSE, DIFF, EQUAL, NAN_MISMATCH
 from .tolerance import Tolerance
 
 METRIC_COLUMNS = ("numel", "rms_a", "max_abs_err", "mean_abs_err", "max_rel_err", "rel_l2_err", "cosine",
-                  "rmse", "mismatches", "mismatch_frac", "max_tol_ratio", "nan_a", "nan_b",
+                  "scale_err", "rmse", "mismatches", "mismatch_frac", "max_tol_ratio", "nan_a", "nan_b",
                   "inf_a", "inf_b", "sign_flips", "stat_rel_diff", "norm_rel_diff",
                   "rel_err_from_stats", "sketched")
 
@@ -225,6 +227,7 @@ class ErrorAccumulator:
             cosine = 1.0 if norm_a == norm_b else 0.0
         else:
             cosine = self.dot / (norm_a * norm_b)
+        scale = 0.0 if self.ssa == 0 else (self.dot - self.ssa) / self.ssa
         out = dict(
             stat_rel_diff=math.nan, norm_rel_diff=math.nan, rel_err_from_stats=math.nan,
             sketched=math.nan,
@@ -234,6 +237,7 @@ class ErrorAccumulator:
             max_rel_err=self.max_rel,
             rel_l2_err=rel_l2,
             cosine=cosine,
+            scale_err=scale,
             rmse=math.sqrt(self.ssd / n) if n else 0.0,
             rms_a=math.sqrt(self.ssa / n) if n else 0.0,
             mismatches=self.mismatches,

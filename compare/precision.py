@@ -33,6 +33,7 @@ ROUNDING.update({"complex128": ROUNDING["float64"], "complex64": ROUNDING["float
 # weight of more dimensions (convolutions; batched experts), and cuDNN's RNNs.
 RNN_CLASSES = r"LSTM|GRU|RNN"
 EXACT_DTYPE = Rounding(0.0, 0.0)  # integers, bool
+AUTOCAST_DTYPES = ("bfloat16", "float16")
 
 
 
@@ -61,45 +62,69 @@ def weighted(frame: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
     return (ndim == 2) & ~rnn, (ndim > 2) | (rnn & (ndim >= 2))
 
 
+def autocast_dtype(frame: pd.DataFrame, dtypes: pd.Series) -> str:
+    """The 16-bit float a side ran under autocast: the lowest float dtype of its outputs where
+    that is below its weights' lowest (float32 weights, bfloat16 outputs); "" otherwise."""
+    weights = dtypes[(frame["kind"] == fmt.PARAM) & (dtypes != "")].unique()
+    outputs = dtypes[(frame["kind"] == fmt.OUTPUT) & dtypes.isin(AUTOCAST_DTYPES)].unique()
+    if not len(weights) or not len(outputs):
+        return ""
+    low = lowest(outputs)
+    return low if rounding_of(low).unit > rounding_of(lowest(weights)).unit else ""
+
+
 def computed_in(frame: pd.DataFrame, tf32: tuple[tuple[bool, bool], tuple[bool, bool]]
                  ) -> tuple[pd.Series, pd.Series]:
     """The dtype each record was computed in, per side: its own, or lower where its call
-    evidently computes in a lower precision: its children output it (a container of bfloat16
-    layers, or of experts whose matmuls it does itself), or, for a gradient, the call output it
+    evidently computes in a lower precision. A call computes in the lowest of its outputs'
+    dtypes (a router's float32 weights come from its bfloat16 logits), its descendants' (a
+    container of bfloat16 layers), and, under autocast, the autocast dtype where it owns a
+    weight of more than two dimensions (batched experts' matmuls; a grouped matmul may cast
+    its result back to float32). A call's outputs and gradients are computed in its precision
     (autocast computes the gradient of a float32 input of a bfloat16 matmul in bfloat16, then
-    casts it); a gradient arriving at an output, its consumers' lowest; an input made by its
-    parent's own code, the parent's lowest. Where ``tf32`` allows it, float32 matmul and
-    convolution modules compute in ``tensorfloat32``."""
+    casts it); a gradient arriving at an output in its consumers', or, where no hooked module
+    consumed the output, in the parent's (the parent's own code did: attention around a
+    projection, a pooler before a head); an input made by its parent's own code, in the
+    parent's. Where ``tf32`` allows it, float32 matmul and convolution modules compute in
+    ``tensorfloat32``."""
     sides = [frame["dtype_a"].fillna(""), frame["dtype_b"].fillna("")]
     parents, consumers = call_links(frame)
     keys = list(zip(frame["epoch"], frame["step"], frame["rank"].fillna(-1), frame["call"]))
-    matmul, conv = weighted(frame)
+    matmul, batched = weighted(frame)
     for side, column in enumerate(("dtype_a", "dtype_b")):
         own = sides[side]
-        uses_tf32 = (matmul & tf32[side][0]) | (conv & tf32[side][1])
+        uses_tf32 = (matmul & tf32[side][0]) | (batched & tf32[side][1])
         own = own.where(~(uses_tf32 & (own == "float32")), "tensorfloat32")
         tf32_calls = {k for k, used in zip(keys, uses_tf32) if used}
-        own_out = {}  # lowest output dtype of each call
+        autocast = autocast_dtype(frame, sides[side])
+        own_out = {}  # the precision of each call's own computation: its lowest output dtype
         for key, out in zip(keys, own.where(frame["kind"] == fmt.OUTPUT, "")):
             if out:
                 own_out[key] = lowest([out] + ([own_out[key]] if key in own_out else []))
+        if autocast:
+            for key in {k for k, b in zip(keys, batched) if b}:
+                own_out[key] = lowest([autocast] + ([own_out[key]] if key in own_out else []))
         inner: dict[tuple, str] = {}  # lowest output dtype of a call's descendants
         for key in sorted(parents, reverse=True):  # children before their parents
             low = [d for d in (own_out.get(key, ""), inner.get(key, "")) if d]
             up = parents[key]
             if up is not None and low:
                 inner[up] = lowest(low + ([inner[up]] if up in inner else []))
+        def of_call(call) -> list[str]:  # the precision a call computes in
+            return [own_out.get(call, ""), inner.get(call, "")]
+
         lowered = []
         for key, kind, producer, dtype in zip(keys, frame["kind"], frame["producer"], own):
             candidates = [dtype, inner.get(key, "")]
-            if kind in fmt.BACKWARD_KINDS:
+            if kind in fmt.BACKWARD_KINDS or kind == fmt.OUTPUT:
                 candidates.append(own_out.get(key, ""))
-            if kind == fmt.GRAD_OUTPUT:  # made by its consumers' backward
-                candidates += [d for c in consumers.get(key, ()) for d in
-                               (own_out.get(c, ""), inner.get(c, ""))]
-            if kind == fmt.INPUT and producer < 0 and parents.get(key) is not None:
-                candidates.append(inner.get(parents[key], ""))  # the parent's own matmuls too
-                if parents[key] in tf32_calls and dtype == "float32":
+            parent = parents.get(key)
+            if kind == fmt.GRAD_OUTPUT:  # made by its consumers' backward, or its parent's code
+                makers = consumers.get(key) or ([] if parent is None else [parent])
+                candidates += [d for c in makers for d in of_call(c)]
+            if kind == fmt.INPUT and producer < 0 and parent is not None:
+                candidates += of_call(parent)  # the parent's own matmuls too
+                if parent in tf32_calls and dtype == "float32":
                     candidates.append("tensorfloat32")
             lowered.append(lowest([d for d in candidates if d]) if dtype else dtype)
         sides[side] = pd.Series(lowered, frame.index)

@@ -40,6 +40,7 @@ CARRYING = FAILING | {INHERITED}
 # the first divergence is the first row with one of these.
 VALUE_FAILURES = frozenset({DIFF, NAN_MISMATCH, SHAPE_MISMATCH})
 
-# Where the error of a divergence comes from (the summary's verdict), and, with an injected
-# run, what a module's local error makes of it (localize's: origin, inherited or fine).
-ORIGIN, BETWEEN_MODULES, FINE = "origin", "between_modules", "fine"
+# Where the error of a divergence comes from (the summary's verdict: a module's computation,
+# code between modules, or the weights the step started with), and, with an injected run,
+# what a module's local error makes of it (localize's: origin, inherited or fine).
+ORIGIN, BETWEEN_MODULES, WEIGHTS, FINE = "origin", "between_modules", "weights", "fine"

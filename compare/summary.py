@@ -35,9 +35,9 @@ class Divergence:
 
     ``verdict``: ``origin`` (a record the module computes, its output or the gradient it sends
     back, carries more error than its sources and the precisions explain: the error starts in
-    this module), or ``between_modules`` (the record is an input or an incoming gradient: the
+    this module), ``between_modules`` (the record is an input or an incoming gradient: the
     difference arose in code outside any hooked submodule, e.g. in the parent's own forward,
-    the loss, or the data). ``upstream``: the records it is computed from.
+    the loss, or the data), or ``weights`` (the module's weights differ before the step). ``upstream``: the records it is computed from.
     """
 
     row: pd.Series
@@ -74,6 +74,9 @@ class Divergence:
                 record_label(a) for _, a in self.aliases.iterrows()))
         if self.verdict == st.ORIGIN:
             lines.append("  the error starts in this module (its own computation)")
+        elif self.verdict == st.WEIGHTS:
+            lines.append("  this module's weights differ before the step: compare an earlier step "
+                         "(or the checkpoints) to find where")
         else:
             origin = f"{self.parent}'s own code" if self.parent else "the code calling the model"
             lines.append(f"  the difference is already in this {r['kind']}: it arose outside any "
@@ -191,6 +194,8 @@ def _diagnose(result: pd.DataFrame, row: pd.Series) -> Divergence:
     position = same_step.index.get_loc(row.name)
     upstream = same_step.iloc[earlier_sources(same_step)[position]]
     aliases = same_step[same_step["same_as"] == record_label(row)]
+    if row["kind"] == fmt.PARAM:
+        return Divergence(row, st.WEIGHTS, upstream, aliases=aliases)
     if row["kind"] in (fmt.INPUT, fmt.GRAD_OUTPUT):
         producer = None
         if row["kind"] == fmt.INPUT and row["producer"] >= 0:

@@ -59,6 +59,7 @@ from .sources import STEP_KEY, earlier_sources
 # a few times: records judged from them get this much more room.
 STATS_GAIN = 2.0
 SPREAD = 6.0    # how far above the typical added error of comparable records one may go
+LAST_BITS = 4.0  # units of rounding that differ in the last bits where no error is expected
 DECIDING_SHARE = 0.25  # least share of an input a ReLU-like decision passes gradients for
 # Weights drift in training along the data (a gradient is an outer product of the data), so the
 # error a drift makes in a module's output can exceed the drift's share of the weights: up to
@@ -70,6 +71,7 @@ STATS_RESOLUTION = 1e-12
 STATS_NOTE = ("; estimated from statistics (a difference that keeps min, max, mean, std and "
               "norm cannot be seen)")
 
+WRONG_WEIGHTS = "the runs did not start from the same weights, or diverged at an earlier step"
 USER_TOLERANCE = "user_tolerance"  # attribute of a judged result: judged by the user's rtol/atol
 VERDICT_COLUMNS = ("rel_error", "input_rel_error", "added_rel_error", "expected_rel_error",
                    "added_ratio", "source", "same_as", "reason")
@@ -266,7 +268,13 @@ class _Judgement:
         if r.measured[i] == st.EQUAL:
             return
         if r.params[i]:
-            if self.status[i] == st.INHERITED:
+            if self.status[i] != st.INHERITED:
+                return
+            if self.expected.label[i] == EXACT_LABEL and not r.replaced[i]:
+                self.status[i] = st.DIFF
+                self.reason[i] = (f"weights differ by {r.err[i]:.3g} where both runs compute "
+                                  f"bit-identically: {WRONG_WEIGHTS}")
+            else:
                 self.reason[i] = f"weights differ by {r.err[i]:.3g} before this step"
             return
         self.status[i] = self._status(i, carrying, envelope, level)
@@ -312,12 +320,14 @@ class _Judgement:
         return st.INHERITED if self.tainted[i] and r.err[i] > envelope else st.CLOSE
 
     def _last_bit(self, i: int) -> float:
-        """Where no error is expected, the last bit still may differ: vectorised elementwise
-        kernels round the elements that memory alignment leaves to their scalar loop
-        differently, and alignment differs between runs (a rerun differs so, now and then)."""
+        """Where no error is expected, the last bits still may differ: vectorised kernels and
+        reductions round the elements that memory alignment leaves to their scalar loop
+        differently, and alignment differs between runs (a rerun differs so, now and then; a
+        re-run on injected copies often), through the unrecorded code between modules too:
+        ``LAST_BITS`` units of the precision, in rel-L2."""
         if self.expected.label[i] != EXACT_LABEL:
             return 0.0
-        return rounding_of(precision_of(*self.r.dtypes[i])).unit
+        return LAST_BITS * rounding_of(precision_of(*self.r.dtypes[i])).unit
 
     def _why(self, i: int) -> str:
         r = self.r

@@ -87,6 +87,7 @@ class StepCapture:
         self._occurrences: dict[tuple[int, str, int], int] = defaultdict(int)
         # dataflow: id(tensor) -> (weak reference, call that output it, tensor version then)
         self._producers: dict[int, tuple[weakref.ref, int, int]] = {}
+        self._injected_inputs: dict[int, weakref.ref] = {}  # the reference's values, put in
         self.handles: list[RemovableHandle] = []
         for path, module in hookable_modules(model):
             self._count_micro_batches(module)  # first: its pre-hook runs before the capture's
@@ -158,6 +159,7 @@ class StepCapture:
             self._maker.release(record)
         self._param_grads.clear()
         self._producers.clear()
+        self._injected_inputs.clear()
 
     # -- forward -----------------------------------------------------------------------
     def _next_seq(self) -> int:
@@ -211,9 +213,16 @@ class StepCapture:
         if fmt.PARAM in injects:
             self._swapped.push(module, inject.swap_parameters(path, info.call_idx, module))
         if fmt.INPUT in injects:
-            replace = inject.leaf_replacer(path, info.call_idx, fmt.INPUT)
-            return map_tensors(args, replace), map_tensors(kwargs, replace)
+            made: list[torch.Tensor] = []
+            replace = inject.leaf_replacer(path, info.call_idx, fmt.INPUT, made)
+            args, kwargs = map_tensors(args, replace), map_tensors(kwargs, replace)
+            self._injected_inputs.update((id(t), weakref.ref(t)) for t in made)
+            return args, kwargs
         return None
+
+    def _is_injected_input(self, t: torch.Tensor) -> bool:
+        known = self._injected_inputs.get(id(t))
+        return known is not None and known() is t
 
     def _restore_parameters(self, module: nn.Module) -> None:
         swapped = self._swapped.pop(module)
@@ -250,7 +259,10 @@ class StepCapture:
             inject = None
         for i, leaf_path, t in grad_outputs:
             key = (call.info.module, call.info.call_idx, fmt.GRAD_OUTPUT, i)
-            injecting = inject is not None and inject.has(key)
+            # an input passed through (here, or injected in an inner call): its gradient sums
+            # the uses of the input upstream too, so the reference's would count them twice
+            through = i in passthrough or self._is_injected_input(t)
+            injecting = inject is not None and not through and inject.has(key)
             if want_grad or i in passthrough or injecting:
                 on_grad = self._grad_output_hook(call, i, leaf_path, want_grad, passthrough.get(i),
                                                  inject if injecting else None)

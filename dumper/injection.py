@@ -112,16 +112,22 @@ class StepReference:
         self.injected += 1
         return ref.to(dtype=like.dtype, device=like.device)
 
-    def leaf_replacer(self, path: str, call_idx: int, kind: str) -> Callable:
+    def leaf_replacer(self, path: str, call_idx: int, kind: str,
+                      made: Optional[list] = None) -> Callable:
         """``fn(leaf)`` for :func:`~dumper.flatten.map_tensors`: the n-th tensor leaf replaced by
-        the reference's ``kind`` n of that call, where it has one."""
+        the reference's ``kind`` n of that call, where it has one (appended to ``made``)."""
         counter = itertools.count()
 
         def replace(leaf):
             if not isinstance(leaf, torch.Tensor):
                 return leaf
             ref = self.tensor((path, call_idx, kind, next(counter)), leaf)
-            return leaf if ref is None else replaced(leaf, ref)
+            if ref is None:
+                return leaf
+            ref = replaced(leaf, ref)
+            if made is not None:
+                made.append(ref)
+            return ref
         return replace
 
     def swap_parameters(self, path: str, call_idx: int, module: nn.Module) -> list[tuple]:

@@ -1,10 +1,12 @@
-"""Benchmark: does the verdict name the module where an error was planted, and stay quiet on
-healthy pairs? Not a timed test.
+"""Benchmark: does h5cmp name the module where an error was planted, from two dumps and from a
+localizing re-run, and stay quiet on healthy pairs? Not a timed test.
 
-    python scripts/bench_localize.py [--archs llama,gpt2,...] [--plants 4] [--seed 0]
+    python scripts/bench_localize.py [--archs ...|--set held-out] [--variants same,fp64,...]
+                                     [--steps 1,4] [--seeds 1,2,3] [--plants 4] [--jobs 2]
 
-For every architecture of ``tests/architectures.py`` (Hugging Face models from tiny configs,
-a torchvision-style ResNet, an LSTM, a deep residual MLP) and every variant
+Architectures (``tests/architectures.py``): the *tuning* set the verdict's constants were
+tuned on, and a *held-out* set chosen before its results were looked at, reported apart.
+Variants (A, B, planted sizes):
 
     same      A float32,  B float32,                         plant 1e-3
     fp64      A float64,  B float32,                         plant 3e-2 and 1e-3
@@ -14,22 +16,27 @@ a torchvision-style ResNet, an LSTM, a deep residual MLP) and every variant
     tf32      as gpu, with TF32 matmuls,                     plant 3e-2
     gpu-bf16  A float32 on the CPU, B bfloat16 autocast on CUDA, plant 0.1
 
-it dumps a training step (the last of --steps) of A, of a healthy B and of B with an error
-planted by
-``dumper.perturb`` in a random module (forward: its output scaled by 1 + plant; backward: the
-gradient arriving at its outputs scaled). A plant is *visible* when it changes the planted
-module's output (gradient) by at least half the plant and by more than A and the healthy B
-differ there; one that changes it by half the plant but less than that difference is *below
-the noise* (it cannot stand out from two dumps alone); it is *localized* when the first
-divergence of A vs planted B names the planted module or one of its submodules (or names a
-record of the same tensor, e.g. the output of a Linear that a Dropout(p=0) returns). Printed per
-variant and direction: localized k/n (misses listed with what was named instead), the median
-number of failing rows per plant (quietness), and false alarms on the healthy pairs; and per
-architecture whether an identical rerun is all ``equal``.
+Each case trains ``--steps`` AdamW steps (1: the first step; 4: three steps before, the two
+runs' weights drifting apart in mixed precision) and dumps the last. A is dumped with
+``params=True``; B healthy, and B with an error planted in the dumped step only by
+``dumper.perturb`` in a random module (the root included; forward: its output scaled by 1 +
+plant, backward: the gradient arriving at its outputs scaled), each run free and re-run on A's
+values (``inject=A``).
+
+A plant is *invisible* when it changes its record (the planted module's output or gradient) by
+less than half its size (the record does not exist or is ~zero); *below the noise* when the
+change is not above the local error the precision itself leaves there (A against the healthy
+injected re-run at that record: no method can tell it from rounding); else *visible*. It is
+*localized* from two dumps when the first divergence names the planted module or one of its
+submodules (or a record of the same tensor), and by injection when the first origin does.
+Printed per set, step, variant and direction: both counts side by side (every miss listed with
+what was named), the median failing rows per plant, and false alarms on the healthy pairs
+(two-dump failing rows; injected origins), and whether an identical rerun is all ``equal``.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import contextlib
 import dataclasses
 import random
@@ -37,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import warnings
+import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,9 +52,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
 
-from architectures import ARCHITECTURES, build, run_step  # noqa: E402
-from compare import compare_dumps, summarize  # noqa: E402
-from compare.status import FAILING  # noqa: E402
+from architectures import ARCHITECTURES, HELD_OUT, build, cannot_run, run_step  # noqa: E402
+from compare import compare_dumps, localize, summarize  # noqa: E402
+from compare.status import FAILING, ORIGIN  # noqa: E402
+
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
@@ -72,6 +81,7 @@ VARIANTS = {
 }
 CPU_VARIANTS = ("same", "fp64", "bf16", "fp16")
 DIRECTIONS = {"forward": "output", "backward": "grad_output"}
+OPTIMIZER = "adamw"
 
 
 @contextlib.contextmanager
@@ -84,7 +94,7 @@ def _tf32(enabled: bool):
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
-def _quiet_transformers() -> None:
+def _quiet() -> None:
     warnings.filterwarnings("ignore")
     try:
         import transformers
@@ -93,110 +103,148 @@ def _quiet_transformers() -> None:
         pass
 
 
-def _visibility(healthy: Path, planted: Path, reference: Path, module: str, where: str,
-                size: float) -> str:
-    """``"visible"`` when the plant changes the planted module's record by at least half its
-    size and by more than A and the healthy B differ there (the noise it must stand out of),
-    ``"noise"`` when it changes it by half its size but not more than that noise, else
-    ``"invisible"`` (the record does not exist, or the plant barely changes it)."""
-    def error_at(a: Path, b: Path) -> float:
-        rows = compare_dumps(a, b)
-        rows = rows[(rows["module"] == module) & (rows["kind"] == where)]
-        return float(rows["rel_l2_err"].max()) if len(rows) else 0.0
-    change = error_at(healthy, planted)
-    if change < size / 2:
+def _error_at(result, module: str, kind: str) -> float:
+    rows = result[(result["module"] == module) & (result["kind"] == kind)]
+    return float(rows["rel_l2_err"].max()) if len(rows) else 0.0
+
+
+def _visibility(effect: float, noise: float, size: float) -> str:
+    """``invisible``: the plant changes its record by less than half its size; ``noise``: not
+    by more than the local error the precision leaves there; else ``visible``."""
+    if effect < size / 2:
         return "invisible"
-    return "visible" if change > error_at(reference, healthy) else "noise"
+    return "visible" if effect > noise else "noise"
 
 
-def _localized(first, module: str) -> bool:
-    """The first divergence, or a record of the same tensor, is in ``module`` or under it."""
-    named = [first.row["module"], *first.aliases.get("module", [])]
-    return any(module == "" or m == module or m.startswith(module + ".") for m in named)
+def _named(modules: list[str], planted: str) -> bool:
+    """Whether one of ``modules`` is the planted module or inside it."""
+    return any(planted == "" or m == planted or m.startswith(planted + ".") for m in modules)
 
 
-def run(archs: list[str], variants: list[str], plants: int, seed: int, tmp: Path,
-        steps: int = 1) -> dict:
-    rng = random.Random(seed)
-    outcome = {"plants": [], "healthy": [], "reruns": [], "unsupported": []}
-    for arch in archs:
-        modules = [p for p, _ in build(arch, "float32")[0].named_modules()]
-        run_step(arch, "float32", tmp / f"{arch}-rerun", steps=steps)
-        run_step(arch, "float32", tmp / f"{arch}-rerun-b", steps=steps)
-        rerun = compare_dumps(tmp / f"{arch}-rerun", tmp / f"{arch}-rerun-b")
-        differ = rerun[rerun["status"] != "equal"]
-        outcome["reruns"].append((arch, differ.empty))
-        for r in differ.head(3).itertuples():
-            print(f"  rerun of {arch} differs: {r.module or '<root>'} {r.kind}[{r.index}] "
-                  f"{r.status} {r.rel_error:.3g}", file=sys.stderr)
-        for variant in variants:
-            v = VARIANTS[variant]
+def _first_origin(table) -> list[str]:
+    origins = table[table["verdict"] == ORIGIN]
+    return [] if origins.empty else [origins.iloc[0]["module"]]
 
-            def run_b(path: Path, **kwargs) -> None:
-                with _tf32(v.tf32):
-                    run_step(arch, v.b, path, device=v.device, steps=steps, **kwargs)
-            a, b = tmp / f"{arch}-{v.a}", tmp / f"{arch}-{variant}-b"
-            try:
-                if not a.exists():
-                    run_step(arch, v.a, a, steps=steps)
-                run_b(b)
-            except RuntimeError as exc:  # e.g. oneDNN's LSTM under float16 autocast on CPU
-                outcome["unsupported"].append(f"{arch} {variant}: {str(exc).splitlines()[0]}")
-                continue
-            healthy = summarize(compare_dumps(a, b))
-            outcome["healthy"].append((variant, arch, healthy))
-            for size in v.sizes:
-                for k in range(plants):
-                    direction = ("forward", "backward")[k % 2]
-                    module = rng.choice(modules)
-                    where = DIRECTIONS[direction]
-                    planted = tmp / f"{arch}-{variant}-{size}-{k}"
-                    run_b(planted, plant={"include": [module], "where": where, "scale": 1 + size})
-                    visibility = _visibility(b, planted, a, module, where, size)
-                    result = compare_dumps(a, planted)
-                    summary = summarize(result)
-                    outcome["plants"].append(dict(
-                        variant=f"{variant} {size:g}", arch=arch, module=module,
-                        direction=direction, visibility=visibility,
-                        hit=summary.first is not None and _localized(summary.first, module),
-                        named=None if summary.first is None else
-                        f"{summary.first.row['module'] or '<root>'} {summary.first.row['kind']}",
-                        failing=int(result["status"].isin(FAILING).sum())))
-            print(f"  {arch} {variant} done", file=sys.stderr, flush=True)
-    return outcome
+
+def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: Path) -> dict:
+    """Healthy pairs and ``plants`` plants per size of one (architecture, variant, steps, seed)."""
+    _quiet()
+    torch.set_num_threads(1)
+    v = VARIANTS[variant]
+    why = cannot_run(arch, v.a) or cannot_run(arch, v.b, v.device)
+    case = f"{arch} {variant} steps={steps} seed={seed}"
+    if why:
+        return {"unsupported": [f"{case}: {why}"]}
+    rng = random.Random(zlib.crc32(case.encode()))
+    common = dict(seed=seed, steps=steps, optimizer=OPTIMIZER, plant_last_only=True)
+    root = tmp / f"{arch}-{variant}-{steps}-{seed}"
+
+    def run_b(path: Path, **kwargs) -> Path:
+        with _tf32(v.tf32):
+            run_step(arch, v.b, path, device=v.device, **common, **kwargs)
+        return path
+
+    a = root / "a"
+    run_step(arch, v.a, a, dumper_options={"params": True}, **common)
+    inject = {"dumper_options": {"inject": a}}
+    healthy, healthy_inj = run_b(root / "b"), run_b(root / "b-inj", **inject)
+    healthy_result = compare_dumps(a, healthy)
+    healthy_local = localize(a, healthy, healthy_inj, free_result=healthy_result)
+    noise_result = compare_dumps(a, healthy_inj)
+    out = {"healthy": [dict(variant=variant, steps=steps, arch=arch, seed=seed,
+                            summary=str(summarize(healthy_result).verdict()),
+                            ok=summarize(healthy_result).ok,
+                            failing=int(healthy_result["status"].isin(FAILING).sum()),
+                            origins=sorted(set(healthy_local[healthy_local["verdict"] == ORIGIN]
+                                               ["module"])))],
+           "plants": [], "unsupported": []}
+    modules = [p for p, _ in build(arch, v.b, seed)[0].named_modules()]
+    for size in v.sizes:
+        for k in range(plants):
+            direction = ("forward", "backward")[k % 2]
+            module, where = rng.choice(modules), DIRECTIONS[direction]
+            plant = {"plant": {"include": [module], "where": where, "scale": 1 + size}}
+            free = run_b(root / f"{size}-{k}", **plant)
+            injected = run_b(root / f"{size}-{k}-inj", **plant, **inject)
+            result = compare_dumps(a, free)
+            summary = summarize(result)
+            first = summary.first
+            named = [] if first is None else [first.row["module"],
+                                              *first.aliases.get("module", [])]
+            table = localize(a, free, injected, free_result=result)
+            effect = _error_at(compare_dumps(healthy_inj, injected), module, where)
+            out["plants"].append(dict(
+                variant=f"{variant} {size:g}", steps=steps, arch=arch, seed=seed, module=module,
+                direction=direction,
+                visibility=_visibility(effect, _error_at(noise_result, module, where), size),
+                two_dump=first is not None and _named(named, module),
+                named="-" if first is None else f"{first.row['module'] or '<root>'} "
+                                               f"{first.row['kind']}",
+                verdict=summary.verdict(),
+                injected=_named(_first_origin(table), module),
+                origins=sorted(set(table[table["verdict"] == ORIGIN]["module"]))[:4],
+                failing=int(result["status"].isin(FAILING).sum())))
+    return out
+
+
+def rerun_equal(arch: str, steps: int, tmp: Path) -> bool:
+    _quiet()
+    for name in ("r1", "r2"):
+        run_step(arch, "float32", tmp / f"{arch}-{steps}-{name}", steps=steps, optimizer=OPTIMIZER)
+    rerun = compare_dumps(tmp / f"{arch}-{steps}-r1", tmp / f"{arch}-{steps}-r2")
+    return bool((rerun["status"] == "equal").all())
+
+
+def _set_of(arch: str) -> str:
+    return "held-out" if arch in HELD_OUT else "tuning"
+
+
+def _percent(hits: int, n: int) -> str:
+    return f"{hits:>3}/{n:<3}{(f'{100 * hits / n:.0f}%' if n else '-'):>5}"
 
 
 def report(outcome: dict) -> None:
     plants = outcome["plants"]
-    print(f"{'variant':<12} {'direction':<9} {'localized':>12} {'below noise':>12} "
-          f"{'invisible':>9} {'median failing rows':>20}")
-    variants = list(dict.fromkeys(p["variant"] for p in plants))
-    for variant in variants:
+    print(f"{'set':<9}{'step':>5} {'variant':<11}{'direction':<10}{'two-dump':>14}"
+          f"{'injected':>14}{'noise':>7}{'invis.':>7}{'median rows':>12}")
+    keys = sorted({(_set_of(p["arch"]), p["steps"], p["variant"]) for p in plants},
+                  key=lambda k: (k[0] != "held-out", k[1], k[2]))
+    for set_, steps, variant in keys:
         for direction in DIRECTIONS:
-            rows = [p for p in plants if p["variant"] == variant and p["direction"] == direction]
+            rows = [p for p in plants if (_set_of(p["arch"]), p["steps"], p["variant"],
+                                          p["direction"]) == (set_, steps, variant, direction)]
             seen = [p for p in rows if p["visibility"] == "visible"]
-            noise = [p for p in rows if p["visibility"] == "noise"]
-            hits = sum(p["hit"] for p in seen)
+            noise = sum(p["visibility"] == "noise" for p in rows)
             median = statistics.median([p["failing"] for p in seen]) if seen else float("nan")
-            pct = f"{100 * hits / len(seen):.0f}%" if seen else "-"
-            print(f"{variant:<12} {direction:<9} {hits:>4}/{len(seen):<3}{pct:>5} "
-                  f"{sum(p['hit'] for p in noise):>6}/{len(noise):<5} "
-                  f"{len(rows) - len(seen) - len(noise):>9} {median:>20}")
+            print(f"{set_:<9}{steps:>5} {variant:<11}{direction:<10}"
+                  f"{_percent(sum(p['two_dump'] for p in seen), len(seen)):>14}"
+                  f"{_percent(sum(p['injected'] for p in seen), len(seen)):>14}"
+                  f"{noise:>7}{len(rows) - len(seen) - noise:>7}{median:>12}")
             for p in seen:
-                if not p["hit"]:
-                    print(f"    missed: {p['arch']} {p['module'] or '<root>'}: named "
-                          f"{p['named']}")
-    seen = [p for p in plants if p["visibility"] == "visible"]
-    noise = [p for p in plants if p["visibility"] == "noise"]
-    print(f"all: {sum(p['hit'] for p in seen)}/{len(seen)} visible plants localized; below the "
-          f"noise {sum(p['hit'] for p in noise)}/{len(noise)}; "
-          f"{len(plants) - len(seen) - len(noise)} invisible")
-    print("\nhealthy pairs (false alarm = any failing row):")
-    for variant in dict.fromkeys(v for v, _, _ in outcome["healthy"]):
-        rows = [(arch, s) for v, arch, s in outcome["healthy"] if v == variant]
-        alarms = [f"{arch} ({s.verdict()})" for arch, s in rows if not s.ok]
-        print(f"  {variant:<6} {len(alarms)} false alarms in {len(rows)} pairs"
-              + (f": {', '.join(alarms)}" if alarms else ""))
+                if not p["two_dump"]:
+                    print(f"      two-dump miss: {p['arch']} seed {p['seed']} "
+                          f"{p['module'] or '<root>'}: named {p['named']}; {p['verdict'][:150]}")
+                if not p["injected"]:
+                    print(f"      injected miss: {p['arch']} seed {p['seed']} "
+                          f"{p['module'] or '<root>'}: origins {p['origins']}")
+    for set_ in ("held-out", "tuning"):
+        seen = [p for p in plants if p["visibility"] == "visible" and _set_of(p["arch"]) == set_]
+        if seen:
+            print(f"{set_}: two-dump {sum(p['two_dump'] for p in seen)}/{len(seen)}, injected "
+                  f"{sum(p['injected'] for p in seen)}/{len(seen)} visible plants localized")
+    print("\nhealthy pairs (two-dump false alarm: any failing row; injected: any origin):")
+    healthy = outcome["healthy"]
+    for key in sorted({(_set_of(h["arch"]), h["steps"], h["variant"]) for h in healthy},
+                      key=lambda k: (k[0] != "held-out", k[1], k[2])):
+        rows = [h for h in healthy if (_set_of(h["arch"]), h["steps"], h["variant"]) == key]
+        alarms = [f"{h['arch']} seed {h['seed']} ({h['summary'][:120]})" for h in rows
+                  if not h["ok"]]
+        false_origins = [f"{h['arch']} seed {h['seed']} {h['origins']}" for h in rows
+                         if h["origins"]]
+        print(f"  {key[0]:<9} step {key[1]} {key[2]:<5} two-dump {len(alarms)}/{len(rows)}, "
+              f"injected {len(false_origins)}/{len(rows)}"
+              + "".join(f"\n      alarm: {a}" for a in alarms)
+              + "".join(f"\n      false origin: {o}" for o in false_origins))
     for line in outcome["unsupported"]:
         print(f"not run (torch cannot run it here): {line}")
     reruns = outcome["reruns"]
@@ -205,20 +253,35 @@ def report(outcome: dict) -> None:
 
 
 def main() -> None:
-    _quiet_transformers()
+    _quiet()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--archs", default=",".join(ARCHITECTURES))
+    parser.add_argument("--archs", default=None, help="default: every architecture of --set")
+    parser.add_argument("--set", choices=("all", "tuning", "held-out"), default="all")
     parser.add_argument("--variants", default=",".join(CPU_VARIANTS),
                         help=f"of {', '.join(VARIANTS)}")
+    parser.add_argument("--steps", default="1,4",
+                        help="dump the last of this many AdamW steps (comma-separated)")
+    parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--plants", type=int, default=4,
-                        help="plants per architecture, variant and plant size")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=1,
-                        help="train this many SGD steps (plant in all) and dump the last")
+                        help="plants per architecture, variant, plant size, steps and seed")
+    parser.add_argument("--jobs", type=int, default=2, help="cases run in this many processes")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench_localize_") as tmp:
-        outcome = run(args.archs.split(","), args.variants.split(","), args.plants, args.seed,
-                      Path(tmp), args.steps)
+    archs = (args.archs.split(",") if args.archs else
+             [a for a in ARCHITECTURES if args.set == "all" or _set_of(a) == args.set])
+    steps = [int(s) for s in args.steps.split(",")]
+    cases = [(arch, variant, n, seed) for arch in archs for n in steps
+             for variant in args.variants.split(",") for seed in map(int, args.seeds.split(","))]
+    outcome = {"plants": [], "healthy": [], "unsupported": [], "reruns": []}
+    with tempfile.TemporaryDirectory(prefix="bench_localize_") as tmp, \
+            cf.ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        futures = {pool.submit(run_case, *case, args.plants, Path(tmp)): case for case in cases}
+        reruns = {pool.submit(rerun_equal, arch, n, Path(tmp)): arch
+                  for arch in archs for n in steps}
+        for future in cf.as_completed(futures):
+            for key, values in future.result().items():
+                outcome[key] += values
+            print(f"  {' '.join(map(str, futures[future]))} done", file=sys.stderr, flush=True)
+        outcome["reruns"] = [(reruns[f], f.result()) for f in reruns]
     report(outcome)
 
 

@@ -122,3 +122,42 @@ def test_version_4_dumps_are_read_without_micro_batches(tmp_path):
     result = compare_dumps(a, b)
     assert (result["status"] == "equal").all()
     assert CliRunner().invoke(main, [str(a), str(b)]).exit_code == 0
+
+
+class OddNames(torch.nn.Module):
+    """Module names with spaces, slashes, colons and non-ASCII letters."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleDict({"enc/0: proj": torch.nn.Linear(6, 16),
+                                           "dé cod": torch.nn.Linear(16, 3)})
+
+    def forward(self, x):
+        return self.blocks["dé cod"](torch.tanh(self.blocks["enc/0: proj"](x)))
+
+
+@pytest.mark.parametrize("make, wrong", [(Planted, "mid"), (OddNames, "blocks.dé cod")])
+def test_wrong_weights_in_a_same_precision_pair_are_a_divergence(tmp_path, make, wrong):
+    """B starts from A's weights but one layer's are 1 % off (a checkpoint-conversion bug),
+    both float32 on the same kernels: exit 1, the parameter named."""
+    x = torch.randn(8, 6)
+
+    def run(name, scale):
+        torch.manual_seed(0)
+        model = make()
+        with torch.no_grad():
+            model.get_submodule(wrong).weight.mul_(scale)
+        with HookerAndDumper(tmp_path / name).hooks(model, 0, 0):
+            model(x).pow(2).mean().backward()
+        return str(tmp_path / name)
+
+    a, b = run("a", 1.0), run("b", 1.01)
+    first = summarize(compare_dumps(a, b)).first
+    assert (first.row["module"], first.row["kind"], first.row["path"]) == (wrong, "param", "weight")
+    result = CliRunner().invoke(main, [a, b])
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith(f"B diverges from A: first at step 0:0 forward in {wrong} "
+                                    f"(param[0])")
+    assert ("where both runs compute bit-identically: the runs did not start from the same "
+            "weights, or diverged at an earlier step") in result.output
+    assert "this module's weights differ before the step" in result.output
