@@ -1,7 +1,9 @@
 """Calibration: the added error, and the gain, that comparable records of a dump show.
 
-Records are comparable when they have the same direction (forward or backward), kind, module
-class and the dtypes they were computed in (:func:`compare.precision.computed_in`). Their
+Records are comparable when they have the same direction (forward or backward), kind, maker
+(the code that computed them, :func:`compare.sources.makers`: a module's class for what it
+computes, the consumers' classes or the parent's own code for a gradient arriving at an output)
+and the dtypes they were computed in (:func:`compare.precision.computed_in`). Their
 expected added error is the lower quartile of their added errors (of all records of that
 kind and dtype pair when fewer than ``MIN_GROUP`` are comparable), at least one rounding of the
 lower precision at the tensor's scale. Where both runs ran the same kernels on equal dtypes
@@ -16,6 +18,7 @@ import pandas as pd
 
 from . import format as fmt
 from .precision import computed_in, precision_of, rounding_of
+from .sources import makers
 
 # How much a record may amplify the relative error of its sources without being blamed: where
 # added errors are calibrated (their typical size includes each kind of record's usual
@@ -48,7 +51,8 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
     dtype_a, dtype_b = computed_in(frame, tf32)
     pair = dtype_a + "/" + dtype_b
     pool_key = pd.Series(direction, index=frame.index) + " " + pair + " " + frame["kind"]
-    group_key = pool_key + " " + frame["cls"].fillna("")
+    maker = makers(frame)
+    group_key = pool_key + " " + maker
     out = Expectation(np.zeros(len(frame)), np.full(len(frame), "", object),
                       np.full(len(frame), GAIN))
     added_s = pd.Series(added)
@@ -75,8 +79,9 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
                 members = added_s[grows[calibrating[grows]]]
                 members = members[(members > 0) & np.isfinite(members)]
                 own = len(members) >= MIN_GROUP
-                what = (f"{frame.at[grows[0], 'cls']} {frame.at[grows[0], 'kind']} records"
-                        if own else f"{frame.at[grows[0], 'kind']} records")
+                kind = frame.at[grows[0], "kind"]
+                what = (f"{kind} records made by {maker[grows[0]]}" if own
+                        else f"{kind} records")
                 out.level[grows] = 0.0 if exact else _typical(members) if own else pool_level
                 out.label[grows] = (EXACT_LABEL if exact else
                                     f"typical {precision} added error of {what} in this dump")

@@ -15,6 +15,7 @@ import h5py
 import numpy as np
 import pandas as pd
 
+from .centering import Centering, normalized_sizes
 from .dump import Dump, PathLike, dataset_of, load_dump, open_h5, read_chunks
 from .errors import DumpError
 from . import format as fmt
@@ -154,6 +155,7 @@ class _PairRef(NamedTuple):
     status_b: str
     checksum_a: int
     checksum_b: int
+    normalized: int  # parameter length of the normalization it is the input of, else 0
     stats_a: tuple
     stats_b: tuple
     sketch_a: tuple
@@ -182,7 +184,7 @@ def _check_distinct(a: Dump, b: Dump) -> None:
 def _tasks(pairs: pd.DataFrame, files_a: dict, files_b: dict, jobs: int, chunk_elements: int,
            rtol, atol) -> list[tuple]:
     """Work units: (step file A, step file B, rows); a step's rows are split so every job has work."""
-    both = pairs[pairs["side"] == "both"]
+    both = pairs.assign(normalized=normalized_sizes(pairs))[pairs["side"] == "both"]
     groups = list(both.groupby(["epoch", "step", "rank"], sort=True))
     pieces = max(1, -(-jobs * 2 // max(1, len(groups)))) if jobs > 1 else 1
     tasks = []
@@ -218,7 +220,9 @@ def _run_task(task: tuple) -> dict[int, dict]:
                 if tuple(ref.shape_a) != tuple(ref.shape_b):
                     out[ref.row] = {"status": SHAPE_MISMATCH, "rtol": tol.rtol, "atol": tol.atol}
                 elif a is not None:
-                    acc = acc or ErrorAccumulator(tol)
+                    acc = acc or ErrorAccumulator(tol, Centering(tuple(ref.shape_a),
+                                                                 ref.normalized)
+                                                  if ref.normalized else None)
                     acc.update(a, b)
                 else:
                     out[ref.row] = {**(acc or ErrorAccumulator(tol)).result(),

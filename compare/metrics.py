@@ -13,23 +13,26 @@ Definitions (a = reference side A, b = side B; sums over elements finite on both
   mismatches    elements with |b - a| > atol + rtol |b|, plus non-finite positions that differ
   max_tol_ratio max |b - a| / (atol + rtol |b|): above 1 is outside tolerance (inf if exact)
   sign_flips    elements positive on one side only (what a ReLU or a max decides differs)
+  centered_rel_err  ||d_c|| / ||a_c||, each normalization group's mean removed: the error a
+                normalization fed this tensor sees (:mod:`compare.centering`; NaN unless asked)
 Non-finite elements (NaN, ±Inf) are counted per side and matched by position.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Optional
 
 import numpy as np
 
+from .centering import Centering
 from .status import CLOSE, DIFF, EQUAL, NAN_MISMATCH
 from .tolerance import Tolerance
 
 METRIC_COLUMNS = ("numel", "rms_a", "max_abs_err", "mean_abs_err", "max_rel_err", "rel_l2_err", "cosine",
                   "scale_err", "rmse", "mismatches", "mismatch_frac", "max_tol_ratio", "nan_a", "nan_b",
                   "inf_a", "inf_b", "sign_flips", "stat_rel_diff", "norm_rel_diff",
-                  "rel_err_from_stats", "sketched")
+                  "rel_err_from_stats", "sketched", "centered_rel_err")
 
 
 BLOCK = 1 << 15  # elements per computation block: a block's float64 buffers (5 x 256 KiB) stay
@@ -87,9 +90,11 @@ class _Workspace:
 
 @dataclass
 class ErrorAccumulator:
-    """Feed aligned flat chunks of both tensors with :meth:`update`; read :meth:`result`."""
+    """Feed aligned flat chunks of both tensors with :meth:`update`; read :meth:`result`.
+    With ``centering``, the centered relative error is accumulated too."""
 
     tol: Tolerance
+    centering: Optional[Centering] = None
     numel: int = 0
     n_finite: int = 0
     max_abs: float = 0.0
@@ -112,19 +117,21 @@ class ErrorAccumulator:
             self._update_block(a[start:start + BLOCK], b[start:start + BLOCK])
 
     def _update_block(self, a: np.ndarray, b: np.ndarray) -> None:
-        n = a.size
+        n, offset = a.size, self.numel
         self.numel += n
         if n == 0:
             return
-        self._add_values(a, b)
+        self._add_values(a, b, offset)
         # values that compare equal may still differ in their bits (-0.0 and 0.0, NaN payloads)
         if self.all_equal and a.dtype == b.dtype and not _same_bits(a, b):
             self.all_equal = False
 
-    def _add_values(self, a: np.ndarray, b: np.ndarray) -> None:
+    def _add_values(self, a: np.ndarray, b: np.ndarray, offset: int) -> None:
         n = a.size
         if a.dtype.kind in "iu" and b.dtype.kind in "iu" and _beyond_float64(a, b):
             self._add_exact_integers(a, b)
+            if self.centering is not None:
+                self.centering.forget()
             return
         ws = _Workspace.of(np.result_type(_wide_dtype(a), _wide_dtype(b)))
         wa, wb = ws.a[:n], ws.b[:n]
@@ -134,10 +141,12 @@ class ErrorAccumulator:
         if not all(map(math.isfinite, sums)):  # a NaN/Inf somewhere (or an overflow): exact path
             wa, wb = self._split_nonfinite(wa, wb)
             n = wa.size
+            if self.centering is not None:
+                self.centering.forget()
             if n == 0:
                 return
             sums = (_dot(wa, wa), _dot(wb, wb), _dot(wb, wa))
-        self._add_finite(wa, wb, ws, n, sums)
+        self._add_finite(wa, wb, ws, n, sums, offset)
 
     def _add_exact_integers(self, a: np.ndarray, b: np.ndarray) -> None:
         """Integers float64 cannot hold exactly (beyond 2**53): the differences in Python
@@ -174,7 +183,7 @@ class ErrorAccumulator:
         return a[finite], b[finite]
 
     def _add_finite(self, a: np.ndarray, b: np.ndarray, ws: _Workspace, n: int,
-                    sums: tuple[float, float, float]) -> None:
+                    sums: tuple[float, float, float], offset: int) -> None:
         d, absd, tmp, mask = ws.d[:n], ws.absd[:n], ws.tmp[:n], ws.mask[:n]
         self.n_finite += n
         self.ssa += sums[0]
@@ -183,6 +192,11 @@ class ErrorAccumulator:
         np.subtract(b, a, out=d)
         np.abs(d, out=absd)
         max_abs = float(absd.max())
+        if self.centering is not None:
+            if np.iscomplexobj(a):
+                self.centering.forget()
+            else:
+                self.centering.add(offset, a, d if max_abs else None)
         if max_abs == 0:
             return  # identical block: nothing else to add
         self.all_equal = False
@@ -228,9 +242,11 @@ class ErrorAccumulator:
         else:
             cosine = self.dot / (norm_a * norm_b)
         scale = 0.0 if self.ssa == 0 else (self.dot - self.ssa) / self.ssa
+        centered = (math.nan if self.centering is None
+                    else self.centering.centered_rel_error(self.ssa, self.ssd))
         out = dict(
             stat_rel_diff=math.nan, norm_rel_diff=math.nan, rel_err_from_stats=math.nan,
-            sketched=math.nan,
+            sketched=math.nan, centered_rel_err=centered,
             numel=self.numel,
             max_abs_err=self.max_abs,
             mean_abs_err=self.sum_abs / n if n else 0.0,

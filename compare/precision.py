@@ -82,10 +82,10 @@ def computed_in(frame: pd.DataFrame, tf32: tuple[tuple[bool, bool], tuple[bool, 
     weight of more than two dimensions (batched experts' matmuls; a grouped matmul may cast
     its result back to float32). A call's outputs and gradients are computed in its precision
     (autocast computes the gradient of a float32 input of a bfloat16 matmul in bfloat16, then
-    casts it); a gradient arriving at an output in its consumers', or, where no hooked module
-    consumed the output, in the parent's (the parent's own code did: attention around a
-    projection, a pooler before a head); an input made by its parent's own code, in the
-    parent's. Where ``tf32`` allows it, float32 matmul and convolution modules compute in
+    casts it); a gradient arriving at an output in its consumers' and its enclosing calls'
+    (an enclosing module's own code may have used the output: attention around a projection,
+    a head fed what a pass-through dropout returned up the chain); an input made by its
+    parent's own code, in the parent's. Where ``tf32`` allows it, float32 matmul and convolution modules compute in
     ``tensorfloat32``."""
     sides = [frame["dtype_a"].fillna(""), frame["dtype_b"].fillna("")]
     parents, consumers = call_links(frame)
@@ -113,15 +113,21 @@ def computed_in(frame: pd.DataFrame, tf32: tuple[tuple[bool, bool], tuple[bool, 
         def of_call(call) -> list[str]:  # the precision a call computes in
             return [own_out.get(call, ""), inner.get(call, "")]
 
+        def ancestors(call) -> list:
+            out = []
+            while (call := parents.get(call)) is not None:
+                out.append(call)
+            return out
+
         lowered = []
         for key, kind, producer, dtype in zip(keys, frame["kind"], frame["producer"], own):
             candidates = [dtype, inner.get(key, "")]
             if kind in fmt.BACKWARD_KINDS or kind == fmt.OUTPUT:
                 candidates.append(own_out.get(key, ""))
             parent = parents.get(key)
-            if kind == fmt.GRAD_OUTPUT:  # made by its consumers' backward, or its parent's code
-                makers = consumers.get(key) or ([] if parent is None else [parent])
-                candidates += [d for c in makers for d in of_call(c)]
+            if kind == fmt.GRAD_OUTPUT:  # made by its consumers' backward, or enclosing code
+                candidates += [d for c in consumers.get(key, []) + ancestors(key)
+                               for d in of_call(c)]
             if kind == fmt.INPUT and producer < 0 and parent is not None:
                 candidates += of_call(parent)  # the parent's own matmuls too
                 if parent in tf32_calls and dtype == "float32":

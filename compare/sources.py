@@ -78,6 +78,35 @@ def call_links(frame: pd.DataFrame) -> tuple[dict[CallKey, Optional[CallKey]],
     return parents, consumers
 
 
+def makers(frame: pd.DataFrame) -> pd.Series:
+    """Per row, the code that computed the record, as a calibration group says it: a module's
+    outputs, its parameters and the gradients it sends back, its class (``Linear``); an input,
+    the class of the call that output it, else its parent's own code (``LlamaAttention code``)
+    or, for the model's inputs, ``the data``; a gradient arriving at an output, the classes of
+    the calls that consumed the output, else the parent's own code, or, for the model's
+    outputs, ``the loss``."""
+    parents, consumers = call_links(frame)
+    keys = list(zip(frame["epoch"], frame["step"], frame["rank"].fillna(-1), frame["call"]))
+    cls = dict(zip(keys, frame["cls"].fillna("")))
+
+    def code_of(key, outermost: str) -> str:
+        parent = parents.get(key)
+        return outermost if parent is None else f"{cls[parent]} code"
+
+    out = []
+    for key, kind, producer in zip(keys, frame["kind"], frame["producer"]):
+        if kind == fmt.INPUT:
+            made_by = key[:3] + (int(producer),)
+            out.append(cls[made_by] if producer >= 0 and made_by in cls
+                       else code_of(key, "the data"))
+        elif kind == fmt.GRAD_OUTPUT:
+            users = sorted({cls[c] for c in consumers.get(key, ())})
+            out.append("+".join(users) if users else code_of(key, "the loss"))
+        else:
+            out.append(cls[key])
+    return pd.Series(out, index=frame.index, dtype=object)
+
+
 class _Step:
     """Row positions of one step's records, looked up by call, or module, and kind."""
 

@@ -60,6 +60,8 @@ from .sources import STEP_KEY, earlier_sources
 STATS_GAIN = 2.0
 SPREAD = 6.0    # how far above the typical added error of comparable records one may go
 LAST_BITS = 4.0  # units of rounding that differ in the last bits where no error is expected
+# (x - mean) / std: an error d moves x - mean by |d_c| and std by at most as much, relatively
+NORMALIZATION_GAIN = 2.0
 DECIDING_SHARE = 0.25  # least share of an input a ReLU-like decision passes gradients for
 # Weights drift in training along the data (a gradient is an outer product of the data), so the
 # error a drift makes in a module's output can exceed the drift's share of the weights: up to
@@ -139,6 +141,10 @@ class _Records:
         self.measured = frame["status"].to_numpy(object)  # the metrics': equal, nan_mismatch...
         self.compared = np.isin(self.measured, list(_COMPARED))
         self.seq = frame["seq"].to_numpy(np.int64)
+        self.rank = frame["rank"].fillna(-1).to_numpy()
+        self.step_key = list(zip(frame["epoch"], frame["step"]))
+        # both runs computed in the same dtypes throughout (then weights must agree exactly)
+        self.one_precision = bool((frame["dtype_a"] == frame["dtype_b"])[self.compared].all())
         self.params = (frame["kind"] == fmt.PARAM).to_numpy()
         self.label = labels(frame)
         self.dtypes = list(zip(frame["dtype_a"], frame["dtype_b"]))
@@ -147,15 +153,22 @@ class _Records:
         self.sources = self._merged_sources(frame)
         self.repeat = self.first != np.arange(n)
         self.has_sources = np.array([len(s) > 0 for s in self.sources])
+        # a normalization's input gives its call the error its centered values carry, up to
+        # twice: once through the centered values, once through the spread they are divided by
+        centered = NORMALIZATION_GAIN * frame["centered_rel_err"].to_numpy(float)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            amplified = np.where(centered > err, centered / err, 1.0)
+        amplified[~np.isfinite(amplified)] = 1.0
         # B ran on A's value instead (a localizing re-run): as a source it gives what the cast
         # to B's dtype moves A's value by, whatever arrived
         self.replaced = (frame["injected"] == 1).to_numpy()
         cast = np.array([rounding_of(precision_of(a, b)).unit if a != b else 0.0
-                         for a, b in self.dtypes])
+                         for a, b in self.dtypes]) * amplified
         # as a source, weights count WEIGHT_GAIN times their error (times STATS_GAIN more when
         # it is estimated from their sketch, which may be low)
+        data = np.where(np.isnan(centered), err, np.fmax(err, centered))
         self.given = np.where(self.replaced, cast, np.where(
-            self.params, err * WEIGHT_GAIN * np.where(self.from_stats, STATS_GAIN, 1), err))
+            self.params, err * WEIGHT_GAIN * np.where(self.from_stats, STATS_GAIN, 1), data))
         self.err_in = np.array([self.combined(self.given, s) for s in self.sources])
         self.err_in = np.hypot(self.err_in, self._decided(frame))
         with np.errstate(invalid="ignore"):  # inf - inf: a non-finite record, judged apart
@@ -249,6 +262,7 @@ class _Judgement:
         self.healthy = records.err.copy()  # the error a record would carry from healthy sources
         self.tainted = np.zeros(n, bool)     # carries an error from a failing or inherited source
         self.reason = np.full(n, "", object)
+        self.failed: set[tuple] = set()  # (rank, (epoch, step)) with a failing record
         self.source = np.full(n, "", object)
         self.same_as = np.full(n, "", object)
 
@@ -270,7 +284,13 @@ class _Judgement:
         if r.params[i]:
             if self.status[i] != st.INHERITED:
                 return
-            if self.expected.label[i] == EXACT_LABEL and not r.replaced[i]:
+            rank_step = (self.r.rank[i], self.r.step_key[i])
+            earlier = any(k[0] == rank_step[0] and k[1] < rank_step[1] for k in self.failed)
+            if earlier:  # a divergence this comparison found in an earlier step explains it
+                self.reason[i] = (f"weights differ by {r.err[i]:.3g}: the divergence of an "
+                                  f"earlier step changed them")
+            elif (r.one_precision and self.expected.label[i] == EXACT_LABEL
+                    and not r.replaced[i]):
                 self.status[i] = st.DIFF
                 self.reason[i] = (f"weights differ by {r.err[i]:.3g} where both runs compute "
                                   f"bit-identically: {WRONG_WEIGHTS}")
@@ -279,6 +299,7 @@ class _Judgement:
             return
         self.status[i] = self._status(i, carrying, envelope, level)
         if self.status[i] in st.FAILING:
+            self.failed.add((r.rank[i], r.step_key[i]))
             self.reason[i] = self._why(i) + (STATS_NOTE if r.from_stats[i] else "")
         elif self.status[i] == st.INHERITED and len(carrying):
             worst = carrying[np.argmax(r.err[carrying])]

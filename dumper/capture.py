@@ -55,10 +55,12 @@ def hook_gradient(t: torch.Tensor, on_grad: Callable[[torch.Tensor], Optional[to
 class _OpenCall:
     """State of a call between its pre-hook and its forward hook."""
 
-    __slots__ = ("info", "seq_lo", "grads")
+    __slots__ = ("info", "seq_lo", "grads", "inputs", "dropped")
 
     def __init__(self, info: CallInfo, seq_lo: int, grads: Optional[GradInputCollector]):
         self.info, self.seq_lo, self.grads = info, seq_lo, grads
+        self.inputs: dict[int, int] = {}  # injecting: id of an input as it arrived or as put in
+        self.dropped: set[int] = set()    # inputs whose grad_input is not recorded
 
 
 class StepCapture:
@@ -87,7 +89,8 @@ class StepCapture:
         self._occurrences: dict[tuple[int, str, int], int] = defaultdict(int)
         # dataflow: id(tensor) -> (weak reference, call that output it, tensor version then)
         self._producers: dict[int, tuple[weakref.ref, int, int]] = {}
-        self._injected_inputs: dict[int, weakref.ref] = {}  # the reference's values, put in
+        # injected inputs: id -> (weak reference to it, its chain: see _injected_chain)
+        self._injected_inputs: dict[int, tuple[weakref.ref, frozenset[int]]] = {}
         self.handles: list[RemovableHandle] = []
         for path, module in hookable_modules(model):
             self._count_micro_batches(module)  # first: its pre-hook runs before the capture's
@@ -205,24 +208,35 @@ class StepCapture:
                 record.injected = fmt.PARAM in injects and inject.has(
                     (path, info.call_idx, fmt.PARAM, i))
                 self._sink(record)
-        grads = None
+        call = _OpenCall(info, seq_lo, None)
         if edges:
-            grads = GradInputCollector(edges, keep_alive, self._grad_input_emitter(info, paths))
-            self._collectors.append(grads)
-        self._tracker.push(module, _OpenCall(info, seq_lo, grads))
+            call.grads = GradInputCollector(edges, keep_alive,
+                                            self._grad_input_emitter(info, paths, call.dropped))
+            self._collectors.append(call.grads)
+        self._tracker.push(module, call)
         if fmt.PARAM in injects:
             self._swapped.push(module, inject.swap_parameters(path, info.call_idx, module))
         if fmt.INPUT in injects:
-            made: list[torch.Tensor] = []
-            replace = inject.leaf_replacer(path, info.call_idx, fmt.INPUT, made)
-            args, kwargs = map_tensors(args, replace), map_tensors(kwargs, replace)
-            self._injected_inputs.update((id(t), weakref.ref(t)) for t in made)
-            return args, kwargs
+            return self._inject_inputs(inject, call, args, kwargs)
         return None
 
-    def _is_injected_input(self, t: torch.Tensor) -> bool:
+    def _inject_inputs(self, inject: StepReference, call: _OpenCall, args: tuple,
+                       kwargs: dict) -> tuple[tuple, dict]:
+        made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        replace = inject.leaf_replacer(call.info.module, call.info.call_idx, fmt.INPUT, made)
+        args, kwargs = map_tensors(args, replace), map_tensors(kwargs, replace)
+        for index, (arrived, put) in made.items():
+            call.inputs.update({id(arrived): index, id(put): index})
+            chain = frozenset({id(put), id(arrived), *self._injected_chain(arrived)})
+            self._injected_inputs[id(put)] = (weakref.ref(put), chain)
+        return args, kwargs
+
+    def _injected_chain(self, t: torch.Tensor) -> frozenset[int]:
+        """For an injected input, the ids of it, of the tensor it was put in for, and so on back
+        to what arrived at the outermost injecting call, taken while they all lived (empty when
+        ``t`` is not an injected input). Matched against a call's live inputs only."""
         known = self._injected_inputs.get(id(t))
-        return known is not None and known() is t
+        return known[1] if known is not None and known[0]() is t else frozenset()
 
     def _restore_parameters(self, module: nn.Module) -> None:
         swapped = self._swapped.pop(module)
@@ -259,12 +273,20 @@ class StepCapture:
             inject = None
         for i, leaf_path, t in grad_outputs:
             key = (call.info.module, call.info.call_idx, fmt.GRAD_OUTPUT, i)
-            # an input passed through (here, or injected in an inner call): its gradient sums
-            # the uses of the input upstream too, so the reference's would count them twice
-            through = i in passthrough or self._is_injected_input(t)
-            injecting = inject is not None and not through and inject.has(key)
-            if want_grad or i in passthrough or injecting:
-                on_grad = self._grad_output_hook(call, i, leaf_path, want_grad, passthrough.get(i),
+            # An input passed through: its gradient sums the uses of the input upstream too, so
+            # the reference's would count them twice. One injected in its place (here or in an
+            # inner call) gets only the uses after the injection, which the reference's record
+            # of the same tensor does not tell apart: it is not recorded either.
+            chain = self._injected_chain(t)
+            replacement = bool(chain)
+            # an input of this call passed through by way of injections: the gradient sent to
+            # it sums uses the reference's record of the same tensor does not: not recorded
+            call.dropped.update(call.inputs[c] for c in chain if c in call.inputs)
+            injecting = inject is not None and not replacement and i not in passthrough \
+                and inject.has(key)
+            record = want_grad and not replacement
+            if record or i in passthrough or injecting:
+                on_grad = self._grad_output_hook(call, i, leaf_path, record, passthrough.get(i),
                                                  inject if injecting else None)
                 self.handles.append(hook_gradient(t, on_grad))
 
@@ -302,9 +324,11 @@ class StepCapture:
             return instead
         return hook
 
-    def _grad_input_emitter(self, info: CallInfo, paths: dict[int, str]
+    def _grad_input_emitter(self, info: CallInfo, paths: dict[int, str], dropped: set[int]
                             ) -> Callable[[int, torch.Tensor, bool], None]:
         def emit(index: int, grad: torch.Tensor, owned: bool) -> None:
+            if index in dropped:
+                return
             self._emit_gradient(self._maker.tensor(self._next_seq(), info, fmt.GRAD_INPUT,
                                                    index, paths[index], grad, owned))
         return emit

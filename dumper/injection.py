@@ -113,21 +113,23 @@ class StepReference:
         return ref.to(dtype=like.dtype, device=like.device)
 
     def leaf_replacer(self, path: str, call_idx: int, kind: str,
-                      made: Optional[list] = None) -> Callable:
+                      made: Optional[dict] = None) -> Callable:
         """``fn(leaf)`` for :func:`~dumper.flatten.map_tensors`: the n-th tensor leaf replaced by
-        the reference's ``kind`` n of that call, where it has one (appended to ``made``)."""
+        the reference's ``kind`` n of that call, where it has one (``made[n]``: the leaf and
+        what was put in its place)."""
         counter = itertools.count()
 
         def replace(leaf):
             if not isinstance(leaf, torch.Tensor):
                 return leaf
-            ref = self.tensor((path, call_idx, kind, next(counter)), leaf)
+            index = next(counter)
+            ref = self.tensor((path, call_idx, kind, index), leaf)
             if ref is None:
                 return leaf
-            ref = replaced(leaf, ref)
+            put = replaced(leaf, ref)
             if made is not None:
-                made.append(ref)
-            return ref
+                made[index] = (leaf, put)
+            return put
         return replace
 
     def swap_parameters(self, path: str, call_idx: int, module: nn.Module) -> list[tuple]:

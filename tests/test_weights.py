@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from compare import compare_dumps, load_dump, summarize
 from compare import format as fmt
+from compare.status import FAILING
 from compare.cli import main
 from compare.statistics import sketch_of_chunks, sketch_rel_error
 from dumper import HookerAndDumper
@@ -67,15 +68,19 @@ def _train(directory, lr, plant_at=None, params=False, steps=2):
 @pytest.mark.parametrize("params", [False, True])
 def test_drifted_weights_neither_hide_nor_fake_an_error(tmp_path, params):
     """B trained with a learning rate 1e-6 larger: at step 1 every weight differs a little.
-    Healthy, nothing fails; with mid's output doubled at step 1, mid is named."""
+    In one precision on the same kernels that is a divergence at an earlier step, and the
+    weights are named; nothing they feed is blamed; with mid's output doubled at step 1, mid
+    is a suspect of its own."""
     a = _train(tmp_path / "a", 0.05, params=params)
     healthy = compare_dumps(a, _train(tmp_path / "b", 0.05 * (1 + 1e-6), params=params))
     summary = summarize(healthy)
-    assert summary.ok and "weights differ" in summary.verdict(), summary
-    assert (healthy[healthy["kind"] == "param"]["status"] == "inherited").all()
-    planted = summarize(compare_dumps(a, _train(tmp_path / "p", 0.05 * (1 + 1e-6), plant_at=1,
-                                                params=params)))
-    assert (planted.first.row["module"], planted.first.row["kind"]) == ("mid", "output")
+    assert summary.first.row["kind"] == "param" and "earlier step" in summary.first.row["reason"]
+    failing = healthy[healthy["status"].isin(FAILING)]
+    assert (failing["kind"] == "param").all()
+    planted = compare_dumps(a, _train(tmp_path / "p", 0.05 * (1 + 1e-6), plant_at=1,
+                                      params=params))
+    failing = planted[planted["status"].isin(FAILING) & (planted["kind"] != "param")]
+    assert failing[["module", "kind"]].values.tolist()[0] == ["mid", "output"]
 
 
 def _as_version(directory, version: int) -> None:
@@ -109,8 +114,8 @@ def test_version_1_dumps_are_read_and_their_weights_not_overtrusted(tmp_path):
     _as_version(b, 1)
     result = compare_dumps(a, b)
     assert result["sketched"].fillna(0).eq(0).all()
-    assert summarize(result).ok
-    assert (result[result["kind"] == "param"]["status"] == "inherited").all()
+    assert (result[result["status"].isin(FAILING)]["kind"] == "param").all()  # see above
+    assert (result[result["kind"] != "param"]["status"] != "DIFF").all()
 
 
 def test_version_4_dumps_are_read_without_micro_batches(tmp_path):
