@@ -16,6 +16,11 @@ from .precision import precision_of
 from .verdict import USER_TOLERANCE
 
 SUSPECTS = 5  # suspects listed by the text summary
+# A passing record adding this many times the typical added error of comparable records
+# stands out: what its inputs' error could hide is then no agreement (verdict.SPREAD).
+OUTLIER = 6.0
+SETTLE = ("re-run B on A's values to settle it: HookerAndDumper(..., inject=A) in B's loop "
+          "(A dumped with params=True), then h5cmp A B --injected C")
 
 
 def record_label(row) -> str:
@@ -107,6 +112,22 @@ class Summary:
     from_stats: int = 0                   # records judged from statistics (estimates)
     user_tolerance: bool = False          # judged by the user's rtol/atol
     incomplete: tuple[str, ...] = ()      # compared steps their dumper marked incomplete
+    # passing records where the inputs' error could hide an error that clean inputs would
+    # show, most added over the expected first: two dumps cannot tell there
+    undecided: pd.DataFrame = field(default_factory=pd.DataFrame)
+
+    @property
+    def outliers(self) -> pd.DataFrame:
+        """Undecided records that stand out among comparable records (``OUTLIER``)."""
+        if self.undecided.empty:
+            return self.undecided
+        ratio = self.undecided["added_ratio"]  # infinite where none is expected: no yardstick
+        return self.undecided[(ratio >= OUTLIER) & np.isfinite(ratio)]
+
+    @property
+    def cannot_tell(self) -> bool:
+        """Nothing fails, but two dumps cannot rule out an error the verdict would name."""
+        return self.ok and not self.user_tolerance and len(self.undecided) > 0
 
     @property
     def ok(self) -> bool:
@@ -132,6 +153,18 @@ class Summary:
             return f"B cannot be fully compared with A: {bad}{weights}"
         within = ("within the given tolerance" if self.user_tolerance else
                   f"within {self.precision} rounding" if self.precision else "exactly")
+        if self.cannot_tell:
+            worst = self.outliers.iloc[0] if len(self.outliers) else None
+            bound = self.undecided["hidden_rel_error"].max()
+            if worst is not None:
+                return (f"B may diverge from A; two dumps cannot tell: {worst['label']} adds "
+                        f"{worst['added_rel_error']:.3g}, {_ratio(worst['added_ratio'])} "
+                        f"typical, which its inputs' error ({worst['input_rel_error']:.3g}) "
+                        f"could hide{weights}")
+            where = self.undecided.loc[self.undecided["hidden_rel_error"].idxmax(), "label"]
+            return (f"B agrees with A {within} as far as two dumps can tell: an added error "
+                    f"of up to {bound:.3g} could hide in its inputs' error (in {where}; "
+                    f"suspects below){weights}")
         if self.largest is None or self.user_tolerance or not self.largest["added_rel_error"]:
             return f"B agrees with A {within}{weights}"
         r = self.largest
@@ -149,6 +182,16 @@ class Summary:
                          f"after the failure are missing")
         if self.first is not None:
             lines.append(self.first.describe())
+        if self.cannot_tell:
+            lines.append(f"cannot tell: in {len(self.undecided)} records an added error larger "
+                         f"than what comparable records add could pass for their inputs' error "
+                         f"amplified; suspects, most added over the typical first:")
+            for r in self.undecided.head(SUSPECTS).itertuples():
+                lines.append(f"  {_ratio(r.added_ratio):>5}  step "
+                             f"{fmt.step_label(r.epoch, r.step, r.rank)} "
+                             f"{fmt.direction_of(r.kind):<8} {r.label} (added "
+                             f"{r.added_rel_error:.3g}; up to {r.hidden_rel_error:.3g} could hide)")
+            lines.append(f"  {SETTLE}")
         if len(self.suspects) > 1:
             lines.append("suspects, worst first (added error in units of the expected one; "
                          "new: none expected):")
@@ -183,9 +226,16 @@ def summarize(result: pd.DataFrame) -> Summary:
     suspects = suspects.assign(label=[record_label(r) for _, r in suspects.iterrows()])
     from_stats = int((result["rel_l2_err"].isna() & result["rel_err_from_stats"].notna()
                       & (result["kind"] != fmt.PARAM)).sum())
+    undecided = result[result["status"].isin([st.CLOSE, st.INHERITED])
+                       & (result["kind"] != fmt.PARAM) & (result["same_as"] == "")
+                       & (result["hidden_rel_error"] > OUTLIER * result["expected_rel_error"])
+                       & (result["hidden_rel_error"] < 1)]  # a record any error could be
+    undecided = undecided.sort_values(["added_ratio", "hidden_rel_error"], ascending=False,
+                                      kind="stable")
+    undecided = undecided.assign(label=[record_label(r) for _, r in undecided.iterrows()])
     return Summary(counts, len(result), first, precision, suspects, largest, weights, later,
                    from_stats, bool(result.attrs.get(USER_TOLERANCE)),
-                   tuple(result.attrs.get(INCOMPLETE_STEPS, ())))
+                   tuple(result.attrs.get(INCOMPLETE_STEPS, ())), undecided)
 
 
 def _diagnose(result: pd.DataFrame, row: pd.Series) -> Divergence:

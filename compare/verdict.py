@@ -53,6 +53,8 @@ from . import format as fmt
 from . import status as st
 from .calibration import EXACT_GAIN, EXACT_LABEL, Expectation, calibrate
 from .precision import precision_of, rounding_of
+from .scale import added_scale, scale_noise
+from .scale import describe as describe_scale
 from .sources import STEP_KEY, earlier_sources
 
 # Errors estimated from statistics (min, max: single elements) scatter around the true one by
@@ -62,6 +64,7 @@ SPREAD = 6.0    # how far above the typical added error of comparable records on
 LAST_BITS = 4.0  # units of rounding that differ in the last bits where no error is expected
 # (x - mean) / std: an error d moves x - mean by |d_c| and std by at most as much, relatively
 NORMALIZATION_GAIN = 2.0
+CANCELLATION = 100.0  # a gradient this much smaller than the sum of its terms' scale cancels
 DECIDING_SHARE = 0.25  # least share of an input a ReLU-like decision passes gradients for
 # Weights drift in training along the data (a gradient is an outer product of the data), so the
 # error a drift makes in a module's output can exceed the drift's share of the weights: up to
@@ -76,7 +79,7 @@ STATS_NOTE = ("; estimated from statistics (a difference that keeps min, max, me
 WRONG_WEIGHTS = "the runs did not start from the same weights, or diverged at an earlier step"
 USER_TOLERANCE = "user_tolerance"  # attribute of a judged result: judged by the user's rtol/atol
 VERDICT_COLUMNS = ("rel_error", "input_rel_error", "added_rel_error", "expected_rel_error",
-                   "added_ratio", "source", "same_as", "reason")
+                   "added_ratio", "hidden_rel_error", "source", "same_as", "reason")
 _COMPARED = frozenset({st.EQUAL, st.CLOSE, st.DIFF, st.NAN_MISMATCH})
 
 
@@ -170,10 +173,13 @@ class _Records:
         self.given = np.where(self.replaced, cast, np.where(
             self.params, err * WEIGHT_GAIN * np.where(self.from_stats, STATS_GAIN, 1), data))
         self.err_in = np.array([self.combined(self.given, s) for s in self.sources])
-        self.err_in = np.hypot(self.err_in, self._decided(frame))
+        self.err_in = np.fmax(np.hypot(self.err_in, self._decided(frame)),
+                              self._cancelled(frame))
         with np.errstate(invalid="ignore"):  # inf - inf: a non-finite record, judged apart
             self.added = np.sqrt(np.clip(err ** 2 - self.err_in ** 2, 0.0, None))
         self.added[np.isnan(self.added)] = np.inf
+        self.scale_added = added_scale(frame, self.sources, self.replaced)
+        self.scale_noise = scale_noise(frame, self.sources, err, self.err_in)
         self.weight_status = self._weight_statuses()
         self.unbounded = self._unbounded()
 
@@ -199,6 +205,25 @@ class _Records:
         for i in np.flatnonzero((frame["kind"] == fmt.GRAD_INPUT).to_numpy()):
             s = self.sources[i][inputs[self.sources[i]]]
             out[i] = math.sqrt(flips[s].max() / DECIDING_SHARE) if len(s) else 0.0
+        return out
+
+    def _cancelled(self, frame: pd.DataFrame) -> np.ndarray:
+        """For a gradient summed from a far larger incoming one (a convolution's bias before a
+        BatchNorm, zero but for rounding): the incoming gradient's error at its own scale,
+        ``err_j · rms_j · sqrt(n_j / n) / rms``, where that scale is ``CANCELLATION`` times
+        the record's or more: a sum that cancels keeps its terms' absolute error."""
+        rms = frame["rms_a"].to_numpy(float)
+        numel = frame["numel"].to_numpy(float)
+        incoming = (frame["kind"] == fmt.GRAD_OUTPUT).to_numpy()
+        out = np.zeros(self.n)
+        for i in np.flatnonzero(frame["kind"].isin([fmt.GRAD_INPUT, fmt.PARAM_GRAD]).to_numpy()):
+            s = self.sources[i][incoming[self.sources[i]]]
+            if not len(s) or not rms[i] > 0 or not numel[i] > 0:
+                continue
+            ratio = rms[s] * np.sqrt(numel[s] / numel[i]) / rms[i]
+            big = ratio >= CANCELLATION
+            if big.any():
+                out[i] = float(np.max(ratio[big] * self.given[s][big]))
         return out
 
     def combined(self, errors: np.ndarray, rows: np.ndarray) -> float:
@@ -263,6 +288,7 @@ class _Judgement:
         self.tainted = np.zeros(n, bool)     # carries an error from a failing or inherited source
         self.reason = np.full(n, "", object)
         self.failed: set[tuple] = set()  # (rank, (epoch, step)) with a failing record
+        self.hidden = np.zeros(n)  # the added error that inputs' error could hide
         self.source = np.full(n, "", object)
         self.same_as = np.full(n, "", object)
 
@@ -311,6 +337,7 @@ class _Judgement:
         self.same_as[i] = self.r.label[first]
         self.tainted[i] = self.tainted[first] or self.status[first] in st.FAILING
         self.healthy[i] = self.healthy[first]
+        self.hidden[i] = self.hidden[first]
         if self.r.measured[i] == st.EQUAL:
             return
         carried = self.status[first] in st.CARRYING
@@ -336,9 +363,19 @@ class _Judgement:
         gain *= STATS_GAIN if r.from_stats[i] else 1.0
         bound = math.inf if r.unbounded[i] else math.hypot(gain * r.err_in[i], level,
                                                            self._last_bit(i))
-        if r.err[i] > bound:
+        # an error up to this size, added here, passes for its inputs' error amplified
+        self.hidden[i] = math.sqrt(max(bound ** 2 - level ** 2 - self._last_bit(i) ** 2, 0.0))
+        if r.err[i] > bound or self._scale_moves(i, level):
             return st.DIFF
         return st.INHERITED if self.tainted[i] and r.err[i] > envelope else st.CLOSE
+
+    def _scale_moves(self, i: int, level: float) -> bool:
+        """The scale test (:mod:`compare.scale`): backward records only, where the sources'
+        scales bound it."""
+        r = self.r
+        added = r.scale_added[i]
+        return (not r.unbounded[i] and math.isfinite(added)
+                and added > max(r.scale_noise[i], level, self._last_bit(i)))
 
     def _last_bit(self, i: int) -> float:
         """Where no error is expected, the last bits still may differ: vectorised kernels and
@@ -362,6 +399,9 @@ class _Judgement:
                     f"inputs {err_in:.3g})")
         inputs = (f"its inputs carry {err_in:.3g} ({source})" if source else
                   "it has no recorded inputs")
+        bound = math.hypot(self.expected.gain[i] * err_in, SPREAD * level, self._last_bit(i))
+        if err <= bound:  # failed the scale test only
+            return f"{describe_scale(r.scale_added[i], r.scale_noise[i])}; {inputs}"
         if label == EXACT_LABEL:
             return f"added rel error {added:.3g} where {label[len('none: '):]}; {inputs}"
         beyond = f"= {added / level:.0f}x" if level > 0 else "beyond"
@@ -373,7 +413,8 @@ class _Judgement:
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.where(level > 0, r.added / level, np.where(r.added > 0, np.inf, 0.0))
         numbers = {"rel_error": r.err, "input_rel_error": r.err_in, "added_rel_error": r.added,
-                   "expected_rel_error": level, "added_ratio": ratio}
+                   "expected_rel_error": level, "added_ratio": ratio,
+                   "hidden_rel_error": self.hidden}
         out = r.frame.assign(
             status=np.where(r.compared, self.status, r.measured), source=self.source,
             same_as=self.same_as, reason=self.reason,

@@ -151,9 +151,11 @@ def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: P
     healthy_result = compare_dumps(a, healthy)
     healthy_local = localize(a, healthy, healthy_inj, free_result=healthy_result)
     noise_result = compare_dumps(a, healthy_inj)
+    hidden = healthy_result.groupby(["module", "kind"])["hidden_rel_error"].max()
     out = {"healthy": [dict(variant=variant, steps=steps, arch=arch, seed=seed,
                             summary=str(summarize(healthy_result).verdict()),
                             ok=summarize(healthy_result).ok,
+                            cannot_tell=summarize(healthy_result).cannot_tell,
                             failing=int(healthy_result["status"].isin(FAILING).sum()),
                             origins=sorted(set(healthy_local[healthy_local["verdict"] == ORIGIN]
                                                ["module"])))],
@@ -180,7 +182,9 @@ def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: P
                 two_dump=first is not None and _named(named, module),
                 named="-" if first is None else f"{first.row['module'] or '<root>'} "
                                                f"{first.row['kind']}",
-                verdict=summary.verdict(),
+                verdict=summary.verdict(), cannot_tell=summary.cannot_tell,
+                suspected=module in set(summary.undecided.head(5)["module"]),
+                bound=float(hidden.get((module, where), float("nan"))), size=size,
                 injected=_named(_first_origin(table), module),
                 origins=sorted(set(table[table["verdict"] == ORIGIN]["module"]))[:4],
                 failing=int(result["status"].isin(FAILING).sum())))
@@ -222,27 +226,37 @@ def report(outcome: dict) -> None:
                   f"{noise:>7}{len(rows) - len(seen) - noise:>7}{median:>12}")
             for p in seen:
                 if not p["two_dump"]:
+                    honest = ("cannot tell" + (", suspected" if p["suspected"] else "")
+                              if p["cannot_tell"] else "NOT cannot tell")
                     print(f"      two-dump miss: {p['arch']} seed {p['seed']} "
-                          f"{p['module'] or '<root>'}: named {p['named']}; {p['verdict'][:150]}")
+                          f"{p['module'] or '<root>'}: named {p['named']}; {honest}; plant "
+                          f"{p['size'] / p['bound']:.1f}x the bound there")
                 if not p["injected"]:
                     print(f"      injected miss: {p['arch']} seed {p['seed']} "
                           f"{p['module'] or '<root>'}: origins {p['origins']}")
     for set_ in ("held-out", "tuning"):
         seen = [p for p in plants if p["visibility"] == "visible" and _set_of(p["arch"]) == set_]
         if seen:
-            print(f"{set_}: two-dump {sum(p['two_dump'] for p in seen)}/{len(seen)}, injected "
-                  f"{sum(p['injected'] for p in seen)}/{len(seen)} visible plants localized")
-    print("\nhealthy pairs (two-dump false alarm: any failing row; injected: any origin):")
+            missed = [p for p in seen if not p["two_dump"]]
+            print(f"{set_}: two-dump {len(seen) - len(missed)}/{len(seen)}, injected "
+                  f"{sum(p['injected'] for p in seen)}/{len(seen)} visible plants localized; "
+                  f"two-dump misses with a cannot-tell verdict "
+                  f"{sum(p['cannot_tell'] for p in missed)}/{len(missed)}, of which the plant "
+                  f"was a suspect {sum(p['suspected'] for p in missed)}; misses of a plant 10x "
+                  f"the bound there or more: {sum(p['size'] >= 10 * p['bound'] for p in missed)}")
+    print("\nhealthy pairs (two-dump false alarm: any failing row, and how many say they cannot "
+          "tell; injected: any origin):")
     healthy = outcome["healthy"]
     for key in sorted({(_set_of(h["arch"]), h["steps"], h["variant"]) for h in healthy},
                       key=lambda k: (k[0] != "held-out", k[1], k[2])):
         rows = [h for h in healthy if (_set_of(h["arch"]), h["steps"], h["variant"]) == key]
         alarms = [f"{h['arch']} seed {h['seed']} ({h['summary'][:120]})" for h in rows
                   if not h["ok"]]
+        undecided = sum(h["cannot_tell"] for h in rows)
         false_origins = [f"{h['arch']} seed {h['seed']} {h['origins']}" for h in rows
                          if h["origins"]]
-        print(f"  {key[0]:<9} step {key[1]} {key[2]:<5} two-dump {len(alarms)}/{len(rows)}, "
-              f"injected {len(false_origins)}/{len(rows)}"
+        print(f"  {key[0]:<9} step {key[1]} {key[2]:<5} two-dump {len(alarms)}/{len(rows)} "
+              f"(cannot tell {undecided}), injected {len(false_origins)}/{len(rows)}"
               + "".join(f"\n      alarm: {a}" for a in alarms)
               + "".join(f"\n      false origin: {o}" for o in false_origins))
     for line in outcome["unsupported"]:

@@ -1,17 +1,20 @@
-"""Demo: dump steps 2-3 of training runs of a small CNN and compare them with h5cmp.
+"""Demo: dump four training steps of a small CNN in several runs and compare them with h5cmp.
 
     python scripts/demo.py [--out demo_out]
 
-1. float64 vs float32: the same model in two precisions. Every tensor differs by rounding, and
-   h5cmp finds nothing beyond what float32 rounding explains.
-2. float32 vs bfloat16 autocast: every tensor differs by far more (bfloat16 keeps 8 bits), and
-   still within what bfloat16 rounding explains: B agrees with A.
-3. float32 vs bfloat16 autocast with a bug (a 10% error planted in the GELU's output with
-   dumper.perturb): h5cmp names the GELU, forward, against the bfloat16 rounding it measured.
-4. float32 vs float32 with one "kernel change" (GELU swapped for its tanh approximation),
-   and the changed run again with the float32 run's inputs injected into every module: each
-   module's local error separates the origin (the GELU) from the modules that only inherit
-   its error. Pictures, the call graph and an HTML report land in the output folder.
+1. float32 vs bfloat16 autocast, step 2: every tensor differs by far more than float32
+   rounding (bfloat16 keeps 8 bits), within what bfloat16 rounding explains; the weights
+   already differ (steps 0-1 trained in different precisions).
+2. The same pair with a bug (a 10% error planted in the GELU's output with dumper.perturb):
+   h5cmp names the GELU, forward, against the bfloat16 rounding it measured.
+3. float32 vs float32 with one "kernel change" (GELU swapped for its tanh approximation): at
+   step 0 the GELU is named although the change is far below bfloat16 rounding; at step 2
+   the weights are (the runs diverged at an earlier step).
+4. A bug in bfloat16 at a later step (step 3, a 3% error in a BatchNorm's output, planted
+   in that step only): the weights have drifted apart, and the two-dump verdict says what it
+   cannot tell and whom it suspects; re-running B on A's values (inputs, weights, incoming
+   gradients: HookerAndDumper(..., inject=A)) names the BatchNorm.
+Pictures, the call graph and an HTML report land in the output folder.
 """
 from __future__ import annotations
 
@@ -26,7 +29,10 @@ import torch
 from torch import nn
 
 from compare.cli import main as h5cmp
-from dumper import HookerAndDumper, Injector, perturb
+from dumper import HookerAndDumper, perturb
+
+STEPS = 4
+LATE_BUG = {"include": "features.4", "scale": 1.03}  # case 4: planted at the last step only
 
 
 class SmallCNN(nn.Module):
@@ -43,36 +49,33 @@ class SmallCNN(nn.Module):
         return self.head(self.features(x))
 
 
-def train(directory: Path, dtype: torch.dtype, gelu_approximate: str = "none",
-          steps: int = 4, inject_from: Optional[Path] = None, autocast: bool = False,
-          bug: bool = False) -> None:
-    """Train from the same weights and data; ``autocast``: in float32 weights under bfloat16
-    autocast; ``bug``: the GELU's output 10% too large."""
+def train(directory: Path, dtype: torch.dtype = torch.float32, gelu_approximate: str = "none",
+          autocast: bool = False, bug: Optional[dict] = None, late: bool = False,
+          inject: Optional[Path] = None) -> None:
+    """Train from the same weights and data, dumping every step (the last only with
+    ``inject``, a localizing re-run on that dump's values); ``autocast``: float32 weights
+    under bfloat16 autocast; ``bug``: ``dumper.perturb`` arguments, in every step, or in the
+    last only with ``late``."""
     torch.manual_seed(0)
     model = SmallCNN(gelu_approximate).to(dtype)
-    if bug:
-        perturb(model, "head.2", scale=1.1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = torch.Generator().manual_seed(1)
-    dumper = HookerAndDumper(directory, epochs=[0], steps=range(2, 4))
-    injector = Injector(inject_from, kinds=["input"]) if inject_from else None
+    dumper = (HookerAndDumper(directory, steps=[STEPS - 1], inject=inject) if inject else
+              HookerAndDumper(directory, params=True))  # weights' values: a reference for 4
+    planted = None
     losses = []
-    for step in range(steps):
+    for step in range(STEPS):
         images = torch.randn(16, 3, 12, 12, generator=data).to(dtype)
         labels = torch.randint(0, 10, (16,), generator=data)
-        injecting = injector is not None and dumper.in_window(0, step)
-        if injecting:
-            injector.register(model, 0, step)
-        dumper.register_hooks(model, 0, step)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            logits = model(images)
-        loss = nn.functional.cross_entropy(logits.float(), labels)
-        loss.backward()
+        if bug and planted is None and (not late or step == STEPS - 1):
+            planted = perturb(model, **bug)
+        with dumper.hooks(model, 0, step):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits = model(images)
+            loss = nn.functional.cross_entropy(logits.float(), labels)
+            loss.backward()
         opt.step()
         opt.zero_grad()
-        dumper.remove_hooks()
-        if injecting:
-            injector.remove()
         losses.append(f"{loss.item():.7f}")
     print(f"  {directory.name}: losses {' '.join(losses)}; dumped {len(dumper.written_files)} steps")
 
@@ -88,29 +91,30 @@ def run_h5cmp(*args: str) -> int:
 
 def run(out: Path) -> int:
     shutil.rmtree(out, ignore_errors=True)
-    print(f"training 6 runs, dumping steps 2-3 of each into {out}/")
-    train(out / "float64", torch.float64)
-    train(out / "float32", torch.float32)
-    train(out / "bfloat16", torch.float32, autocast=True)
-    train(out / "bfloat16_bug", torch.float32, autocast=True, bug=True)
-    train(out / "float32_tanh_gelu", torch.float32, gelu_approximate="tanh")
-    train(out / "float32_tanh_gelu_injected", torch.float32, gelu_approximate="tanh",
-          inject_from=out / "float32")
+    print(f"training 7 runs of {STEPS} steps into {out}/")
+    train(out / "float32")
+    train(out / "bfloat16", autocast=True)
+    train(out / "bfloat16_bug", autocast=True, bug={"include": "head.2", "scale": 1.1})
+    train(out / "float32_tanh_gelu", gelu_approximate="tanh")
+    train(out / "bfloat16_late_bug", autocast=True, bug=LATE_BUG, late=True)
+    train(out / "bfloat16_late_bug_injected", autocast=True, bug=LATE_BUG, late=True,
+          inject=out / "float32")
     pictures = []
     if importlib.util.find_spec("matplotlib"):
         pictures = ["--plot", str(out / "errors.png"), "--heatmap", str(out / "heatmap.png"),
                     "-o", str(out / "report.html")]
     graph = out / ("graph.png" if shutil.which("dot") else "graph.dot")
-    codes = [run_h5cmp(str(out / "float64"), str(out / "float32"), "--top", "5"),
-             run_h5cmp(str(out / "float32"), str(out / "bfloat16"), "--step", "0:2"),
-             run_h5cmp(str(out / "float32"), str(out / "bfloat16_bug"), "--step", "0:2",
-                       "--top", "5"),
-             run_h5cmp(str(out / "float32"), str(out / "float32_tanh_gelu"), "--step", "0:2",
-                       "--top", "8", "--injected", str(out / "float32_tanh_gelu_injected"),
-                       "--dot", str(graph), *pictures)]
+    a, last = str(out / "float32"), f"0:{STEPS - 1}"
+    codes = [run_h5cmp(a, str(out / "bfloat16"), "--step", "0:2"),
+             run_h5cmp(a, str(out / "bfloat16_bug"), "--step", "0:2", "--top", "5"),
+             run_h5cmp(a, str(out / "float32_tanh_gelu"), "--step", "0:0", "--top", "5",
+                       "--dot", str(graph), *pictures),
+             run_h5cmp(a, str(out / "float32_tanh_gelu"), "--step", "0:2", "--top", "3"),
+             run_h5cmp(a, str(out / "bfloat16_late_bug"), "--step", last, "--top", "3",
+                       "--injected", str(out / "bfloat16_late_bug_injected"))]
     print(f"\npictures, call graph and report: {out}/")
-    # Exit code 1 means "differences found", which is what the last two comparisons show.
-    return 0 if codes == [0, 0, 1, 1] else 1
+    # 0: agreement (or nothing found); 1: differences found, or an origin from the re-run
+    return 0 if codes == [0, 1, 1, 1, 1] else 1
 
 
 if __name__ == "__main__":
