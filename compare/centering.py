@@ -85,6 +85,8 @@ class _Grouping:
             self.sum_d += np.bincount(ids, weights=d, minlength=groups)
 
     def centered_rel_error(self, ssa: float, ssd: float) -> float:
+        if self.size == 0 or self.sum_a.size == 0:  # an empty input: nothing to normalize
+            return 0.0
         spread = ssa - float(np.dot(self.sum_a, self.sum_a)) / self.size
         error = max(ssd - float(np.dot(self.sum_d, self.sum_d)) / self.size, 0.0)
         if spread <= ssa * 1e-15:  # constant within its groups: nothing left to normalize

@@ -34,6 +34,9 @@ ROUNDING.update({"complex128": ROUNDING["float64"], "complex64": ROUNDING["float
 RNN_CLASSES = r"LSTM|GRU|RNN"
 EXACT_DTYPE = Rounding(0.0, 0.0)  # integers, bool
 AUTOCAST_DTYPES = ("bfloat16", "float16")
+# what enclosing code may compute a gradient in, below its tensors' dtype (an enclosing
+# module's float32 output, e.g. rotary tables in a float64 model, says nothing of its matmuls)
+LOWERED_BY_CODE = (*AUTOCAST_DTYPES, "tensorfloat32")
 
 
 
@@ -82,11 +85,11 @@ def computed_in(frame: pd.DataFrame, tf32: tuple[tuple[bool, bool], tuple[bool, 
     weight of more than two dimensions (batched experts' matmuls; a grouped matmul may cast
     its result back to float32). A call's outputs and gradients are computed in its precision
     (autocast computes the gradient of a float32 input of a bfloat16 matmul in bfloat16, then
-    casts it); a gradient arriving at an output in its consumers' and its enclosing calls'
-    (an enclosing module's own code may have used the output: attention around a projection,
-    a head fed what a pass-through dropout returned up the chain); an input made by its
-    parent's own code, in the parent's. Where ``tf32`` allows it, float32 matmul and convolution modules compute in
-    ``tensorfloat32``."""
+    casts it); a gradient arriving at an output in its consumers', and in the autocast (or
+    TF32) precision of its enclosing calls (an enclosing module's own code may have used the
+    output: attention around a projection, a head fed what a pass-through dropout returned up
+    the chain); an input made by its parent's own code, in the parent's. Where ``tf32``
+    allows it, float32 matmul and convolution modules compute in ``tensorfloat32``."""
     sides = [frame["dtype_a"].fillna(""), frame["dtype_b"].fillna("")]
     parents, consumers = call_links(frame)
     keys = list(zip(frame["epoch"], frame["step"], frame["rank"].fillna(-1), frame["call"]))
@@ -126,8 +129,9 @@ def computed_in(frame: pd.DataFrame, tf32: tuple[tuple[bool, bool], tuple[bool, 
                 candidates.append(own_out.get(key, ""))
             parent = parents.get(key)
             if kind == fmt.GRAD_OUTPUT:  # made by its consumers' backward, or enclosing code
-                candidates += [d for c in consumers.get(key, []) + ancestors(key)
-                               for d in of_call(c)]
+                candidates += [d for c in consumers.get(key, []) for d in of_call(c)]
+                candidates += [d for c in ancestors(key) for d in of_call(c)
+                               if d in LOWERED_BY_CODE]
             if kind == fmt.INPUT and producer < 0 and parent is not None:
                 candidates += of_call(parent)  # the parent's own matmuls too
                 if parent in tf32_calls and dtype == "float32":

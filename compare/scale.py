@@ -45,12 +45,13 @@ def added_scale(frame: pd.DataFrame, sources: list[np.ndarray], replaced: np.nda
     given = np.where(replaced, 0.0, scale)
     out = np.full(len(frame), np.nan)
     for i in np.flatnonzero(known):
-        s = sources[i][known[sources[i]]]
+        backward_sources = sources[i][backward[sources[i]]]
+        s = backward_sources[known[backward_sources]]
         if len(s):
             low, high = given[s].min(), given[s].max()
             out[i] = max(low - scale[i], scale[i] - high, 0.0)
-        else:
-            out[i] = abs(scale[i])
+        elif not len(backward_sources):  # the loss gradient itself
+            out[i] = abs(scale[i])  # (sources whose scale is unknown leave it unknown: NaN)
     return out
 
 

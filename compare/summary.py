@@ -42,7 +42,8 @@ class Divergence:
     back, carries more error than its sources and the precisions explain: the error starts in
     this module), ``between_modules`` (the record is an input or an incoming gradient: the
     difference arose in code outside any hooked submodule, e.g. in the parent's own forward,
-    the loss, or the data), or ``weights`` (the module's weights differ before the step). ``upstream``: the records it is computed from.
+    the loss, or the data), or ``weights`` (the module's weights differ before the step).
+    ``upstream``: the records it is computed from.
     """
 
     row: pd.Series

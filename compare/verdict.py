@@ -53,6 +53,7 @@ from . import format as fmt
 from . import status as st
 from .calibration import EXACT_GAIN, EXACT_LABEL, Expectation, calibrate
 from .precision import precision_of, rounding_of
+from .gains import linear_gains
 from .scale import added_scale, scale_noise
 from .scale import describe as describe_scale
 from .sources import STEP_KEY, earlier_sources
@@ -64,6 +65,7 @@ SPREAD = 6.0    # how far above the typical added error of comparable records on
 LAST_BITS = 4.0  # units of rounding that differ in the last bits where no error is expected
 # (x - mean) / std: an error d moves x - mean by |d_c| and std by at most as much, relatively
 NORMALIZATION_GAIN = 2.0
+LINEAR_MARGIN = 1.3  # the random-error gain of a weight matrix is met within 15 % (tuning set)
 CANCELLATION = 100.0  # a gradient this much smaller than the sum of its terms' scale cancels
 DECIDING_SHARE = 0.25  # least share of an input a ReLU-like decision passes gradients for
 # Weights drift in training along the data (a gradient is an outer product of the data), so the
@@ -178,6 +180,7 @@ class _Records:
         with np.errstate(invalid="ignore"):  # inf - inf: a non-finite record, judged apart
             self.added = np.sqrt(np.clip(err ** 2 - self.err_in ** 2, 0.0, None))
         self.added[np.isnan(self.added)] = np.inf
+        self.linear_gain = linear_gains(frame)
         self.scale_added = added_scale(frame, self.sources, self.replaced)
         self.scale_noise = scale_noise(frame, self.sources, err, self.err_in)
         self.weight_status = self._weight_statuses()
@@ -346,7 +349,7 @@ class _Judgement:
 
     def _status(self, i: int, carrying: np.ndarray, envelope: float, level: float) -> str:
         r = self.r
-        gain = self.expected.gain[i]
+        gain = self.gain(i)
         if r.user_tol:
             outside = carrying[~np.isin(self.status[carrying], list(st.PASSING))]
             explains = len(outside) and r.err[i] <= math.hypot(
@@ -368,6 +371,13 @@ class _Judgement:
         if r.err[i] > bound or self._scale_moves(i, level):
             return st.DIFF
         return st.INHERITED if self.tainted[i] and r.err[i] > envelope else st.CLOSE
+
+    def gain(self, i: int) -> float:
+        """The calibrated gain, or what the module's weight matrix gives a random error
+        (:mod:`compare.gains`), with ``LINEAR_MARGIN``, if that is more."""
+        linear = self.r.linear_gain[i]
+        calibrated = self.expected.gain[i]
+        return max(calibrated, LINEAR_MARGIN * linear) if math.isfinite(linear) else calibrated
 
     def _scale_moves(self, i: int, level: float) -> bool:
         """The scale test (:mod:`compare.scale`): backward records only, where the sources'
@@ -399,7 +409,7 @@ class _Judgement:
                     f"inputs {err_in:.3g})")
         inputs = (f"its inputs carry {err_in:.3g} ({source})" if source else
                   "it has no recorded inputs")
-        bound = math.hypot(self.expected.gain[i] * err_in, SPREAD * level, self._last_bit(i))
+        bound = math.hypot(self.gain(i) * err_in, SPREAD * level, self._last_bit(i))
         if err <= bound:  # failed the scale test only
             return f"{describe_scale(r.scale_added[i], r.scale_noise[i])}; {inputs}"
         if label == EXACT_LABEL:

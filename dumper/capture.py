@@ -18,8 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from compare import format as fmt
 
 from .calls import CallTracker, MicroBatches, hookable_modules, in_backward
-from .flatten import call_leaves, leaves
-from .flatten import map_tensors
+from .flatten import call_leaves, leaves, map_tensors
 from .grads import GradInputCollector, current_sequence_nr, gradient_edge
 from .injection import StepReference, restore_parameters
 from .record import CallInfo, Record, RecordMaker, leaf_record
@@ -91,6 +90,8 @@ class StepCapture:
         self._producers: dict[int, tuple[weakref.ref, int, int]] = {}
         # injected inputs: id -> (weak reference to it, its chain: see _injected_chain)
         self._injected_inputs: dict[int, tuple[weakref.ref, frozenset[int]]] = {}
+        # injected gradients: (id of the node, slot) -> (weak reference to it, what arrived)
+        self._replaced_grads: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
         self.handles: list[RemovableHandle] = []
         for path, module in hookable_modules(model):
             self._count_micro_batches(module)  # first: its pre-hook runs before the capture's
@@ -118,9 +119,10 @@ class StepCapture:
             with_kwargs=True))
         self.handles.append(module.register_forward_hook(
             lambda m, args, kwargs, out: self._post_hook(m, out, inject), with_kwargs=True))
-        if inject is not None and fmt.PARAM in inject.kinds:  # put them back, also on errors
-            self.handles.append(module.register_forward_hook(
-                lambda m, args, out: self._restore_parameters(m), always_call=True))
+        if inject is not None and fmt.PARAM in inject.kinds:  # put them back, also on errors,
+            self.handles.append(module.register_forward_hook(  # before other forward hooks
+                lambda m, args, out: self._restore_parameters(m), always_call=True,
+                prepend=True))
         if self._params and self._sel.wants_kind(fmt.PARAM_GRAD):
             for i, (name, p) in enumerate(module.named_parameters(recurse=False)):
                 if p.requires_grad:
@@ -163,6 +165,7 @@ class StepCapture:
         self._param_grads.clear()
         self._producers.clear()
         self._injected_inputs.clear()
+        self._replaced_grads.clear()
 
     # -- forward -----------------------------------------------------------------------
     def _next_seq(self) -> int:
@@ -221,7 +224,7 @@ class StepCapture:
         return None
 
     def _inject_inputs(self, inject: StepReference, call: _OpenCall, args: tuple,
-                       kwargs: dict) -> tuple[tuple, dict]:
+                       kwargs: dict) -> Optional[tuple[tuple, dict]]:
         made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         replace = inject.leaf_replacer(call.info.module, call.info.call_idx, fmt.INPUT, made)
         args, kwargs = map_tensors(args, replace), map_tensors(kwargs, replace)
@@ -229,7 +232,18 @@ class StepCapture:
             call.inputs.update({id(arrived): index, id(put): index})
             chain = frozenset({id(put), id(arrived), *self._injected_chain(arrived)})
             self._injected_inputs[id(put)] = (weakref.ref(put), chain)
-        return args, kwargs
+        return (args, kwargs) if made else None
+
+    def _note_replaced_gradient(self, slot: tuple, instead: torch.Tensor,
+                                arrived: torch.Tensor) -> None:
+        """Hooks of enclosing calls on the same gradient slot (a parent returning its child's
+        output) run after the child's replaced it: they record what arrived, not that."""
+        with self._lock:
+            self._replaced_grads[slot] = (weakref.ref(instead), arrived)
+
+    def _arrived(self, slot: tuple, grad: torch.Tensor) -> torch.Tensor:
+        known = self._replaced_grads.get(slot)
+        return known[1] if known is not None and known[0]() is grad else grad
 
     def _injected_chain(self, t: torch.Tensor) -> frozenset[int]:
         """For an injected input, the ids of it, of the tensor it was put in for, and so on back
@@ -239,6 +253,8 @@ class StepCapture:
         return known[1] if known is not None and known[0]() is t else frozenset()
 
     def _restore_parameters(self, module: nn.Module) -> None:
+        if in_backward():  # a recomputation swapped nothing
+            return
         swapped = self._swapped.pop(module)
         if swapped:
             restore_parameters(module, swapped)
@@ -287,7 +303,8 @@ class StepCapture:
             record = want_grad and not replacement
             if record or i in passthrough or injecting:
                 on_grad = self._grad_output_hook(call, i, leaf_path, record, passthrough.get(i),
-                                                 inject if injecting else None)
+                                                 inject if injecting else None,
+                                                 (id(t.grad_fn or t), t.output_nr))
                 self.handles.append(hook_gradient(t, on_grad))
 
     def _note_producer(self, t: torch.Tensor, call: int) -> None:
@@ -308,12 +325,16 @@ class StepCapture:
 
     # -- backward ----------------------------------------------------------------------
     def _grad_output_hook(self, call: _OpenCall, index: int, path: str, record: bool,
-                          passthrough_input: Optional[int], inject: Optional[StepReference]):
+                          passthrough_input: Optional[int], inject: Optional[StepReference],
+                          slot: tuple):
         """Records the gradient that arrived; returns the reference's instead when injecting."""
         key = (call.info.module, call.info.call_idx, fmt.GRAD_OUTPUT, index)
 
         def hook(grad: torch.Tensor) -> Optional[torch.Tensor]:
+            grad = self._arrived(slot, grad)  # what an inner call's injection replaced, if any
             instead = inject.tensor(key, grad) if inject is not None else None
+            if instead is not None:
+                self._note_replaced_gradient(slot, instead, grad)
             if record:
                 made = self._maker.tensor(self._next_seq(), call.info, fmt.GRAD_OUTPUT, index,
                                           path, grad)

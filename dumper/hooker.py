@@ -111,6 +111,10 @@ class HookerAndDumper:
         self.injector: Optional[Injector] = (
             inject if isinstance(inject, Injector) or inject is None
             else Injector(inject, kinds=LOCALIZING))
+        if self.injector is not None and not self.injector.kinds <= set(LOCALIZING):
+            raise ValueError(f"inject: a dumper injects {list(LOCALIZING)} (what arrived is "
+                             f"recorded first); {sorted(self.injector.kinds - set(LOCALIZING))} "
+                             f"is for Injector.register, without a dumper")
         self._reference: Optional[StepReference] = None  # the injected step's values
 
     def add_consumer(self, fn: Consumer, kinds: Optional[Iterable[str]] = None,
@@ -146,14 +150,18 @@ class HookerAndDumper:
             return False
         model = hook_target(model)
         _warn_if_scripted_inside(model)
+        rank, _ = distributed_rank()
         try:
-            self._reference = self.injector.step(epoch, step) if self.injector else None
+            self._reference = self.injector.step(epoch, step, rank) if self.injector else None
         except KeyError:
             self._registered = False
             raise
-        rank, _ = distributed_rank()
         path = self.directory / fmt.step_file_name(epoch, step, rank)
-        claim = self._claim(path)
+        try:
+            claim = self._claim(path)
+        except BaseException:
+            self._close_reference()
+            raise
         if claim is None:
             self._close_reference()
             self._start_sentinel(model)

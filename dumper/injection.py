@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import threading
 import warnings
 from typing import Callable, Iterable, Iterator, Optional, Union
 
@@ -67,7 +68,8 @@ def replaced(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 class StepReference:
-    """The reference's values of one step, read when first asked for (on the caller's thread).
+    """The reference's values of one step, read when first asked for (by whichever thread runs
+    the hook: backward hooks may run on autograd's threads; reads are serialised).
 
     :meth:`tensor` gives the value of a record key cast to the run's tensor's dtype and
     device, or None where the reference holds none (another call structure, a record it did
@@ -80,6 +82,7 @@ class StepReference:
         self._rows = {(r.module, r.call_idx, r.kind, r.index): r for r in rows.itertuples()
                       if r.kind in injector.kinds and r.occurrence == 0}
         self._reader = step_file.open()
+        self._lock = threading.Lock()
         self.injected = 0
         if fmt.PARAM in injector.kinds and not any(k[2] == fmt.PARAM for k in self._rows):
             warnings.warn(f"h5cmp: the reference {injector.reference.path} holds no parameter "
@@ -90,6 +93,14 @@ class StepReference:
     @property
     def kinds(self) -> frozenset:
         return self.injector.kinds
+
+    def close(self) -> None:
+        self._reader.close()
+        if self.injected == 0:
+            warnings.warn(f"h5cmp: nothing of {self.injector.reference.path} step {self.label} "
+                          f"was injected: it holds no values of these modules' calls (dumped "
+                          f"in statistics mode, or another model?)", RuntimeWarning,
+                          stacklevel=3)
 
     def wants(self, path: str, module: nn.Module) -> bool:
         """Whether ``module`` (at ``path``) is one the injector injects into."""
@@ -103,14 +114,15 @@ class StepReference:
         row = self._rows.get(key)
         if row is None:
             return None
-        ref = decode_to_tensor(self._reader.read_raw(row), row.dtype)
+        with self._lock:
+            ref = decode_to_tensor(self._reader.read_raw(row), row.dtype)
+            self.injected += 1
         if tuple(ref.shape) != tuple(like.shape):
             raise ValueError(f"h5cmp: cannot inject {row.group}/{row.dataset} of "
                              f"{self.injector.reference.path} step {self.label}: reference shape "
                              f"{tuple(ref.shape)} != run shape {tuple(like.shape)}; the runs must "
                              f"have the same model and batch")
-        self.injected += 1
-        return ref.to(dtype=like.dtype, device=like.device)
+        return torch.empty_like(like).copy_(ref)  # like's dtype, device and strides
 
     def leaf_replacer(self, path: str, call_idx: int, kind: str,
                       made: Optional[dict] = None) -> Callable:
@@ -118,15 +130,18 @@ class StepReference:
         the reference's ``kind`` n of that call, where it has one (``made[n]``: the leaf and
         what was put in its place)."""
         counter = itertools.count()
+        once: dict[int, torch.Tensor] = {}  # one tensor passed several times stays one
 
         def replace(leaf):
             if not isinstance(leaf, torch.Tensor):
                 return leaf
             index = next(counter)
+            if id(leaf) in once:
+                return once[id(leaf)]
             ref = self.tensor((path, call_idx, kind, index), leaf)
             if ref is None:
                 return leaf
-            put = replaced(leaf, ref)
+            put = once[id(leaf)] = replaced(leaf, ref)
             if made is not None:
                 made[index] = (leaf, put)
             return put
@@ -135,22 +150,22 @@ class StepReference:
     def swap_parameters(self, path: str, call_idx: int, module: nn.Module) -> list[tuple]:
         """Put the reference's values of ``module``'s own parameters in their place for this
         call; returns what :func:`restore_parameters` needs to put the originals back."""
-        swapped = []
+        put = []  # every value read (and checked) before any is put in
         for index, (name, p) in enumerate(list(module.named_parameters(recurse=False))):
             ref = self.tensor((path, call_idx, fmt.PARAM, index), p)
             if ref is not None:
-                swapped.append((name, p))
-                module._parameters[name] = replaced(p, ref)  # no __setattr__: not a Parameter
-        return swapped
-
-    def close(self) -> None:
-        self._reader.close()
+                put.append((name, p, replaced(p, ref)))
+        for name, _, value in put:
+            module._parameters[name] = value  # no __setattr__: not a Parameter
+        return put
 
 
 def restore_parameters(module: nn.Module, swapped: list[tuple]) -> None:
-    """Undo :meth:`StepReference.swap_parameters`."""
-    for name, p in swapped:
-        module._parameters[name] = p
+    """Undo :meth:`StepReference.swap_parameters`, where the value put in is still there
+    (another hook may have replaced it since, e.g. FSDP resharding: that stays)."""
+    for name, p, value in swapped:
+        if module._parameters.get(name) is value:
+            module._parameters[name] = p
 
 
 class Injector:
@@ -179,13 +194,16 @@ class Injector:
         self._calls = CallTracker()
         self.injected = 0  # values injected so far, all steps
 
-    def step(self, epoch: int, step: int) -> StepReference:
-        """The reference's values of step ``(epoch, step)``; ``close()`` it after the step."""
-        step_file = next((s for s in self.reference.steps if (s.epoch, s.step) == (epoch, step)),
-                         None)
+    def step(self, epoch: int, step: int, rank: Optional[int] = None) -> StepReference:
+        """The reference's values of step ``(epoch, step)`` of ``rank`` (a non-distributed
+        reference serves every rank); ``close()`` it after the step."""
+        files = [s for s in self.reference.steps if (s.epoch, s.step) == (epoch, step)]
+        step_file = next((s for s in files if s.rank == rank), None) or next(
+            (s for s in files if s.rank is None), None)
         if step_file is None:
+            of_rank = "" if rank is None else f" of rank {rank}"
             raise KeyError(f"h5cmp: reference dump {self.reference.path} has no step "
-                           f"{epoch}:{step}; dump that step of the reference run too")
+                           f"{epoch}:{step}{of_rank}; dump that step of the reference run too")
         return StepReference(self, step_file)
 
     def describe(self) -> str:

@@ -33,7 +33,7 @@ class Perturbation:
         self.scale, self.noise, self.offset, self.where = scale, noise, offset, where
         patterns = (include,) if isinstance(include, str) else tuple(include)
         matched = [m for p, m in hookable_modules(hook_target(model))
-                   if fmt.module_matches(p, type(m).__name__, patterns)]
+                   if not patterns or fmt.module_matches(p, type(m).__name__, patterns)]
         if not matched:
             raise ValueError(f"no module matches {list(patterns)}; see dumper.module_keys(model)")
         for module in matched:

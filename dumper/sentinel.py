@@ -31,8 +31,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .calls import hookable_modules
-from .calls import in_backward
+from .calls import hookable_modules, in_backward
 from .capture import hook_gradient
 from .flatten import call_leaves, leaves
 from .grads import gradient_edge

@@ -77,7 +77,8 @@ def train(directory: Path, dtype: torch.dtype = torch.float32, gelu_approximate:
         opt.step()
         opt.zero_grad()
         losses.append(f"{loss.item():.7f}")
-    print(f"  {directory.name}: losses {' '.join(losses)}; dumped {len(dumper.written_files)} steps")
+    print(f"  {directory.name}: losses {' '.join(losses)}; "
+          f"dumped {len(dumper.written_files)} steps")
 
 
 def run_h5cmp(*args: str) -> int:

@@ -46,7 +46,8 @@ class Block(nn.Module):
 class MLP(nn.Module):
     def __init__(self, width: int = 16):
         super().__init__()
-        self.up, self.act, self.down = nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        self.up, self.act = nn.Linear(width, 4 * width), nn.GELU()
+        self.down = nn.Linear(4 * width, width)
 
     def forward(self, x):
         return self.down(self.act(self.up(x)))

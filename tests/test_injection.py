@@ -177,3 +177,25 @@ def test_the_cli_reports_origins_from_the_injected_rerun(tmp_path):
     ok = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "b"),
                                     "--injected", str(tmp_path / "healthy")])
     assert " 0 origin" in ok.output
+
+
+def test_a_failed_swap_leaves_every_parameter_in_place(tmp_path):
+    """The reference's bias has another shape: the injection fails with the reason, before
+    any parameter of the module was swapped."""
+    x = torch.randn(2, 4)
+    reference = nn.Linear(4, 3)
+    with HookerAndDumper(tmp_path / "r", params=True).hooks(reference, 0, 0):
+        reference(x)
+    model = nn.Linear(4, 3)
+    params = dict(model.named_parameters())
+    with pytest.raises(ValueError, match="reference shape"):
+        with Injector(tmp_path / "r", kinds=["param"]).injecting(model, 0, 0):
+            model.bias = nn.Parameter(torch.zeros(5))  # the run's bias now differs in shape
+            model(x)
+    assert model._parameters["weight"] is params["weight"]
+
+
+def test_a_dumper_refuses_kinds_it_cannot_record_first(tmp_path):
+    run_step("mlp", "float32", tmp_path / "a", dumper_options={"params": True})
+    with pytest.raises(ValueError, match="is for Injector.register, without a dumper"):
+        HookerAndDumper(tmp_path / "b", inject=Injector(tmp_path / "a", kinds=["output"]))
