@@ -23,7 +23,8 @@ from .mapping import NameMapping, find_prefix, load_mapping
 from .metrics import METRIC_COLUMNS, ErrorAccumulator
 from .pairing import KEY, align_ranks, pair_records, recorded_on_both_sides, select, tensor_rows
 from .statistics import compare_stats, sketch_of_chunks, stats_of_chunks
-from .status import DROPPED, MISSING_IN_A, MISSING_IN_B, SHAPE_MISMATCH, UNSUPPORTED
+from .status import (DROPPED, MISSING_IN_A, MISSING_IN_B, OP_ONLY_IN_A, OP_ONLY_IN_B,
+                     SHAPE_MISMATCH, UNSUPPORTED)
 from .tolerance import pair_tolerance
 from .validation import hard_link
 from .verdict import VERDICT_COLUMNS, judge
@@ -341,8 +342,12 @@ def _result_frame(pairs: pd.DataFrame, metrics: dict[int, dict]) -> pd.DataFrame
         ["seq", "call", "producer", "micro_batch", "injected"]].astype("int64")
     computed = pd.DataFrame.from_dict(metrics, orient="index")
     frame = frame.join(computed)
-    frame.loc[frame["side"] == "a_only", "status"] = MISSING_IN_B
-    frame.loc[frame["side"] == "b_only", "status"] = MISSING_IN_A
+    op = np.array([fmt.split_op(m) is not None for m in frame["module"]], dtype=bool)
+    for side, missing, op_only in (("a_only", MISSING_IN_B, OP_ONLY_IN_A),
+                                   ("b_only", MISSING_IN_A, OP_ONLY_IN_B)):
+        lone = (frame["side"] == side).to_numpy()
+        frame.loc[lone & ~op, "status"] = missing
+        frame.loc[lone & op, "status"] = op_only
     for col in [*METRIC_COLUMNS, "rtol", "atol"]:
         if col not in frame:
             frame[col] = np.nan

@@ -69,17 +69,46 @@ def call_group_name(call: int, module_key: str) -> str:
     return f"{call:04d}_{module_key.replace('/', '|')}"
 
 
+OP_SEPARATOR = "/"
+
+
+def op_module(module: str, op: str, number: int) -> str:
+    """``module`` column of an op record (``dumper.ops``): the path of the module whose own code
+    ran it, the op's name and its number among that call's ops of the name, e.g.
+    ``model.layers.1.self_attn/softmax#0``; ``cls`` holds the op's name."""
+    return f"{module}{OP_SEPARATOR}{op}#{number}"
+
+
+def split_op(module: str) -> Optional[tuple[str, str]]:
+    """``(module path, "op#n")`` of an op record's ``module``; None for a module record."""
+    path, sep, op = module.rpartition(OP_SEPARATOR)
+    return (path, op) if sep else None
+
+
+def contains(outer: str, inner: str) -> bool:
+    """Whether module (or op) path ``inner`` is inside module ``outer``: a submodule, or an op
+    run by it or by a submodule; the root, path ``""``, contains everything."""
+    return outer == "" or inner.startswith((outer + ".", outer + OP_SEPARATOR))
+
+
 def module_key(path: str, cls: str) -> str:
-    """Key of a module: its path in the model and its class; the root is its class alone."""
+    """Key of a module: its path in the model and its class; the root is its class alone. An
+    op record's key is its ``module`` (which names the op)."""
+    if split_op(path) is not None:
+        return path
     return f"{path}.{cls}" if path else cls
 
 
 def record_label(module: str, cls: str, call_idx: int, kind: str, index: int,
                  occurrence: int = 0) -> str:
-    """How reports name a record: ``blocks.0.attn.Linear#0 output[0]`` (``@n`` appended for the
-    n-th repeat of a gradient)."""
+    """How reports name a record: ``blocks.0.attn.Linear#0 output[0]``; an op record
+    ``blocks.0.attn#0/softmax#1 output[0]`` (the module's call, then the op's number in it);
+    ``@n`` appended for the n-th repeat of a gradient."""
     repeat = f"@{occurrence}" if occurrence else ""
-    return f"{module_key(module, cls)}#{call_idx} {kind}[{index}]{repeat}"
+    op = split_op(module)
+    where = f"{module_key(module, cls)}#{call_idx}" if op is None else \
+        f"{op[0]}#{call_idx}{OP_SEPARATOR}{op[1]}"
+    return f"{where} {kind}[{index}]{repeat}"
 
 
 def module_matches(path: str, cls: str, patterns) -> bool:

@@ -40,17 +40,13 @@ from . import format as fmt
 STEP_KEY = ["epoch", "step", "rank"]
 
 
-def _contains(outer: str, inner: str) -> bool:
-    return outer == "" or inner.startswith(outer + ".")
-
-
 def parent_calls(calls: pd.DataFrame) -> dict[int, Optional[int]]:
     """``call -> parent call`` (None for outermost calls) of one step's calls (columns
     ``call, module``), by module path and call order."""
     parents: dict[int, Optional[int]] = {}
     stack: list[tuple[int, str]] = []
     for call, module in calls.sort_values("call")[["call", "module"]].itertuples(index=False):
-        while stack and not _contains(stack[-1][1], module):
+        while stack and not fmt.contains(stack[-1][1], module):
             stack.pop()
         parents[int(call)] = stack[-1][0] if stack else None
         stack.append((int(call), module))

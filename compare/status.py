@@ -13,6 +13,9 @@ status             meaning
 ``nan_mismatch``   NaN/Inf at different places, not explained by its sources
 ``shape_mismatch`` the two sides' shapes differ
 ``missing_in_a``   the record exists in B only (and ``missing_in_b`` in A only)
+``op_only_in_a``   an op record (``dumper.ops``) of A only: B's code did not run that op there
+                   (an extra cast, a fused kernel against its decomposition); ``op_only_in_b``
+                   likewise. Reported, not a failure: the records around it are compared
 ``dropped``        a side's dumper dropped the tensor (memory limit): nothing to compare
 ``unsupported``    a side could not store the values (its index ``value`` says why)
 =================  ======================================================================
@@ -25,14 +28,16 @@ one.
 EQUAL, CLOSE, INHERITED, DIFF = "equal", "close", "inherited", "DIFF"
 NAN_MISMATCH, SHAPE_MISMATCH = "nan_mismatch", "shape_mismatch"
 MISSING_IN_A, MISSING_IN_B = "missing_in_a", "missing_in_b"
+OP_ONLY_IN_A, OP_ONLY_IN_B = "op_only_in_a", "op_only_in_b"
 DROPPED, UNSUPPORTED = "dropped", "unsupported"
 STATUSES = (EQUAL, CLOSE, INHERITED, DIFF, NAN_MISMATCH, SHAPE_MISMATCH, MISSING_IN_A,
-            MISSING_IN_B, DROPPED, UNSUPPORTED)
+            MISSING_IN_B, OP_ONLY_IN_A, OP_ONLY_IN_B, DROPPED, UNSUPPORTED)
 
 PASSING = frozenset({EQUAL, CLOSE})
 # Reported, not failures: an inherited error is blamed on its origin; an unsupported tensor is
-# one the dumper cannot store by design, not a difference between the runs.
-NOT_BLAMED = frozenset({INHERITED, UNSUPPORTED})
+# one the dumper cannot store by design, not a difference between the runs; an op of one side
+# only is a difference in the code run, whose consequences the records around it show.
+NOT_BLAMED = frozenset({INHERITED, UNSUPPORTED, OP_ONLY_IN_A, OP_ONLY_IN_B})
 FAILING = frozenset(STATUSES) - PASSING - NOT_BLAMED
 # Records that carry an error: their own (failing) or one from upstream.
 CARRYING = FAILING | {INHERITED}

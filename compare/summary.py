@@ -59,6 +59,9 @@ class Divergence:
     @property
     def parent(self) -> str:
         module = self.row["module"]
+        op = fmt.split_op(module)
+        if op is not None:  # an op: the module whose code ran it
+            return op[0] or "<root>"
         if not module:
             return ""  # the root: its parent is whatever code calls the model
         return module.rsplit(".", 1)[0] if "." in module else "<root>"
@@ -66,9 +69,11 @@ class Divergence:
     def describe(self) -> str:
         r = self.row
         micro_batch = f" (micro-batch {r['micro_batch']})" if r["micro_batch"] > 0 else ""
-        where = (f"step {fmt.step_label(r['epoch'], r['step'], r['rank'])}, {self.direction}, module "
-                 f"{r['module'] or '<root>'} ({r['cls']}) call {r['call_idx']}{micro_batch}, "
-                 f"{r['kind']}[{r['index']}] {r['path']}")
+        op = fmt.split_op(r["module"])
+        call = (f"op {op[1]} of module {op[0] or '<root>'}" if op is not None
+                else f"module {r['module'] or '<root>'} ({r['cls']})")
+        where = (f"step {fmt.step_label(r['epoch'], r['step'], r['rank'])}, {self.direction}, "
+                 f"{call} call {r['call_idx']}{micro_batch}, {r['kind']}[{r['index']}] {r['path']}")
         numel = int(r["numel"]) if pd.notna(r["numel"]) else "n/a"
         figures = (f"rel error {r['rel_error']:.3g}, max_abs_err {r['max_abs_err']:.3g}, "
                    f"{numel} elements, status {r['status']}")
@@ -79,7 +84,8 @@ class Divergence:
             lines.append("  the same tensor is also " + ", ".join(
                 record_label(a) for _, a in self.aliases.iterrows()))
         if self.verdict == st.ORIGIN:
-            lines.append("  the error starts in this module (its own computation)")
+            lines.append(f"  the error starts in this {'op' if op is not None else 'module'} "
+                         f"(its own computation)")
         elif self.verdict == st.WEIGHTS:
             lines.append("  this module's weights differ before the step: compare an earlier step "
                          "(or the checkpoints) to find where")

@@ -144,6 +144,11 @@ class CallTracker:
             with self._lock:
                 self._open += 1
 
+    def peek(self, module: nn.Module) -> Any:
+        """State of this thread's innermost open call of ``module`` (None if none)."""
+        stack = self._stacks()[id(module)]
+        return stack[-1] if stack else None
+
     def pop(self, module: nn.Module) -> Any:
         """State pushed by this thread's innermost open call of ``module`` (None if none)."""
         stack = self._stacks()[id(module)]

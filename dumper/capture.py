@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from compare import format as fmt
@@ -20,7 +21,9 @@ from compare import format as fmt
 from .calls import CallTracker, MicroBatches, hookable_modules, in_backward
 from .flatten import call_leaves, leaves, map_tensors
 from .grads import GradInputCollector, current_sequence_nr, gradient_edge
+from . import ops
 from .injection import StepReference, restore_parameters
+from .ops import OpMode
 from .record import CallInfo, Record, RecordMaker, leaf_record
 from .selection import Selection
 
@@ -54,10 +57,11 @@ def hook_gradient(t: torch.Tensor, on_grad: Callable[[torch.Tensor], Optional[to
 class _OpenCall:
     """State of a call between its pre-hook and its forward hook."""
 
-    __slots__ = ("info", "seq_lo", "grads", "inputs", "dropped")
+    __slots__ = ("info", "seq", "seq_lo", "grads", "inputs", "dropped")
 
-    def __init__(self, info: CallInfo, seq_lo: int, grads: Optional[GradInputCollector]):
-        self.info, self.seq_lo, self.grads = info, seq_lo, grads
+    def __init__(self, info: CallInfo, seq: int, seq_lo: int,
+                 grads: Optional[GradInputCollector]):
+        self.info, self.seq, self.seq_lo, self.grads = info, seq, seq_lo, grads
         self.inputs: dict[int, int] = {}  # injecting: id of an input as it arrived or as put in
         self.dropped: set[int] = set()    # inputs whose grad_input is not recorded
 
@@ -93,10 +97,18 @@ class StepCapture:
         # injected gradients: (id of the node, slot) -> (weak reference to it, what arrived)
         self._replaced_grads: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
         self.handles: list[RemovableHandle] = []
-        for path, module in hookable_modules(model):
+        self._ops: Optional[OpMode] = None  # op-level capture (dumper.ops), if any is selected
+        self._op_counts: dict[tuple[int, str], int] = defaultdict(int)
+        modules = list(hookable_modules(model))
+        if any(selection.wants_ops(path, m) for path, m in modules
+               if selection.wants_module(path, m)):
+            self._ops = OpMode(self._run_op, selection.skip_ops)
+        for path, module in modules:
             self._count_micro_batches(module)  # first: its pre-hook runs before the capture's
             if selection.wants_module(path, module):
                 self._install(path, module)
+            elif self._ops is not None:  # its ops are its own, not its parent's: not recorded
+                self._own_ops(module, lambda: None)
 
     @property
     def modules_run(self) -> int:
@@ -114,11 +126,14 @@ class StepCapture:
         stats_only = not self._sel.wants_values(path, module)
         inject = self._inject if self._inject is not None and self._inject.wants(path, module) \
             else None
-        self.handles.append(module.register_forward_pre_hook(
-            lambda m, args, kwargs: self._pre_hook(m, path, cls, stats_only, inject, args, kwargs),
-            with_kwargs=True))
-        self.handles.append(module.register_forward_hook(
-            lambda m, args, kwargs, out: self._post_hook(m, out, inject), with_kwargs=True))
+        self.handles.append(module.register_forward_pre_hook(ops.quietly(
+            lambda m, args, kwargs: self._pre_hook(m, path, cls, stats_only, inject, args, kwargs)
+        ), with_kwargs=True))
+        self.handles.append(module.register_forward_hook(ops.quietly(
+            lambda m, args, kwargs, out: self._post_hook(m, out, inject)), with_kwargs=True))
+        if self._ops is not None:
+            records_ops = self._sel.wants_ops(path, module)
+            self._own_ops(module, lambda: self._first_call_owner(module, inject, records_ops))
         if inject is not None and fmt.PARAM in inject.kinds:  # put them back, also on errors,
             self.handles.append(module.register_forward_hook(  # before other forward hooks
                 lambda m, args, out: self._restore_parameters(m), always_call=True,
@@ -128,6 +143,24 @@ class StepCapture:
                 if p.requires_grad:
                     self.handles.append(p.register_post_accumulate_grad_hook(
                         self._param_grad_hook(id(module), i, name)))
+
+    def _own_ops(self, module: nn.Module, owner: Callable[[], Optional[tuple]]) -> None:
+        """Hooks that make ``module``'s calls own the ops their code runs (:mod:`dumper.ops`):
+        ``owner()`` (None: they are not recorded) from the start of the call, after the
+        capture's pre-hook, to its end, also when the forward raises."""
+        mode = self._ops
+
+        def enter(m, args) -> None:
+            mode.enter(None if in_backward() else owner())  # recomputation: already recorded
+        self.handles.append(module.register_forward_pre_hook(enter))
+        self.handles.append(module.register_forward_hook(lambda m, args, out: mode.leave(),
+                                                         always_call=True))
+
+    def _first_call_owner(self, module: nn.Module, inject: Optional[StepReference],
+                          records_ops: bool) -> Optional[tuple]:
+        """The owner of the ops of ``module``'s call that started now: its call and injection."""
+        call = self._tracker.peek(module) if records_ops else None
+        return None if call is None else (call.info, inject)
 
     def _count_micro_batches(self, module: nn.Module) -> None:
         """Hooks that feed :class:`MicroBatches`: calls opening and closing (also when the
@@ -164,6 +197,8 @@ class StepCapture:
             self._maker.release(record)
         self._param_grads.clear()
         self._producers.clear()
+        if self._ops is not None:
+            self._ops.clear()
         self._injected_inputs.clear()
         self._replaced_grads.clear()
 
@@ -180,6 +215,29 @@ class StepCapture:
         info = CallInfo(next(self._calls), path, cls, self._tracker.next_index(module), stats_only,
                         self._micro_batches.number)
         self._first_call.setdefault(id(module), info)
+        call = self._open(info, inject, args, kwargs)
+        injects = inject.kinds if inject is not None else frozenset()
+        if self._sel.wants_kind(fmt.PARAM) and (self._params or info.call_idx == 0):
+            # values with params=True; otherwise statistics and a sketch, once per module: cheap,
+            # and enough for a comparison to tell how much weights differ
+            for i, (name, p) in enumerate(module.named_parameters(recurse=False)):
+                record = self._maker.tensor(call.seq, info, fmt.PARAM, i, name, p,
+                                            stats=not self._params, sketch=not self._params)
+                record.injected = fmt.PARAM in injects and inject.has(
+                    (path, info.call_idx, fmt.PARAM, i))
+                self._sink(record)
+        self._tracker.push(module, call)
+        if fmt.PARAM in injects:
+            self._swapped.push(module, inject.swap_parameters(path, info.call_idx, module))
+        if fmt.INPUT in injects:
+            return self._inject_inputs(inject, call, args, kwargs)
+        return None
+
+    def _open(self, info: CallInfo, inject: Optional[StepReference], args: tuple,
+              kwargs: dict, sink: Optional[Sink] = None) -> _OpenCall:
+        """Record a call's inputs as it starts (a module call, or an op: :meth:`_run_op`) into
+        ``sink`` (default: the step's) and prepare for the gradients they will get."""
+        sink = sink or self._sink
         seq = self._next_seq()
         seq_lo = current_sequence_nr()  # the call's autograd nodes, the injection's included
         injects = inject.kinds if inject is not None else frozenset()
@@ -192,8 +250,8 @@ class StepCapture:
                     record = self._maker.tensor(seq, info, fmt.INPUT, index, leaf_path, leaf)
                     record.producer = self._producer_of(leaf)
                     record.injected = fmt.INPUT in injects and inject.has(
-                        (path, info.call_idx, fmt.INPUT, index))
-                    self._sink(record)
+                        (info.module, info.call_idx, fmt.INPUT, index))
+                    sink(record)
                 if want_grad and leaf.requires_grad:
                     node, nr = gradient_edge(leaf)
                     edges.setdefault((id(node), nr), index)
@@ -201,27 +259,44 @@ class StepCapture:
                     paths[index] = leaf_path
                 index += 1
             elif want_input:
-                self._sink(leaf_record(seq, info, fmt.INPUT, leaf_path, leaf))
-        if self._sel.wants_kind(fmt.PARAM) and (self._params or info.call_idx == 0):
-            # values with params=True; otherwise statistics and a sketch, once per module: cheap,
-            # and enough for a comparison to tell how much weights differ
-            for i, (name, p) in enumerate(module.named_parameters(recurse=False)):
-                record = self._maker.tensor(seq, info, fmt.PARAM, i, name, p,
-                                            stats=not self._params, sketch=not self._params)
-                record.injected = fmt.PARAM in injects and inject.has(
-                    (path, info.call_idx, fmt.PARAM, i))
-                self._sink(record)
-        call = _OpenCall(info, seq_lo, None)
+                sink(leaf_record(seq, info, fmt.INPUT, leaf_path, leaf))
+        call = _OpenCall(info, seq, seq_lo, None)
         if edges:
             call.grads = GradInputCollector(edges, keep_alive,
                                             self._grad_input_emitter(info, paths, call.dropped))
             self._collectors.append(call.grads)
-        self._tracker.push(module, call)
-        if fmt.PARAM in injects:
-            self._swapped.push(module, inject.swap_parameters(path, info.call_idx, module))
-        if fmt.INPUT in injects:
-            return self._inject_inputs(inject, call, args, kwargs)
-        return None
+        return call
+
+    def _run_op(self, owner: tuple[CallInfo, Optional[StepReference]], name: str,
+                func: Callable, args: tuple, kwargs: dict) -> Any:
+        """Run one op of ``owner``'s code (:class:`~dumper.ops.OpMode`) as a call of its own,
+        named ``{module}/{name}#{n}`` (its n-th ``name`` op in that module call) and numbered
+        with the module's call: inputs, outputs and gradients as for a module call, and
+        injected likewise in a localizing re-run."""
+        parent, inject = owner
+        key = (parent.number, name)  # an owner's ops run on the thread that runs the owner
+        info = CallInfo(next(self._calls), fmt.op_module(parent.module, name, self._op_counts[key]),
+                        name, parent.call_idx, parent.stats_only, parent.micro_batch)
+        inputs = [(t, t._version) for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and not t.is_inference()]
+        opened: list[Record] = []
+        call = self._open(info, inject, args, kwargs, opened.append)
+        if inject is not None and fmt.INPUT in inject.kinds:
+            args, kwargs = self._inject_inputs(inject, call, args, kwargs) or (args, kwargs)
+        output = func(*args, **kwargs)
+        if any(output is t and t._version == version for t, version in inputs):
+            # it returned an input untouched (x.to(its own dtype), x.float() of a float):
+            # nothing happened, and its "output" is the input, whose gradient sums every use
+            for record in opened:
+                self._maker.release(record)
+            if call.grads is not None:
+                self._collectors.remove(call.grads)
+            return output
+        self._op_counts[key] += 1
+        for record in opened:
+            self._sink(record)
+        self._close(call, output, inject)
+        return output
 
     def _inject_inputs(self, inject: StepReference, call: _OpenCall, args: tuple,
                        kwargs: dict) -> Optional[tuple[tuple, dict]]:
@@ -261,8 +336,11 @@ class StepCapture:
 
     def _post_hook(self, module: nn.Module, output: Any, inject: Optional[StepReference]) -> None:
         call = self._tracker.pop(module)
-        if call is None:
-            return
+        if call is not None:
+            self._close(call, output, inject)
+
+    def _close(self, call: _OpenCall, output: Any, inject: Optional[StepReference]) -> None:
+        """Record a call's outputs as it returns, and hook the gradients they will get."""
         seq = self._next_seq()
         want_output = self._sel.wants_kind(fmt.OUTPUT)
         want_grad = self._sel.wants_kind(fmt.GRAD_OUTPUT)

@@ -62,6 +62,13 @@ class HookerAndDumper:
     In a dumped step the records so far are published, the step marked incomplete, also under
     ``with d.hooks(...)``.
 
+    ``ops`` (globs, like ``include``; ``"*"`` for all) also records, in the modules they match,
+    every op of the module's own code (torch functions, ``F.*``, tensor methods, operators;
+    not those run by its hooked submodules, which have their own records) as a call of its own
+    named ``{module}/{op}#{n}``, with the same kinds, modes and budget (:mod:`dumper.ops`); ops
+    that move no numbers (views, reshapes, copies, indexing) are skipped unless ``skip_ops``
+    (op names) says otherwise.
+
     ``inject`` makes the dumped steps a localizing re-run (:mod:`dumper.injection`): a reference
     dump (its directory; it must hold the same steps, dumped with ``params=True`` for the
     weights to be injected), whose inputs, weights and incoming gradients replace the run's in
@@ -78,11 +85,13 @@ class HookerAndDumper:
                  max_bytes_in_flight: int = DEFAULT_MAX_BYTES_IN_FLIGHT,
                  when_full: str = "wait", fsync: bool = False,
                  on_nonfinite: Optional[str] = None, nonfinite_history: int = 8,
-                 inject: Union[str, os.PathLike, Dump, Injector, None] = None):
+                 inject: Union[str, os.PathLike, Dump, Injector, None] = None,
+                 ops: Patterns = None, skip_ops: Optional[Iterable[str]] = None):
         self.directory = _prepare_directory(file_path)
         self.epochs = Window(epochs, "epochs")
         self.steps = Window(steps, "steps")
-        self.selection = Selection(include, exclude, module_types, kinds, mode, full_tensors)
+        self.selection = Selection(include, exclude, module_types, kinds, mode, full_tensors,
+                                   ops, skip_ops)
         self.params = bool(params)
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")

@@ -7,6 +7,8 @@ from torch import nn
 
 from compare import format as fmt
 
+from .ops import MOVES_NO_NUMBERS
+
 Patterns = Union[str, Iterable[str], None]
 Types = Union[type, str, Iterable[Union[type, str]], None]
 
@@ -25,12 +27,15 @@ class Selection:
     A module is kept when its path or key (``path.Class``) matches an ``include`` glob (all are
     included when none is given), matches no ``exclude`` glob, and, if ``module_types`` is given,
     is an instance of one of them (classes, or class names). In ``mode="stats"`` only modules
-    matching a ``full_tensors`` glob store values; the others store statistics.
+    matching a ``full_tensors`` glob store values; the others store statistics. Kept modules
+    matching an ``ops`` glob also record the ops of their own code (:mod:`dumper.ops`), but
+    those named in ``skip_ops`` (default: ``MOVES_NO_NUMBERS``).
     """
 
     def __init__(self, include: Patterns = None, exclude: Patterns = None,
                  module_types: Types = None, kinds: Optional[Iterable[str]] = None,
-                 mode: str = fmt.MODE_TENSORS, full_tensors: Patterns = None):
+                 mode: str = fmt.MODE_TENSORS, full_tensors: Patterns = None,
+                 ops: Patterns = None, skip_ops: Optional[Iterable[str]] = None):
         if mode not in (fmt.MODE_TENSORS, fmt.MODE_STATS):
             raise ValueError(f"mode must be {fmt.MODE_TENSORS!r} or {fmt.MODE_STATS!r}, got {mode!r}")
         if full_tensors is not None and mode != fmt.MODE_STATS:
@@ -41,6 +46,8 @@ class Selection:
         self.include = _as_tuple(include)
         self.exclude = _as_tuple(exclude)
         self.module_types = _as_tuple(module_types)
+        self.ops = _as_tuple(ops)
+        self.skip_ops = MOVES_NO_NUMBERS if skip_ops is None else frozenset(_as_tuple(skip_ops))
         self.kinds = frozenset(fmt.KINDS if kinds is None else _as_tuple(kinds))
         unknown = self.kinds - set(fmt.KINDS)
         if unknown:
@@ -56,6 +63,13 @@ class Selection:
         """Whether ``module``'s tensors are stored whole (else as statistics)."""
         return self.mode == fmt.MODE_TENSORS or _matches(path, module, self.full_tensors)
 
+    def wants_ops(self, path: str, module: nn.Module) -> bool:
+        """Whether the ops of a (kept) module's own code are recorded (:mod:`dumper.ops`): it
+        matches an ``ops`` glob and is not one of torch's own layers without submodules
+        (``Linear``, ``Conv2d``, ``BatchNorm2d``...), whose forward is one functional call that
+        its module record already holds."""
+        return _matches(path, module, self.ops) and not _torch_layer(module)
+
     def wants_module(self, path: str, module: nn.Module) -> bool:
         if self.include and not _matches(path, module, self.include):
             return False
@@ -65,6 +79,10 @@ class Selection:
             return any(isinstance(module, t) if isinstance(t, type) else type(module).__name__ == t
                        for t in self.module_types)
         return True
+
+
+def _torch_layer(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("torch.nn.") and next(module.children(), None) is None
 
 
 def _matches(path: str, module: nn.Module, patterns: tuple) -> bool:

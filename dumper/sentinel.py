@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from . import ops
 from .calls import hookable_modules, in_backward
 from .capture import hook_gradient
 from .flatten import call_leaves, leaves
@@ -169,12 +170,12 @@ class NonFiniteSentinel:
         self.handles: list[RemovableHandle] = []
         for path, module in hookable_modules(model):
             cls = type(module).__name__
-            self.handles.append(module.register_forward_pre_hook(
-                lambda m, args, kwargs, path=path: self._pre_hook(path, args, kwargs),
+            self.handles.append(module.register_forward_pre_hook(ops.quietly(
+                lambda m, args, kwargs, path=path: self._pre_hook(path, args, kwargs)),
                 with_kwargs=True))
             self.handles.append(module.register_forward_hook(  # also when the forward raises
-                lambda m, args, kwargs, out, path=path, cls=cls:
-                self._post_hook(path, cls, args, kwargs, out), with_kwargs=True,
+                ops.quietly(lambda m, args, kwargs, out, path=path, cls=cls:
+                            self._post_hook(path, cls, args, kwargs, out)), with_kwargs=True,
                 always_call=True))
 
     def remove(self) -> None:

@@ -1,0 +1,147 @@
+"""Op-level capture (``HookerAndDumper(ops=...)``): what a module's own code computes, as records
+named ``{module}/{op}#{n}``, equal to a hand-run of the same ops, and compared like modules."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+
+from compare import compare_dumps, summarize
+from compare.cli import main
+from compare.dump import load_dump
+from dumper import HookerAndDumper
+
+import architectures
+from helpers import read_tensors
+from zoo import loss_of
+
+ATTN = "model.layers.1.self_attn"
+
+
+def _llama_step(directory, *, ops, scaling: float = 1.0, **options) -> None:
+    model, batch = architectures.build("llama", "float32")
+    model.model.layers[1].self_attn.scaling *= scaling  # a wrong constant inside the module's code
+    dumper = HookerAndDumper(directory, ops=ops, **options)
+    with dumper.hooks(model, 0, 0):
+        architectures.ARCHITECTURES["llama"].loss(model, batch).backward()
+
+
+def _ops_of(tensors: dict, module: str) -> set[str]:
+    return {key[0].split("/", 1)[1] for key in tensors if key[0].startswith(module + "/")}
+
+
+def test_attention_ops_are_named_by_module_op_and_number_and_match_a_hand_run(tmp_path):
+    _llama_step(tmp_path, ops=ATTN)
+    t = read_tensors(tmp_path)
+    # rotary embedding (q and k: two products, a negation, a sum each) and attention; the
+    # projections are submodules (their own records), views and concatenations move no numbers
+    assert _ops_of(t, ATTN) == {"mul#0", "mul#1", "mul#2", "mul#3", "neg#0", "neg#1", "add#0",
+                                "add#1", "scaled_dot_product_attention#0"}
+    assert not _ops_of(t, "model.layers.0.self_attn")  # not selected
+    op = f"{ATTN}/scaled_dot_product_attention#0"
+    q, k, v = (t[(op, 0, "input", i)].requires_grad_() for i in range(3))
+    index = load_dump(tmp_path).index
+    scale = float(index[(index["module"] == op) & (index["path"] == "kwargs['scale']")]
+                  ["value"].iloc[0])
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    assert torch.equal(out, t[(op, 0, "output", 0)])
+    grads = torch.autograd.grad(out, (q, k, v), t[(op, 0, "grad_output", 0)])
+    for i, grad in enumerate(grads):
+        torch.testing.assert_close(grad, t[(op, 0, "grad_input", i)], rtol=1e-6, atol=1e-7)
+    mul = f"{ATTN}/mul#0"
+    assert torch.equal(t[(mul, 0, "input", 0)] * t[(mul, 0, "input", 1)], t[(mul, 0, "output", 0)])
+    # the gradient sent to q by q * cos is the incoming one times cos
+    assert torch.equal(t[(mul, 0, "grad_output", 0)] * t[(mul, 0, "input", 1)],
+                       t[(mul, 0, "grad_input", 0)])
+
+
+def test_in_place_ops_of_a_resnet_block_record_the_values_before_and_after(tmp_path):
+    model = architectures.ResNet()
+    dumper = HookerAndDumper(tmp_path, ops="layer1.0")
+    with dumper.hooks(model, 0, 0):
+        loss_of(model(torch.randn(2, 3, 8, 8))).backward()
+    t = read_tensors(tmp_path)
+    assert _ops_of(t, "layer1.0") == {"add_#0"}  # out += identity; the rest are submodules
+    before, identity = t[("layer1.0/add_#0", 0, "input", 0)], t[("layer1.0/add_#0", 0, "input", 1)]
+    after = t[("layer1.0/add_#0", 0, "output", 0)]
+    assert torch.equal(before + identity, after) and not torch.equal(before, after)
+    assert torch.equal(before, t[("layer1.0.bn2", 0, "output", 0)])  # snapshot at hook time
+    assert torch.equal(identity, t[("layer1.0", 0, "input", 0)])
+    grad = t[("layer1.0/add_#0", 0, "grad_output", 0)]
+    assert torch.equal(grad, t[("layer1.0/add_#0", 0, "grad_input", 0)])
+
+
+def test_ops_that_move_no_numbers_are_recorded_when_asked(tmp_path):
+    _llama_step(tmp_path / "all", ops=ATTN, skip_ops=())
+    names = {op.split("#")[0] for op in _ops_of(read_tensors(tmp_path / "all"), ATTN)}
+    assert {"view", "transpose", "cat", "scaled_dot_product_attention"} <= names
+
+
+def test_statistics_mode_records_ops_as_statistics(tmp_path):
+    _llama_step(tmp_path, ops=ATTN, mode="stats")
+    index = load_dump(tmp_path).index
+    ops = index[index["module"].str.startswith(ATTN + "/") & (index["status"] == "ok")
+                & (index["dtype"] == "float32")]
+    assert len(ops) and ops["stat_max"].notna().all() and (ops["dataset"] == "").all()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_recomputed_calls_record_their_ops_once(tmp_path, reentrant):
+    def op_keys(directory, checkpointing: bool) -> set:
+        model, batch = architectures.build("llama", "float32")
+        if checkpointing:
+            model.activation_checkpointing_enable({"use_reentrant": reentrant})
+        dumper = HookerAndDumper(directory, ops="*")
+        with dumper.hooks(model, 0, 0):
+            architectures.ARCHITECTURES["llama"].loss(model, batch).backward()
+        return {key for key in read_tensors(directory)  # no key twice
+                if key[0].startswith("model.layers.") and "/" in key[0]}  # recomputed
+
+    plain = op_keys(tmp_path / "plain", False)
+    assert any(key[2] == "grad_input" for key in plain)
+    checkpointed = op_keys(tmp_path / "checkpointed", True)
+    if reentrant:  # its forward runs without autograd: no gradient inside, for modules neither
+        plain = {key for key in plain if key[2] in ("input", "output")}
+    assert checkpointed == plain
+
+
+def test_no_mode_is_left_behind_also_when_the_forward_raises(tmp_path):
+    model, batch = architectures.build("llama", "float32")
+    dumper = HookerAndDumper(tmp_path, ops="*")
+    with pytest.raises(RuntimeError, match="planted"):
+        with dumper.hooks(model, 0, 0):
+            model.model.layers[1].mlp.register_forward_hook(_raise)
+            model(**batch)
+    assert torch.overrides._get_current_function_mode_stack() == []
+    assert torch.tanh(torch.ones(1)).item() > 0  # torch runs untouched afterwards
+
+
+def _raise(*args):
+    raise RuntimeError("planted")
+
+
+def test_a_wrong_constant_inside_a_module_is_found_at_its_op(tmp_path):
+    a, b, same = tmp_path / "a", tmp_path / "b", tmp_path / "same"
+    _llama_step(a, ops="*")
+    _llama_step(same, ops="*")
+    _llama_step(b, ops="*", scaling=1.01)
+    assert _h5cmp(a, same).exit_code == 0
+    result = _h5cmp(a, b, "-o", tmp_path / "report.html", "--dot", tmp_path / "calls.dot")
+    assert result.exit_code == 1, result.output
+    assert (f"first divergence: step 0:0, forward, op scaled_dot_product_attention#0 of module "
+            f"{ATTN} call 0, output[0]") in result.output
+    assert "the error starts in this op" in result.output
+    label = f"{ATTN}#0/scaled_dot_product_attention#0 output[0]"
+    assert label in result.output and label in (tmp_path / "report.html").read_text()
+    assert "scaled_dot_product_attention#0" in (tmp_path / "calls.dot").read_text()
+    shown = _h5cmp(a, b, "--module", f"{ATTN}/scaled*", "--all")
+    assert shown.exit_code == 1 and "mlp" not in shown.output and label in shown.output
+    frame = compare_dumps(a, b)
+    first = summarize(frame).first.row
+    assert (first["module"], first["cls"]) == (f"{ATTN}/scaled_dot_product_attention#0",
+                                               "scaled_dot_product_attention")
+
+
+def _h5cmp(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
