@@ -145,3 +145,19 @@ def test_a_wrong_constant_inside_a_module_is_found_at_its_op(tmp_path):
 
 def _h5cmp(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_casts_one_precision_runs_are_reported_not_failed(tmp_path):
+    # in float64, LlamaRMSNorm casts to float32 and back, the rotary embedding computes in
+    # float32, the loss casts the logits to float32; in float32 those casts are no-ops
+    a, b = tmp_path / "a", tmp_path / "b"
+    architectures.run_step("llama", "float32", a, seed=1, dumper_options={"ops": "*"})
+    architectures.run_step("llama", "float64", b, seed=1, dumper_options={"ops": "*"})
+    frame = compare_dumps(a, b)
+    only = set(frame[frame["status"] == "op_only_in_b"]["module"])
+    assert {"model.layers.0.input_layernorm/to#0", "model.layers.0.input_layernorm/to#1",
+            "model.norm/to#1", "/float#0"} <= only
+    assert {name.rsplit("/", 1)[1].split("#")[0] for name in only} == {"to", "float"}
+    assert (frame["status"] != "op_only_in_a").all()
+    result = _h5cmp(a, b)
+    assert result.exit_code == 0, result.output
