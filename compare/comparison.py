@@ -19,6 +19,7 @@ from .centering import Centering, normalized_sizes
 from .dump import Dump, PathLike, dataset_of, load_dump, open_h5, read_chunks
 from .errors import DumpError
 from . import format as fmt
+from .alignment import align_ops
 from .mapping import NameMapping, find_prefix, load_mapping
 from .metrics import METRIC_COLUMNS, ErrorAccumulator
 from .pairing import KEY, align_ranks, pair_records, recorded_on_both_sides, select, tensor_rows
@@ -55,8 +56,10 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     """One row per tensor record of either dump, in execution order, with its errors and its
     status (see :mod:`compare.status` and :mod:`compare.verdict`).
 
-    ``a`` is the reference. Records are paired by (epoch, step, rank, module, call, kind, index);
-    a record on one side only gets status ``missing_in_a``/``missing_in_b``. Given ``rtol``/
+    ``a`` is the reference. Records are paired by (epoch, step, rank, module, call, kind, index),
+    op records after aligning each module call's ops (:mod:`compare.alignment`); a record on
+    one side only gets status ``missing_in_a``/``missing_in_b`` (``op_only_in_a``/``_b`` for
+    an op record). Given ``rtol``/
     ``atol`` decide which records are close (every element ``|b - a| <= atol + rtol |b|``);
     by default the error model does. ``steps`` holds ``"S"`` or ``"E:S"`` strings and limits
     what is compared; ``modules`` (globs on module path or key) and ``kinds`` (record kinds)
@@ -82,6 +85,7 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     mapping = _name_mapping(mapping, rows_a, rows_b)
     if mapping is not None:
         rows_b = _one_to_one(mapping, rows_b, mapping.apply(rows_b))
+    rows_b = align_ops(rows_a, rows_b)
     pairs, not_compared = recorded_on_both_sides(pair_records(rows_a, rows_b))
     files_a = {(s.epoch, s.step, s.rank if s.rank is not None else -1): s for s in dump_a.steps}
     files_b = {(s.epoch, s.step, s.rank if s.rank is not None else -1): s for s in dump_b.steps}

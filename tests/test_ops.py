@@ -161,3 +161,36 @@ def test_casts_one_precision_runs_are_reported_not_failed(tmp_path):
     assert (frame["status"] != "op_only_in_a").all()
     result = _h5cmp(a, b)
     assert result.exit_code == 0, result.output
+
+
+class _Gelu(torch.nn.Module):
+    """A feed-forward block whose activation is fused (A) or written out by hand (B)."""
+
+    def __init__(self, by_hand: bool):
+        super().__init__()
+        self.by_hand = by_hand
+        self.inner = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.inner(x)
+        if self.by_hand:  # the tanh approximation, op by op: mul, pow, mul, add, mul, tanh, ...
+            h = 0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * (h + 0.044715 * h ** 3)))
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return (h * 2.0 + x).sum(-1)
+
+
+def test_ops_pair_by_alignment_when_one_side_runs_a_decomposition(tmp_path):
+    for name, by_hand in (("a", False), ("b", True)):
+        torch.manual_seed(0)
+        model = _Gelu(by_hand)
+        with HookerAndDumper(tmp_path / name, ops="*").hooks(model, 0, 0):
+            model(torch.randn(4, 8)).sum().backward()
+    frame = compare_dumps(tmp_path / "a", tmp_path / "b")
+    status = frame.groupby("module")["status"].agg(set)
+    assert status["/gelu#0"] == {"op_only_in_a"}
+    # B's written-out ops are its own; its last mul and add are A's mul#0 and add#0
+    assert {"op_only_in_b"} == status["/pow#0"] == status["/tanh#0"] == status["/mul#0'"]
+    for op in ("/mul#0", "/add#0", "/sum#0"):
+        assert status[op] <= {"equal", "close", "inherited"}, (op, status[op])
+    assert _h5cmp(tmp_path / "a", tmp_path / "b").exit_code == 0
