@@ -1,6 +1,7 @@
 """Benchmark: the cost of dumping a training step, per model and mode, measured side by side.
 
-    python scripts/bench_dump.py [--repeat 7] [--models mlp,cnn,deep,transformer] [--device cpu]
+    python scripts/bench_dump.py [--repeat 7] [--models mlp,cnn,deep,transformer,llama]
+                                 [--device cpu]
 
 For each model, one run interleaves (so all see the same machine load) a plain step, a step with
 the dumper attached outside its window, a full-tensor dump, a statistics dump, a naive
@@ -22,6 +23,12 @@ batched statistics (snapshots, then statistics reduced group-wise after the step
 floor (a plain step, then the same datasets written with the dumper's own dataset code and
 nothing else; the line shows the writing part); the step file (one file with the step's index
 and no datasets, written by the dumper's writer). A last table sets issue 4's targets against them.
+
+Op-level capture (issue 21): ``ops="*"`` with full tensors and with statistics, in the same
+rounds; its rows count the op records of a step and give their cost each (over the same mode
+without ops); the targets table sets that against a module record's cost in the same mode
+(``llama``: a tiny Hugging Face Llama, whose attention and norms are functional code; needs
+``transformers``).
 
 The NaN/Inf sentinel (issue 12, target <= 1.1x plain) is also timed finer than one row in the
 interleaved rounds allows: --paired-rounds rounds of four steps (plain, sentinel, sentinel,
@@ -88,7 +95,26 @@ def models(device: str) -> dict:
         return (nn.TransformerEncoder(layer, 3, enable_nested_tensor=False),
                 torch.randn(16, 32, 128))
 
-    return {"mlp": mlp, "cnn": cnn, "deep": deep, "transformer": transformer}
+    def llama():  # a tiny Hugging Face Llama: functional code inside modules, for ops="*"
+        import transformers
+        transformers.logging.set_verbosity_error()
+        config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                          num_hidden_layers=4, num_attention_heads=4,
+                                          num_key_value_heads=2, max_position_embeddings=64)
+        return Logits(transformers.LlamaForCausalLM(config)), torch.randint(0, 256, (8, 64))
+
+    return {"mlp": mlp, "cnn": cnn, "deep": deep, "transformer": transformer, "llama": llama}
+
+
+class Logits(nn.Module):
+    """A Hugging Face causal LM as a module from token ids to logits."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids).logits
 
 
 class NaiveDumper:
@@ -248,6 +274,7 @@ def step_file_writer(model: nn.Module, n_rows: int, directory: Path):
 
 
 SENTINEL = "NaN/Inf sentinel (not dumped)"  # on_nonfinite="raise", outside the dump window
+FULL_OPS, STATS_OPS = "full tensors + ops", "statistics + ops"  # ops="*" (issue 21)
 
 
 def paired_ratios(timed, plain, other, rounds: int) -> list[float]:
@@ -273,6 +300,8 @@ def bench_model(name: str, factory, repeat: int, device: str, tmp: Path,
         "full tensors": HookerAndDumper(tmp / "full"),
         "statistics": HookerAndDumper(tmp / "stats", mode="stats"),
         SENTINEL: HookerAndDumper(tmp / "sentinel", steps=[10 ** 9], on_nonfinite="raise"),
+        FULL_OPS: HookerAndDumper(tmp / "full_ops", ops="*"),
+        STATS_OPS: HookerAndDumper(tmp / "stats_ops", mode="stats", ops="*"),
     }
     naive = NaiveDumper(tmp / "naive.hdf5")
 
@@ -333,6 +362,8 @@ def bench_model(name: str, factory, repeat: int, device: str, tmp: Path,
     sizes = [int(np.prod(s)) * 4 for s in stored["shape"]]  # float32 models
     n_tensors = len(stored)
     n_stats = int(load_dump(dumpers["statistics"].written_files[-1]).index["stat_nan"].notna().sum())
+    with_ops = load_dump(dumpers[FULL_OPS].written_files[-1]).index
+    n_ops = int(((with_ops["dataset"] != "") & with_ops["module"].str.contains("/")).sum())
     clean()
     write_plain = plain_writer(sizes, tmp / "plain.bin")
     write_hdf5 = hdf5_writer(list(stored["shape"]), tmp / "floor.hdf5")
@@ -356,13 +387,15 @@ def bench_model(name: str, factory, repeat: int, device: str, tmp: Path,
     rows = []
     for key in [k for k in runs if k not in ("I/O limit", "HDF5 limit", "step file")]:
         n = {"plain": None, "outside window": None, SENTINEL: None, "statistics": n_stats,
-             "statistics hooks": n_stats, "copying hooks + batched statistics": n_stats
-             }.get(key, n_tensors)
+             "statistics hooks": n_stats, "copying hooks + batched statistics": n_stats,
+             FULL_OPS: n_ops, STATS_OPS: n_ops}.get(key, n_tensors)
+        # an ops row's cost per tensor is per op record: over the same mode without ops
+        base = {FULL_OPS: "full tensors", STATS_OPS: "statistics"}.get(key, "plain")
         rows.append({
             "model": name, "mode": key, "n": n, "ms": med[key] * 1e3,
             "ratio": med[key] / med["plain"],
             "bytes": {"full tensors": sum(sizes), "naive reference": sum(sizes)}.get(key, 0),
-            "us_per_tensor": (med[key] - med["plain"]) / n * 1e6 if n else float("nan"),
+            "us_per_tensor": (med[key] - med[base]) / n * 1e6 if n else float("nan"),
             "vs_io_limit": med[key] / limit if key == "full tensors" else float("nan"),
         })
     rows.append({"model": name, "mode": f"I/O limit ({n_tensors} tensors)", "ms": limit * 1e3,
@@ -420,6 +453,10 @@ def target_lines(rows: list[dict]) -> list[str]:
                           ms["copying hooks + batched statistics"]) + file
         add(model, "outside window", row[(model, "outside window, direct")]["ratio"], 1.0, 1.02,
             "x")
+        for mode, base in ((FULL_OPS, "full tensors"), (STATS_OPS, "statistics")):
+            if row[(model, mode)]["n"]:  # issue 21: an op record costs no more than a module's
+                add(model, f"{base}: op record", row[(model, mode)]["us_per_tensor"], 0.0,
+                    row[(model, base)]["us_per_tensor"], " us")
         add(model, "full vs naive", ms["naive reference"] / ms["full tensors"],
             ms["naive reference"] / max(limit, full_floor), 5, "x", at_least=True)
         if model in ("mlp", "cnn"):  # the issue's ratio targets
@@ -504,7 +541,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--models", default="mlp,cnn,deep,transformer")
+    parser.add_argument("--models", default="mlp,cnn,deep,transformer,llama")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--paired-rounds", type=lambda v: max(1, int(v)), default=40,
                         help="rounds of the paired sentinel and no-op-hooks measurement (>= 1)")
