@@ -24,8 +24,8 @@ from .mapping import NameMapping, find_prefix, load_mapping
 from .metrics import METRIC_COLUMNS, ErrorAccumulator
 from .pairing import KEY, align_ranks, pair_records, recorded_on_both_sides, select, tensor_rows
 from .statistics import compare_stats, sketch_of_chunks, stats_of_chunks
-from .status import (DROPPED, MISSING_IN_A, MISSING_IN_B, OP_ONLY_IN_A, OP_ONLY_IN_B,
-                     SHAPE_MISMATCH, UNSUPPORTED)
+from .status import (DROPPED, EQUAL, HASH_MISMATCH, MISSING_IN_A, MISSING_IN_B, OP_ONLY_IN_A,
+                     OP_ONLY_IN_B, SHAPE_MISMATCH, UNSUPPORTED)
 from .tolerance import pair_tolerance
 from .validation import hard_link
 from .verdict import VERDICT_COLUMNS, judge
@@ -160,6 +160,8 @@ class _PairRef(NamedTuple):
     status_b: str
     checksum_a: int
     checksum_b: int
+    digest_a: int
+    digest_b: int
     normalized: int  # parameter length of the normalization it is the input of, else 0
     stats_a: tuple
     stats_b: tuple
@@ -169,6 +171,14 @@ class _PairRef(NamedTuple):
     @property
     def both_values(self) -> bool:
         return bool(self.dataset_a) and bool(self.dataset_b)
+
+    @property
+    def hashed(self) -> bool:
+        """A side holds a digest (hash mode) instead of values, and the other a digest or
+        values: their bits can be compared."""
+        return (self.digest_a != fmt.NO_DIGEST or self.digest_b != fmt.NO_DIGEST) and all(
+            digest != fmt.NO_DIGEST or dataset for digest, dataset in (
+                (self.digest_a, self.dataset_a), (self.digest_b, self.dataset_b)))
 
     @property
     def dropped(self) -> bool:
@@ -211,13 +221,15 @@ def _run_task(task: tuple) -> dict[int, dict]:
     out: dict[int, dict] = {}
     acc: Optional[ErrorAccumulator] = None
     with open_h5(path_a) as fa, open_h5(path_b) as fb:
-        values = [r for r in records if r.both_values and not r.dropped]
+        values = [r for r in records if r.both_values and not r.dropped and not r.hashed]
         side_a, side_b = (_Side(path, hard_link(path, f, group, "step group", h5py.Group))
                           for path, f, group in ((path_a, fa, group_a), (path_b, fb, group_b)))
         pieces = _pair_pieces(side_a, side_b, values, chunk_elements)
         try:
             for r in records:
-                if r.dropped or not r.both_values:
+                if r.hashed and not r.dropped:
+                    out[r.row] = _compare_digests(r)
+                elif r.dropped or not r.both_values:
                     out[r.row] = _compare_described(side_a, side_b, r, chunk_elements, rtol,
                                                     atol)
             for ref, a, b in _prefetched(pieces):
@@ -249,12 +261,25 @@ class _Side(NamedTuple):
         return dataset_of(self.path, self.group, group, name, dtype, encoding, shape)
 
 
+def _compare_digests(r: _PairRef) -> dict:
+    """A pair where a side holds a digest (hash mode): its bits against the other side's digest,
+    or the checksum of its dataset (the same number for the same bytes)."""
+    bits = [digest if digest != fmt.NO_DIGEST else checksum
+            for digest, checksum in ((r.digest_a, r.checksum_a), (r.digest_b, r.checksum_b))]
+    numel = int(np.prod(r.shape_a)) if tuple(r.shape_a) == tuple(r.shape_b) else np.nan
+    same = bits[0] == bits[1] and r.dtype_a == r.dtype_b and tuple(r.shape_a) == tuple(r.shape_b)
+    return {"status": EQUAL if same else HASH_MISMATCH, "numel": numel}
+
+
 def _compare_described(side_a: _Side, side_b: _Side, r: _PairRef, chunk_elements: int, rtol,
                        atol) -> dict:
     """A pair where a side was dropped, is unsupported or holds statistics only: compare what
-    is known."""
+    is known (a side holding only a digest, against statistics: unsupported)."""
     tol = pair_tolerance(r.dtype_a, r.dtype_b, rtol, atol)
-    if r.dropped or r.unsupported:
+    counted = fmt.STAT_COLUMNS.index("stat_nan")  # set wherever statistics were computed
+    known = all(dataset or not math.isnan(stats[counted]) for dataset, stats in (
+        (r.dataset_a, r.stats_a), (r.dataset_b, r.stats_b)))  # a digest against statistics: not
+    if r.dropped or r.unsupported or not known:
         status = DROPPED if r.dropped else UNSUPPORTED
         return {"status": status, "rtol": tol.rtol, "atol": tol.atol}
     datasets = [side.dataset(group, dataset, dtype, encoding, shape) if dataset else None

@@ -254,7 +254,7 @@ def _strings(path: Path, name: str, column: np.ndarray) -> list[str]:
 def _absent(name: str, rows: int) -> np.ndarray:
     """A column an older format version lacks (see ``fmt.COLUMN_SINCE``)."""
     fill = {"checksum": fmt.NO_CHECKSUM, "micro_batch": fmt.NO_MICRO_BATCH,
-            "injected": 0}.get(name, np.nan)
+            "injected": 0, "digest": fmt.NO_DIGEST}.get(name, np.nan)
     return np.full(rows, fill)
 
 

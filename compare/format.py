@@ -13,12 +13,13 @@ from typing import Optional
 import numpy as np
 
 FORMAT_NAME = "h5cmp-dump"
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 # version 1: no sketch columns (read as NaN); versions 1-2: no data checksums, no `incomplete`;
 # versions 1-4: no `micro_batch` (read as NO_MICRO_BATCH); versions 1-5: no `injected` (read as
-# 0) and no `injected_from` attribute (read as "").
+# 0) and no `injected_from` attribute (read as ""); versions 1-6: no `digest` (read as
+# NO_DIGEST).
 # Version 3 (a development version of 2026-11-23, crc32 data checksums) is not read.
-SUPPORTED_VERSIONS = frozenset({1, 2, 4, 5, 6})
+SUPPORTED_VERSIONS = frozenset({1, 2, 4, 5, 6, 7})
 
 # ---- files -------------------------------------------------------------------------
 FILE_SUFFIX = ".hdf5"
@@ -193,13 +194,17 @@ INDEX_COLUMNS: tuple[tuple[str, str], ...] = (
     *((f"sketch_{k}", "float64") for k in range(8)),
     # the dataset's checksum (data_checksum), -1 for a row without a dataset. Since version 4.
     ("checksum", "int64"),
+    # hash mode: the tensor's digest, the `checksum` its dataset would have (data_checksum of
+    # its bytes), with no dataset; -1 elsewhere. Since version 7.
+    ("digest", "int64"),
 )
 STAT_COLUMNS = tuple(name for name, _ in INDEX_COLUMNS if name.startswith("stat_"))
 SKETCH_COLUMNS = tuple(name for name, _ in INDEX_COLUMNS if name.startswith("sketch_"))
 # the version that added a column (absent: version 1); older indexes lack it
 COLUMN_SINCE = {**{name: 2 for name in SKETCH_COLUMNS}, "checksum": 4, "micro_batch": 5,
-                "injected": 6}
+                "injected": 6, "digest": 7}
 NO_CHECKSUM = -1  # `checksum` of a row without a dataset, or of a file older than version 4
+NO_DIGEST = -1    # `digest` of a row that is not a hash record, or of a file older than 7
 # `micro_batch` of a parameter gradient (accumulated over the step), or in a file older than 5
 NO_MICRO_BATCH = -1
 INDEX_COLUMN_NAMES = tuple(name for name, _ in INDEX_COLUMNS)
@@ -245,8 +250,14 @@ class DataChecksum:
 
     @property
     def value(self) -> int:
-        total = (self._total + int.from_bytes(self._carry.ljust(8, b"\0"), "little")) % (1 << 64)
-        return (total & self._LOW) ^ (total >> 53)
+        return fold_word_sum(self._total + int.from_bytes(self._carry.ljust(8, b"\0"), "little"))
+
+
+def fold_word_sum(total: int) -> int:
+    """A sum of 64-bit words (any int; taken modulo 2**64) as a checksum or digest: folded to 53
+    bits, ``(s mod 2**53) XOR (s div 2**53)``."""
+    total %= 1 << 64
+    return (total & DataChecksum._LOW) ^ (total >> 53)
 
 
 def data_checksum(stored: np.ndarray) -> int:
@@ -265,7 +276,9 @@ ATTR_INCOMPLETE = "incomplete"
 # "" or, for a localizing re-run (dumper.injection), the reference dump whose values were
 # injected and the kinds injected: "dumps/a (input, param, grad_output)". Since version 6.
 ATTR_INJECTED_FROM = "injected_from"
-MODE_TENSORS, MODE_STATS = "tensors", "stats"
+# What a dump stores per tensor: its values; statistics; a digest of its bits (since version 7).
+MODE_TENSORS, MODE_STATS, MODE_HASH = "tensors", "stats", "hash"
+MODES = (MODE_TENSORS, MODE_STATS, MODE_HASH)
 RUN_ATTR_TYPES: dict[str, type] = {
     "mode": str, "epoch": int, "step": int, "rank": int, "world_size": int,
     "torch_version": str, "device": str, "default_dtype": str, "tf32_matmul": bool,

@@ -14,7 +14,7 @@ from .errors import DumpError
 STEP_KEY = ["epoch", "step", "rank"]
 KEY = [*STEP_KEY, "module", "call_idx", "kind", "index", "occurrence"]
 SIDE_COLUMNS = ["seq", "call", "cls", "micro_batch", "group", "path", "dtype", "shape", "encoding",
-                "dataset", "status", "checksum", "producer", "injected", *fmt.STAT_COLUMNS,
+                "dataset", "status", "checksum", "digest", "producer", "injected", *fmt.STAT_COLUMNS,
                 *fmt.SKETCH_COLUMNS]
 
 
@@ -56,10 +56,11 @@ def _at_rank(dump: Dump, rank: int) -> Dump:
 
 
 def tensor_rows(dump: Dump, steps: Optional[Iterable[str]] = None) -> pd.DataFrame:
-    """Index rows of tensors (stored, described by statistics, dropped or unsupported) of the
+    """Index rows of tensors (stored, described by statistics or a digest, dropped or unsupported) of the
     chosen steps (``"S"`` or ``"E:S"``; all by default)."""
     index = dump.index
     rows = index[(index["dataset"] != "") | index["stat_nan"].notna()
+                 | (index["digest"] != fmt.NO_DIGEST)
                  | index["status"].isin([fmt.ST_DROPPED, fmt.ST_UNSUPPORTED])]
     if steps:
         wanted = list(steps)

@@ -77,6 +77,10 @@ class Divergence:
         numel = int(r["numel"]) if pd.notna(r["numel"]) else "n/a"
         figures = (f"rel error {r['rel_error']:.3g}, max_abs_err {r['max_abs_err']:.3g}, "
                    f"{numel} elements, status {r['status']}")
+        if r["status"] == st.HASH_MISMATCH:
+            figures = (f"the bits differ ({numel} elements, {r['dtype_a']} / {r['dtype_b']}); a "
+                       f"hash record holds a digest, not values: dump this step with values or "
+                       f"statistics to measure the error, status {r['status']}")
         lines = [f"first divergence: {where}", f"  {figures}"]
         if r["reason"]:
             lines.append(f"  why: {r['reason']}")
@@ -149,6 +153,9 @@ class Summary:
                     "differ" if self.later_step else "")
             weights = (f"; weights differ (up to {w['rel_error']:.3g} in "
                        f"{w['module'] or '<root>'}{when})")
+        if self.counts[st.UNSUPPORTED]:  # e.g. digests against statistics: nothing was compared
+            weights += (f"; {self.counts[st.UNSUPPORTED]} of {self.total} records could not be "
+                         f"compared ({st.UNSUPPORTED})")
         if self.first is not None:
             r = self.first.row
             return (f"B diverges from A: first at step {fmt.step_label(r['epoch'], r['step'], r['rank'])} "

@@ -123,11 +123,11 @@ class StepCapture:
     # -- lifetime ----------------------------------------------------------------------
     def _install(self, path: str, module: nn.Module) -> None:
         cls = type(module).__name__
-        stats_only = not self._sel.wants_values(path, module)
+        mode = self._sel.mode_of(path, module)
         inject = self._inject if self._inject is not None and self._inject.wants(path, module) \
             else None
         self.handles.append(module.register_forward_pre_hook(ops.quietly(
-            lambda m, args, kwargs: self._pre_hook(m, path, cls, stats_only, inject, args, kwargs)
+            lambda m, args, kwargs: self._pre_hook(m, path, cls, mode, inject, args, kwargs)
         ), with_kwargs=True))
         self.handles.append(module.register_forward_hook(ops.quietly(
             lambda m, args, kwargs, out: self._post_hook(m, out, inject)), with_kwargs=True))
@@ -207,12 +207,12 @@ class StepCapture:
         with self._lock:
             return next(self._seq)
 
-    def _pre_hook(self, module: nn.Module, path: str, cls: str, stats_only: bool,
+    def _pre_hook(self, module: nn.Module, path: str, cls: str, mode: str,
                   inject: Optional[StepReference], args: tuple, kwargs: dict) -> Optional[tuple]:
         if in_backward():  # activation-checkpoint recomputation: already recorded
             self._tracker.push(module, None)
             return None
-        info = CallInfo(next(self._calls), path, cls, self._tracker.next_index(module), stats_only,
+        info = CallInfo(next(self._calls), path, cls, self._tracker.next_index(module), mode,
                         self._micro_batches.number)
         self._first_call.setdefault(id(module), info)
         call = self._open(info, inject, args, kwargs)
@@ -276,7 +276,7 @@ class StepCapture:
         parent, inject = owner
         key = (parent.number, name)  # an owner's ops run on the thread that runs the owner
         info = CallInfo(next(self._calls), fmt.op_module(parent.module, name, self._op_counts[key]),
-                        name, parent.call_idx, parent.stats_only, parent.micro_batch)
+                        name, parent.call_idx, parent.mode, parent.micro_batch)
         inputs = [(t, t._version) for t in tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and not t.is_inference()]
         opened: list[Record] = []

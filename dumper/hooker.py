@@ -43,7 +43,9 @@ class HookerAndDumper:
     code skips hooks, so dumped steps must run eagerly (a warning says how).
 
     ``mode="stats"`` stores statistics (min, max, mean, std, norm, NaN/Inf/zero counts) in the
-    index instead of values, except for modules matching a ``full_tensors`` glob.
+    index instead of values, ``mode="hash"`` a digest of each tensor's bits (a few bytes: every
+    step of a long run can be checked for bitwise determinism; :mod:`dumper.digest`), except
+    for modules matching a ``full_tensors`` glob.
 
     Hooks only take snapshots; one writer thread does all HDF5 work. At most
     ``max_bytes_in_flight`` bytes of snapshots wait for it: past that a hook waits

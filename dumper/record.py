@@ -11,6 +11,7 @@ from compare import format as fmt
 
 from .flatten import clip, short_repr
 from .snapshot import Snapshot, SnapshotPool
+from .digest import tensor_digest
 from .stats import tensor_sketch, tensor_stats
 
 
@@ -22,7 +23,7 @@ class CallInfo:
     module: str
     cls: str
     call_idx: int
-    stats_only: bool = False   # statistics instead of values for this call's tensors
+    mode: str = fmt.MODE_TENSORS  # what this call's tensors are stored as (fmt.MODES)
     micro_batch: int = 0       # the step's micro-batch this call is part of (calls.MicroBatches)
 
     @property
@@ -52,6 +53,7 @@ class Record:
     snapshot: Optional[Snapshot] = None
     stats: Union[tuple, Snapshot, None] = None  # a tuple (CPU) or a device copy in flight
     sketch: Union[tuple, Snapshot, None] = None  # likewise (parameter statistics)
+    digest: Union[int, Snapshot, None] = None  # hash mode: the digest (CPU), or a device copy
     occurrence: int = 0
     producer: int = -1
     injected: bool = False  # the call ran on the reference's value instead (dumper.injection)
@@ -139,8 +141,8 @@ class RecordMaker:
     def tensor(self, seq: int, call: CallInfo, kind: str, index: int, path: str,
                t: torch.Tensor, owned: bool = False, stats: bool = False,
                sketch: bool = False) -> Record:
-        """Record for tensor leaf ``t``, whose values (or statistics, for a statistics-only
-        call or with ``stats``; with its sketch too if ``sketch``) are taken now.
+        """Record for tensor leaf ``t``, whose values (or, by the call's mode, statistics or
+        a digest; statistics with ``stats`` too, with its sketch if ``sketch``) are taken now.
 
         ``owned``: ``t`` is a private tensor nothing else references or modifies (e.g. a sum
         made by the dumper); on the CPU it becomes the snapshot itself, without a copy."""
@@ -150,16 +152,18 @@ class RecordMaker:
                      fmt.ST_UNSUPPORTED if reason else fmt.ST_OK, reason)
         if reason:
             return rec
-        if call.stats_only or stats:
+        hashed, summed = call.mode == fmt.MODE_HASH, call.mode == fmt.MODE_STATS or stats
+        if hashed or summed:
             try:
-                stats = tensor_stats(t)
-                drawn = tensor_sketch(t) if sketch else None
+                digest = tensor_digest(t) if hashed else None
+                stats = tensor_stats(t) if summed else None
+                drawn = tensor_sketch(t) if summed and sketch else None
             except Exception as exc:  # a tensor type nobody foresaw must not stop training
                 rec.status, rec.value = fmt.ST_UNSUPPORTED, unreadable(exc)
                 return rec
-            rec.stats = stats if isinstance(stats, tuple) else self._pool.take(stats)
-            rec.sketch = drawn if drawn is None or isinstance(drawn, tuple) else \
-                self._pool.take(drawn)
+            rec.digest, rec.stats, rec.sketch = (
+                v if v is None or isinstance(v, (int, tuple)) else self._pool.take(v)
+                for v in (digest, stats, drawn))
             return rec
         nbytes = t.numel() * t.element_size()
         if not self._budget.try_acquire(nbytes):
@@ -181,7 +185,7 @@ class RecordMaker:
         if record.snapshot is not None:
             self._budget.release(record.nbytes)
             record.snapshot.release()
-        for numbers in (record.stats, record.sketch):
+        for numbers in (record.stats, record.sketch, record.digest):
             if isinstance(numbers, Snapshot):
                 numbers.release()
 

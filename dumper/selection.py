@@ -26,8 +26,9 @@ class Selection:
 
     A module is kept when its path or key (``path.Class``) matches an ``include`` glob (all are
     included when none is given), matches no ``exclude`` glob, and, if ``module_types`` is given,
-    is an instance of one of them (classes, or class names). In ``mode="stats"`` only modules
-    matching a ``full_tensors`` glob store values; the others store statistics. Kept modules
+    is an instance of one of them (classes, or class names). In ``mode="stats"`` (``"hash"``)
+    only modules matching a ``full_tensors`` glob store values; the others store statistics
+    (digests). Kept modules
     matching an ``ops`` glob also record the ops of their own code (:mod:`dumper.ops`), but
     those named in ``skip_ops`` (default: ``MOVES_NO_NUMBERS``).
     """
@@ -36,11 +37,12 @@ class Selection:
                  module_types: Types = None, kinds: Optional[Iterable[str]] = None,
                  mode: str = fmt.MODE_TENSORS, full_tensors: Patterns = None,
                  ops: Patterns = None, skip_ops: Optional[Iterable[str]] = None):
-        if mode not in (fmt.MODE_TENSORS, fmt.MODE_STATS):
-            raise ValueError(f"mode must be {fmt.MODE_TENSORS!r} or {fmt.MODE_STATS!r}, got {mode!r}")
-        if full_tensors is not None and mode != fmt.MODE_STATS:
-            raise ValueError("full_tensors selects the modules that keep values in mode='stats'; "
-                             "in mode='tensors' every module keeps values")
+        if mode not in fmt.MODES:
+            raise ValueError(f"mode must be one of {', '.join(map(repr, fmt.MODES))}, "
+                             f"got {mode!r}")
+        if full_tensors is not None and mode == fmt.MODE_TENSORS:
+            raise ValueError("full_tensors selects the modules that keep values in mode='stats' "
+                             "or 'hash'; in mode='tensors' every module keeps values")
         self.mode = mode
         self.full_tensors = _as_tuple(full_tensors)
         self.include = _as_tuple(include)
@@ -59,9 +61,10 @@ class Selection:
     def wants_kind(self, kind: str) -> bool:
         return kind in self.kinds
 
-    def wants_values(self, path: str, module: nn.Module) -> bool:
-        """Whether ``module``'s tensors are stored whole (else as statistics)."""
-        return self.mode == fmt.MODE_TENSORS or _matches(path, module, self.full_tensors)
+    def mode_of(self, path: str, module: nn.Module) -> str:
+        """How ``module``'s tensors are stored: the dump's mode, or whole (``MODE_TENSORS``)
+        for a module matching ``full_tensors``."""
+        return fmt.MODE_TENSORS if _matches(path, module, self.full_tensors) else self.mode
 
     def wants_ops(self, path: str, module: nn.Module) -> bool:
         """Whether the ops of a (kept) module's own code are recorded (:mod:`dumper.ops`): it

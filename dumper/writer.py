@@ -20,9 +20,10 @@ from h5py import h5a, h5d, h5g, h5p, h5s, h5t
 from compare import format as fmt
 
 from .claim import StepClaim, StepConflictError
+from .consumers import StepConsumers
+from .digest import finish_digest
 from .encoding import dtype_name, encode
 from .memory import trim_heap
-from .consumers import StepConsumers
 from .record import CallInfo, Record, unreadable
 
 WRITE_AHEAD_BYTES = 16 << 20  # held bytes that make the thread write during the step
@@ -43,34 +44,35 @@ class DumpWriteError(RuntimeError):
     """Writing a step file failed (disk full, I/O error); earlier steps are intact."""
 
 
-def _index_table(rows: list[tuple]) -> np.ndarray:
-    """The step's index as a structured array, column by column. Strings are fixed-length
+def _index_table(columns: dict[str, list]) -> np.ndarray:
+    """The step's index as a structured array, from its columns (``fmt.INDEX_COLUMNS`` by name),
+    rows sorted by ``seq`` (stable: one event's rows keep their order). Strings are fixed-length
     UTF-8, as wide as the column's longest value: writing them costs a fraction of
     variable-length strings (per-string heap objects), e.g. 1.5 ms instead of 5 ms for 600 rows.
     """
-    columns = list(zip(*rows)) if rows else [()] * len(fmt.INDEX_COLUMNS)
-    arrays = []
-    for (name, kind), values in zip(fmt.INDEX_COLUMNS, columns):
+    order = np.argsort(np.asarray(columns["seq"], dtype=np.int64), kind="stable")
+    arrays = {}
+    for name, kind in fmt.INDEX_COLUMNS:
+        values = columns[name]
         if kind == "str":
             encoded = [fmt.name_bytes(v) for v in values]
             width = max(map(len, encoded), default=0) or 1
-            arrays.append(np.array(encoded, dtype=h5py.string_dtype("utf-8", width)))
+            arrays[name] = np.array(encoded, dtype=h5py.string_dtype("utf-8", width))[order]
         else:
-            arrays.append(np.array(values, dtype=kind))
-    table = np.empty(len(rows), dtype=[(name, a.dtype) for (name, _), a in
-                                       zip(fmt.INDEX_COLUMNS, arrays)])
-    for (name, _), array in zip(fmt.INDEX_COLUMNS, arrays):
+            arrays[name] = np.array(values, dtype=kind)[order]
+    table = np.empty(len(order), dtype=[(name, arrays[name].dtype) for name in arrays])
+    for name, array in arrays.items():
         table[name] = array
     return table
 
 
 class _IndexRows:
-    """The index rows of one step. The strings that repeat from row to row (a call's group, a
-    tensor's dtype, shape and device) are formatted once per step instead of once per row (a
-    row's cost in the writer: 7.4 -> 5.3 us)."""
+    """The index rows of one step, kept column by column (``fmt.INDEX_COLUMNS``). The strings
+    that repeat from row to row (a call's group, a tensor's dtype, shape and device) are
+    formatted once per step instead of once per row."""
 
     def __init__(self):
-        self.rows: list[tuple] = []
+        self.columns: dict[str, list] = {name: [] for name in fmt.INDEX_COLUMN_NAMES}
         self._groups: dict[int, str] = {}
         self._described: dict[tuple, tuple[str, str, str]] = {}
 
@@ -81,7 +83,7 @@ class _IndexRows:
         return name
 
     def add(self, r: Record, group: str, dataset: str, encoding: str, stats: tuple,
-            sketch: tuple, checksum: int) -> None:
+            sketch: tuple, checksum: int, digest: int) -> None:
         key = (r.dtype, r.shape, r.device)
         described = self._described.get(key)
         if described is None:
@@ -90,10 +92,16 @@ class _IndexRows:
                                                  str(r.device))
         dtype, shape, device = described
         c = r.call
-        self.rows.append((r.seq, c.number, c.module, c.cls, c.call_idx, r.micro_batch, group,
-                          r.kind, r.index, r.occurrence, r.path, dataset, dtype, shape, encoding,
-                          device, int(r.requires_grad), r.status, r.value, r.producer,
-                          int(r.injected), *stats, *sketch, checksum))
+        row = {"seq": r.seq, "call": c.number, "module": c.module, "cls": c.cls,
+               "call_idx": c.call_idx, "micro_batch": r.micro_batch, "group": group,
+               "kind": r.kind, "index": r.index, "occurrence": r.occurrence, "path": r.path,
+               "dataset": dataset, "dtype": dtype, "shape": shape, "encoding": encoding,
+               "device": device, "requires_grad": int(r.requires_grad), "status": r.status,
+               "value": r.value, "producer": r.producer, "injected": int(r.injected),
+               **dict(zip(fmt.STAT_COLUMNS, stats)), **dict(zip(fmt.SKETCH_COLUMNS, sketch)),
+               "checksum": checksum, "digest": digest}
+        for name, column in self.columns.items():
+            column.append(row[name])
 
 
 _HDF5_TYPES: dict[tuple, h5t.TypeID] = {}  # shared by steps: the index's compound type
@@ -344,7 +352,9 @@ class StepWriter:
                     datasets.write(group, dataset, array)
                     checksum = fmt.data_checksum(array)
             stats, sketch = _numbers(record.stats, _NO_STATS), _numbers(record.sketch, _NO_SKETCH)
-            self._index.add(record, group, dataset, encoding, stats, sketch, checksum)
+            digest = fmt.NO_DIGEST if record.digest is None else finish_digest(
+                record.digest if isinstance(record.digest, int) else record.digest.wait())
+            self._index.add(record, group, dataset, encoding, stats, sketch, checksum, digest)
             if self._consumers is not None and record.status == fmt.ST_OK and (
                     values is not None or record.stats is not None):
                 self._consumers(record, values, None if record.stats is None else stats)
@@ -353,9 +363,7 @@ class StepWriter:
 
     def _write_index(self, datasets: LowLevelGroup) -> int:
         """Write the index table; returns its checksum (``fmt.ATTR_INDEX_CRC``)."""
-        rows = self._index.rows
-        rows.sort(key=lambda row: row[0])  # stable: one event's rows keep their order
-        table = _index_table(rows)
+        table = _index_table(self._index.columns)
         datasets.write_here(fmt.INDEX_DATASET, table)
         return zlib.crc32(table.tobytes())
 

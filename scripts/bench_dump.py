@@ -24,6 +24,9 @@ floor (a plain step, then the same datasets written with the dumper's own datase
 nothing else; the line shows the writing part); the step file (one file with the step's index
 and no datasets, written by the dumper's writer). A last table sets issue 4's targets against them.
 
+Hash mode (issue 21): ``mode="hash"``, a digest per tensor, against plain (targets <= 1.15x
+on MLP and CNN, <= 15 us per tensor on the deep model).
+
 Op-level capture (issue 21): ``ops="*"`` with full tensors and with statistics, in the same
 rounds; its rows count the op records of a step and give their cost each (over the same mode
 without ops); the targets table sets that against a module record's cost in the same mode
@@ -260,7 +263,7 @@ def step_file_writer(model: nn.Module, n_rows: int, directory: Path):
     an index of ``n_rows`` statistics rows, atomic publication) without datasets: the cost of
     one file per step, which every mode pays."""
     attrs = run_attrs(model, 0, 0, "stats")
-    call = CallInfo(0, "0.lin", "Linear", 0, stats_only=True)
+    call = CallInfo(0, "0.lin", "Linear", 0, mode="stats")
     names = iter(range(10 ** 9))
 
     def write() -> None:
@@ -275,6 +278,7 @@ def step_file_writer(model: nn.Module, n_rows: int, directory: Path):
 
 SENTINEL = "NaN/Inf sentinel (not dumped)"  # on_nonfinite="raise", outside the dump window
 FULL_OPS, STATS_OPS = "full tensors + ops", "statistics + ops"  # ops="*" (issue 21)
+HASH = "hash"  # mode="hash" (issue 21)
 
 
 def paired_ratios(timed, plain, other, rounds: int) -> list[float]:
@@ -299,6 +303,7 @@ def bench_model(name: str, factory, repeat: int, device: str, tmp: Path,
         "outside window": HookerAndDumper(tmp / "outside", steps=[10 ** 9]),
         "full tensors": HookerAndDumper(tmp / "full"),
         "statistics": HookerAndDumper(tmp / "stats", mode="stats"),
+        HASH: HookerAndDumper(tmp / "hash", mode="hash"),
         SENTINEL: HookerAndDumper(tmp / "sentinel", steps=[10 ** 9], on_nonfinite="raise"),
         FULL_OPS: HookerAndDumper(tmp / "full_ops", ops="*"),
         STATS_OPS: HookerAndDumper(tmp / "stats_ops", mode="stats", ops="*"),
@@ -387,6 +392,7 @@ def bench_model(name: str, factory, repeat: int, device: str, tmp: Path,
     rows = []
     for key in [k for k in runs if k not in ("I/O limit", "HDF5 limit", "step file")]:
         n = {"plain": None, "outside window": None, SENTINEL: None, "statistics": n_stats,
+             HASH: n_stats,
              "statistics hooks": n_stats, "copying hooks + batched statistics": n_stats,
              FULL_OPS: n_ops, STATS_OPS: n_ops}.get(key, n_tensors)
         # an ops row's cost per tensor is per op record: over the same mode without ops
@@ -459,6 +465,10 @@ def target_lines(rows: list[dict]) -> list[str]:
                     row[(model, base)]["us_per_tensor"], " us")
         add(model, "full vs naive", ms["naive reference"] / ms["full tensors"],
             ms["naive reference"] / max(limit, full_floor), 5, "x", at_least=True)
+        if model in ("mlp", "cnn"):  # issue 21: hash mode <= 1.15x plain
+            add(model, "hash", ms[HASH] / plain, 1.0, 1.15, "x")
+        elif model == "deep":  # and <= 15 us per tensor
+            add(model, "hash", row[(model, HASH)]["us_per_tensor"], 0.0, 15, " us")
         if model in ("mlp", "cnn"):  # the issue's ratio targets
             add(model, "full tensors / I/O limit", ms["full tensors"] / limit,
                 full_floor / limit, 1.3, "")

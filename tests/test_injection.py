@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from compare import compare_dumps, load_dump, localize
+from compare import compare_dumps, format as fmt, load_dump, localize
 from compare.cli import main as h5cmp
 from compare.status import ORIGIN
 from dumper import HookerAndDumper, Injector
@@ -89,7 +89,7 @@ def test_injecting_a_run_into_its_own_configuration_reproduces_it(tmp_path):
     assert set(index[index["injected"] == 1]["kind"]) == {"input", "param", "grad_output"}
     step = load_dump(tmp_path / "b").steps[0]
     assert step.injected_from == f"{tmp_path / 'a'} (input, grad_output, param)"
-    assert step.attrs["format_version"] == 6
+    assert step.attrs["format_version"] == fmt.FORMAT_VERSION
 
 
 def test_wrong_weights_are_replaced_and_put_back(tmp_path):

@@ -46,6 +46,7 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("mode, ops, skip_ops", [
     ("tensors", None, None), ("stats", None, None),
+    ("hash", None, None),
     ("tensors", "*", None), ("stats", "*", None), ("tensors", "*", ()),  # every op, views too
 ])
 @pytest.mark.parametrize("name", sorted(ZOO))

@@ -1,0 +1,104 @@
+"""Hash mode (``mode="hash"``): a digest of each tensor's bits, paired with digests or with the
+checksums of value records, and the first tensor whose bits differ named."""
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from compare import compare_dumps, format as fmt
+from compare.cli import main
+from compare.dump import load_dump
+from dumper.digest import tensor_digest
+from dumper.encoding import encode
+
+import architectures
+
+PLANT = {"include": "transformer.h.1.mlp.c_fc", "scale": 1 + 2 ** -20, "where": "output"}
+
+
+def _cases():
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8,
+                  torch.int64, torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn):
+        for shape in ((), (0,), (3,), (5, 7), (2, 3, 5)):
+            base = torch.randn(shape, generator=gen) * 10
+            yield base.to(dtype) if not dtype.is_complex else torch.complex(base, -base)
+    x = torch.randn(10, 9, generator=gen)
+    yield from (x[1:], x[:, 2:5], x.t(), x[3], x.to(torch.bfloat16)[1:][2:])  # views, offsets
+
+
+def test_a_digest_is_the_checksum_its_dataset_would_have():
+    for t in _cases():
+        stored, _ = encode(t.contiguous())
+        assert tensor_digest(t) == fmt.data_checksum(stored), (t.dtype, tuple(t.shape))
+
+
+def test_one_flipped_bit_changes_the_digest():
+    t = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    flipped = t.clone()
+    flipped.view(torch.int32)[537] ^= 1
+    assert tensor_digest(t) != tensor_digest(flipped)
+
+
+def _gpt2(directory, mode: str, plant=None) -> None:
+    architectures.run_step("gpt2", "float32", directory, seed=1, plant=plant,
+                           dumper_options={"mode": mode})
+
+
+def _h5cmp(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hash")
+    made = {}
+    for name, mode, plant in (("hash", "hash", None), ("hash_again", "hash", None),
+                              ("hash_planted", "hash", PLANT), ("values", "tensors", None),
+                              ("values_planted", "tensors", PLANT), ("stats", "stats", None)):
+        made[name] = root / name
+        _gpt2(made[name], mode, plant)
+    return made
+
+
+def test_a_hash_dump_holds_digests_and_no_values(runs):
+    index = load_dump(runs["hash"]).index
+    tensors = index[index["index"] >= 0]
+    assert len(tensors) and (tensors["dataset"] == "").all()
+    assert (tensors[tensors["status"] == "ok"]["digest"] >= 0).all()
+    params = tensors[tensors["kind"] == "param"]
+    assert params["stat_nan"].notna().all()  # weights keep their statistics
+
+
+def test_identical_runs_agree_bit_for_bit(runs):
+    result = _h5cmp(runs["hash"], runs["hash_again"])
+    assert result.exit_code == 0 and "B agrees with A exactly" in result.output
+
+
+@pytest.mark.parametrize("a, b", [("hash", "hash_planted"), ("hash", "values_planted"),
+                                  ("values", "hash_planted")])
+def test_the_first_tensor_whose_bits_differ_is_named(runs, a, b):
+    result = _h5cmp(runs[a], runs[b])
+    assert result.exit_code == 1, result.output
+    assert ("first divergence: step 0:0, forward, module transformer.h.1.mlp.c_fc (Conv1D) "
+            "call 0, output[0]") in result.output
+    assert "the bits differ" in result.output
+    frame = compare_dumps(runs[a], runs[b])
+    before = frame[frame["seq"] < frame[frame["status"] == "hash_mismatch"]["seq"].min()]
+    assert len(before) and (before["status"] == "equal").all()
+
+
+def test_a_hash_dump_pairs_with_the_values_of_the_same_run(runs):
+    frame = compare_dumps(runs["hash"], runs["values"])
+    assert set(frame["status"]) == {"equal"}
+
+
+def test_digests_against_statistics_cannot_be_compared(runs):
+    frame = compare_dumps(runs["hash"], runs["stats"])
+    weights = frame["kind"] == "param"  # both sides have their statistics
+    assert set(frame[~weights]["status"]) == {"unsupported"}
+    assert set(frame[weights]["status"]) <= {"equal", "close"}
+    result = _h5cmp(runs["hash"], runs["stats"])
+    assert f"; {(~weights).sum()} of {len(frame)} records could not be compared (unsupported)" \
+        in result.output.splitlines()[0]
