@@ -125,6 +125,9 @@ def dataset_name(kind: str, index: int, occurrence: int = 0) -> str:
 
 
 INDEX_DATASET = "index"
+# Group at the file's root holding a committed (named) datatype per `bits`-encoded dtype the
+# file stores, e.g. /dtypes/bfloat16: its datasets use it, so HDF5 tools name the dtype. Since 7.
+DTYPES_GROUP = "dtypes"
 
 # Kinds of record. Forward kinds are written at forward time, backward kinds when autograd runs.
 INPUT, OUTPUT, GRAD_INPUT, GRAD_OUTPUT, PARAM, PARAM_GRAD = (

@@ -126,10 +126,11 @@ class StepCapture:
         mode = self._sel.mode_of(path, module)
         inject = self._inject if self._inject is not None and self._inject.wants(path, module) \
             else None
-        self.handles.append(module.register_forward_pre_hook(ops.quietly(
+        quiet = ops.quietly if self._ops is not None else (lambda hook: hook)
+        self.handles.append(module.register_forward_pre_hook(quiet(
             lambda m, args, kwargs: self._pre_hook(m, path, cls, mode, inject, args, kwargs)
         ), with_kwargs=True))
-        self.handles.append(module.register_forward_hook(ops.quietly(
+        self.handles.append(module.register_forward_hook(quiet(
             lambda m, args, kwargs, out: self._post_hook(m, out, inject)), with_kwargs=True))
         if self._ops is not None:
             records_ops = self._sel.wants_ops(path, module)

@@ -17,9 +17,8 @@ casts and backend-specific decompositions, which pair badly between runs.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -74,22 +73,15 @@ OnOp = Callable[[Any, str, Callable, tuple, dict], Any]
 _quiet = threading.local()
 
 
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """The dumper's own work on this thread (its hooks run inside the forward of a module that
-    records ops): not the model's ops, never recorded."""
-    _quiet.depth = getattr(_quiet, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _quiet.depth -= 1
-
-
 def quietly(fn: Callable) -> Callable:
-    """``fn`` run :func:`quiet`."""
+    """``fn`` run quietly: what it does on this thread is the dumper's own work (its hooks run
+    inside the forward of a module that records ops), never recorded as the model's ops."""
     def run(*args, **kwargs):
-        with quiet():
+        _quiet.depth = getattr(_quiet, "depth", 0) + 1
+        try:
             return fn(*args, **kwargs)
+        finally:
+            _quiet.depth -= 1
     return run
 
 

@@ -15,7 +15,6 @@ from typing import Callable, Optional
 import h5py
 import numpy as np
 import torch
-from h5py import h5a, h5d, h5g, h5p, h5s, h5t
 
 from compare import format as fmt
 
@@ -23,6 +22,7 @@ from .claim import StepClaim, StepConflictError
 from .consumers import StepConsumers
 from .digest import finish_digest
 from .encoding import dtype_name, encode
+from .hdf5 import LowLevelGroup, write_attributes
 from .memory import trim_heap
 from .record import CallInfo, Record, unreadable
 
@@ -102,77 +102,6 @@ class _IndexRows:
                "checksum": checksum, "digest": digest}
         for name, column in self.columns.items():
             column.append(row[name])
-
-
-_HDF5_TYPES: dict[tuple, h5t.TypeID] = {}  # shared by steps: the index's compound type
-_MAX_HDF5_TYPES = 64                         # costs ~250 us to build, and repeats per step
-
-
-def _hdf5_type(dtype: np.dtype, logical: bool = True) -> h5t.TypeID:
-    """HDF5 type of ``dtype`` as h5py makes it: ``logical`` for the file (what h5py's
-    high-level API stores), else the in-memory type (bit-for-bit). Transient, immutable once
-    made, shared by writer threads. The key adds the string encodings h5py keeps in dtype
-    metadata, which numpy's dtype equality ignores (UTF-8 and ASCII ``S10`` compare equal)."""
-    fields = dtype.names or ()
-    key = (dtype, logical, tuple(h5py.check_string_dtype(dtype.fields[name][0])
-                                 for name in fields) if fields else h5py.check_string_dtype(dtype))
-    tid = _HDF5_TYPES.get(key)
-    if tid is None:
-        if len(_HDF5_TYPES) >= _MAX_HDF5_TYPES:  # e.g. index string widths changing per step
-            _HDF5_TYPES.clear()
-        tid = _HDF5_TYPES[key] = h5t.py_create(dtype, logical=logical)
-    return tid
-
-
-def _write_attributes(obj: h5py.HLObject, attrs: dict) -> None:
-    """``obj.attrs.update(attrs)`` through h5py's low-level API, with the same HDF5 types
-    (str: variable-length UTF-8; int, bool: as h5py stores them): ~40 instead of ~140 us each
-    (h5py's high-level path checks for, and would replace, an existing attribute)."""
-    scalar = h5s.create_simple(())
-    for name, value in attrs.items():
-        data = np.asarray(value, dtype=h5py.string_dtype() if isinstance(value, str) else None)
-        attr = h5a.create(obj.id, name.encode(), _hdf5_type(data.dtype), scalar)
-        attr.write(data, mtype=_hdf5_type(data.dtype, logical=False))
-        attr.close()
-
-
-class LowLevelGroup:
-    """Creates datasets through h5py's low-level API: a third of the high-level cost per dataset."""
-
-    def __init__(self, parent: h5py.Group):
-        self._parent = parent.id
-        self._groups: dict[str, h5g.GroupID] = {}
-        self._spaces: dict[tuple[int, ...], h5s.SpaceID] = {}
-        self._lcpl = h5p.create(h5p.LINK_CREATE)
-        self._lcpl.set_char_encoding(h5t.CSET_UTF8)
-
-    def write(self, group: str, name: str, array: np.ndarray) -> None:
-        """Dataset ``name`` holding ``array`` in subgroup ``group`` (created on first use)."""
-        gid = self._groups.get(group)
-        if gid is None:
-            gid = self._groups[group] = h5g.create(self._parent, fmt.name_bytes(group),
-                                                   lcpl=self._lcpl)
-        self._create(gid, name, array)
-
-    def write_here(self, name: str, array: np.ndarray) -> None:
-        """Dataset ``name`` holding ``array`` in the parent group itself."""
-        self._create(self._parent, name, array)
-
-    def _create(self, gid: h5g.GroupID, name: str, array: np.ndarray) -> None:
-        tid = _hdf5_type(array.dtype)
-        space = self._spaces.get(array.shape)
-        if space is None:  # one dataspace per shape: training repeats shapes (12 us each)
-            space = self._spaces[array.shape] = (h5s.create_simple(array.shape) if array.ndim
-                                                 else h5s.create(h5s.SCALAR))
-        ds = h5d.create(gid, name.encode(), tid, space, lcpl=self._lcpl)
-        if array.size:
-            ds.write(h5s.ALL, h5s.ALL, np.ascontiguousarray(array), mtype=tid)
-        ds.close()
-
-    def close(self) -> None:
-        for gid in self._groups.values():
-            gid.close()
-        self._groups.clear()
 
 
 def core_left_for_writer() -> bool:
@@ -294,9 +223,9 @@ class StepWriter:
         ended = False  # whether the producer's FINISH/ABORT has been consumed
         try:
             with h5py.File(self.temp_path, "w", **FILE_OPTIONS) as f:
-                _write_attributes(f, self._attrs)  # now, while the step runs
+                write_attributes(f, self._attrs)  # now, while the step runs
                 step_group = f.create_group(self._step_group)
-                datasets = LowLevelGroup(step_group)
+                datasets = LowLevelGroup(step_group, named_types=f)
                 pending: deque[Record] = deque()
                 try:
                     while (item := self._queue.get()) is not _FINISH:
@@ -310,8 +239,8 @@ class StepWriter:
                     ended = True
                     self._write_all(datasets, pending)
                     crc = self._write_index(datasets)
-                    _write_attributes(f, {fmt.ATTR_INDEX_CRC: crc,
-                                          fmt.ATTR_INCOMPLETE: self._incomplete})
+                    write_attributes(f, {fmt.ATTR_INDEX_CRC: crc,
+                                         fmt.ATTR_INCOMPLETE: self._incomplete})
                 finally:
                     for record in pending:  # left by an error or an abort
                         self._release(record)
@@ -349,7 +278,8 @@ class StepWriter:
                     record.status, record.value, dataset = fmt.ST_UNSUPPORTED, unreadable(exc), ""
                     values = None
                 else:
-                    datasets.write(group, dataset, array)
+                    datasets.write(group, dataset, array, dtype_name(record.dtype)
+                                   if encoding == fmt.ENC_BITS else None)
                     checksum = fmt.data_checksum(array)
             stats, sketch = _numbers(record.stats, _NO_STATS), _numbers(record.sketch, _NO_SKETCH)
             digest = fmt.NO_DIGEST if record.digest is None else finish_digest(

@@ -61,7 +61,8 @@ from dumper.record import CallInfo, Record  # noqa: E402
 from dumper.run_info import run_attrs  # noqa: E402
 from dumper.snapshot import Snapshot, SnapshotPool  # noqa: E402
 from dumper.stats import tensor_stats  # noqa: E402
-from dumper.writer import FILE_OPTIONS, LowLevelGroup, StepWriter  # noqa: E402
+from dumper.hdf5 import LowLevelGroup  # noqa: E402
+from dumper.writer import FILE_OPTIONS, StepWriter  # noqa: E402
 
 
 class Residual(nn.Module):

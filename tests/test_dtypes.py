@@ -1,6 +1,7 @@
 """Every dtype round-trips bit-exactly through a dump, and decodes to the values torch gives."""
 from __future__ import annotations
 
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -60,6 +61,26 @@ def test_every_dtype_round_trips_bit_exactly(tmp_path):
             assert back.dtype == t.dtype and back.shape == t.shape, name
             expected = t.resolve_conj()
             assert _raw_bytes(back) == _raw_bytes(expected), name
+
+
+def test_dtypes_hdf5_has_no_type_for_are_named_datatypes(tmp_path):
+    tensors = {str(dt): _all_bit_patterns(dt) for dt in DTYPES}
+    model = Emit(tensors)
+    with HookerAndDumper(tmp_path).hooks(model, 0, 0):
+        model(torch.zeros(1))
+    step = load_dump(tmp_path).steps[0]
+    rows = step.index[step.index["kind"] == "output"]
+    with h5py.File(step.path, "r") as f:
+        named = set(f["dtypes"])
+        for row in rows.itertuples():
+            stored_type = f[step.group_name][row.group][row.dataset].id.get_type()
+            if row.encoding == "bits":  # bfloat16, float8..., complex32: named in the file
+                assert stored_type.committed(), row.dtype
+                assert h5py.h5i.get_name(stored_type) == f"/dtypes/{row.dtype}".encode()
+                assert isinstance(f["dtypes"][row.dtype], h5py.Datatype)
+            else:
+                assert not stored_type.committed(), row.dtype
+    assert named == set(rows[rows["encoding"] == "bits"]["dtype"])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, *FLOAT8, torch.complex32])

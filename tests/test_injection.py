@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from compare import compare_dumps, format as fmt, load_dump, localize
+from compare import format as fmt, load_dump, localize
 from compare.cli import main as h5cmp
 from compare.status import ORIGIN
 from dumper import HookerAndDumper, Injector

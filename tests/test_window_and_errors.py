@@ -172,7 +172,7 @@ def test_hdf5_types_keep_string_encodings_apart():
     import numpy as np
     from h5py import h5t
 
-    from dumper.writer import _hdf5_type
+    from dumper.hdf5 import _hdf5_type
     utf8, ascii_ = h5py.string_dtype("utf-8", 10), np.dtype("S10")
     assert utf8 == ascii_  # why the key needs more than the dtype
     assert _hdf5_type(utf8).get_cset() == h5t.CSET_UTF8
