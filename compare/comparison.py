@@ -22,7 +22,8 @@ from . import format as fmt
 from .alignment import align_ops
 from .mapping import NameMapping, find_prefix, load_mapping
 from .metrics import METRIC_COLUMNS, ErrorAccumulator
-from .pairing import KEY, align_ranks, pair_records, recorded_on_both_sides, select, tensor_rows
+from .pairing import (KEY, align_ranks, outside_compiled_regions, pair_records,
+                      recorded_on_both_sides, select, tensor_rows)
 from .statistics import compare_stats, sketch_of_chunks, stats_of_chunks
 from .status import (DROPPED, EQUAL, HASH_MISMATCH, MISSING_IN_A, MISSING_IN_B, OP_ONLY_IN_A,
                      OP_ONLY_IN_B, SHAPE_MISMATCH, UNSUPPORTED)
@@ -89,6 +90,10 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     pairs, not_compared = recorded_on_both_sides(pair_records(rows_a, rows_b))
     files_a = {(s.epoch, s.step, s.rank if s.rank is not None else -1): s for s in dump_a.steps}
     files_b = {(s.epoch, s.step, s.rank if s.rank is not None else -1): s for s in dump_b.steps}
+    compiled_a, compiled_b = ({c for f in files.values() for c in fmt.compiled_modules(f.attrs)}
+                              for files in (files_a, files_b))
+    pairs, left_out = outside_compiled_regions(pairs, compiled_a, compiled_b)
+    not_compared += left_out
     tasks = _tasks(pairs, files_a, files_b, max(1, jobs), chunk_elements, rtol, atol)
     metrics: dict[int, dict] = {}
     with contextlib.ExitStack() as stack:
@@ -100,7 +105,9 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
             if progress:
                 progress(len(result))
     paired = files_a.keys() & files_b.keys()
-    kernels = all(fmt.same_kernels(files_a[k].attrs, files_b[k].attrs) for k in paired)
+    # compiled code (fused kernels) rounds otherwise than eager code, even in the same dtypes
+    kernels = not (compiled_a or compiled_b) and all(
+        fmt.same_kernels(files_a[k].attrs, files_b[k].attrs) for k in paired)
     tf32 = tuple(tuple(any(fmt.tf32_allowed(files[k].attrs)[i] for k in paired) for i in (0, 1))
                  for files in (files_a, files_b))
     judged = judge(_result_frame(pairs, metrics), rtol, atol, same_kernels=kernels, tf32=tf32)

@@ -14,8 +14,8 @@ import pandas as pd
 from . import format as fmt
 from .decoding import decode
 from .errors import DumpError
-from .validation import (check_dataset, check_index, check_run_attrs, damaged, hard_link,
-                         plain_attrs)
+from .validation import (check_dataset, check_index, check_index_type, check_run_attrs, damaged,
+                         hard_link, plain_attrs)
 
 PathLike = Union[str, os.PathLike]
 
@@ -57,6 +57,7 @@ class StepFile:
             self.group_name = fmt.step_group_name(self.epoch, self.step)
             group = hard_link(self.path, f, self.group_name, "step group", h5py.Group)
             index = hard_link(self.path, group, fmt.INDEX_DATASET, "index table", h5py.Dataset)
+            check_index_type(self.path, index.dtype)
             try:
                 table = index[()]
             except (OSError, RuntimeError, TypeError, ValueError) as exc:

@@ -279,6 +279,11 @@ ATTR_INCOMPLETE = "incomplete"
 # "" or, for a localizing re-run (dumper.injection), the reference dump whose values were
 # injected and the kinds injected: "dumps/a (input, param, grad_output)". Since version 6.
 ATTR_INJECTED_FROM = "injected_from"
+# The paths of the modules compiled in place (regional compilation, ``module.compile()``), one
+# per line, outermost only ("" for none; the root is "<root>"): recorded at their boundaries,
+# the modules inside them run as compiled code and are not recorded. Since version 7.
+ATTR_COMPILED = "compiled"
+ROOT_NAME = "<root>"
 # What a dump stores per tensor: its values; statistics; a digest of its bits (since version 7).
 MODE_TENSORS, MODE_STATS, MODE_HASH = "tensors", "stats", "hash"
 MODES = (MODE_TENSORS, MODE_STATS, MODE_HASH)
@@ -286,7 +291,7 @@ RUN_ATTR_TYPES: dict[str, type] = {
     "mode": str, "epoch": int, "step": int, "rank": int, "world_size": int,
     "torch_version": str, "device": str, "default_dtype": str, "tf32_matmul": bool,
     "tf32_cudnn": bool, "float32_matmul_precision": str, "deterministic_algorithms": bool,
-    "cudnn_deterministic": bool, "created": str, ATTR_INJECTED_FROM: str,
+    "cudnn_deterministic": bool, "created": str, ATTR_INJECTED_FROM: str, ATTR_COMPILED: str,
 }
 RUN_ATTRS = tuple(RUN_ATTR_TYPES)
 # the type of every root attribute a reader relies on
@@ -294,7 +299,13 @@ ATTR_TYPES: dict[str, type] = {**RUN_ATTR_TYPES, ATTR_FORMAT_NAME: str, ATTR_FOR
                                ATTR_INDEX_CRC: int, ATTR_INCOMPLETE: str}
 # root attributes a reader requires, by the format version since which they are written
 REQUIRED_ATTRS_SINCE = {"epoch": 1, "step": 1, "rank": 1, ATTR_INDEX_CRC: 4, ATTR_INCOMPLETE: 4,
-                        ATTR_INJECTED_FROM: 6}
+                        ATTR_INJECTED_FROM: 6, ATTR_COMPILED: 7}
+
+
+def compiled_modules(attrs: dict) -> list[str]:
+    """The module paths of a step's ``compiled`` attribute (the root as "")."""
+    names = [n for n in str(attrs.get(ATTR_COMPILED, "")).split("\n") if n]
+    return ["" if n == ROOT_NAME else n for n in names]
 
 # Root attributes that decide which kernels a step ran. Two steps that agree on them (the device
 # by type), on the CPU or with deterministic algorithms on both sides, compute tensors of equal

@@ -127,3 +127,26 @@ def recorded_on_both_sides(pairs: pd.DataFrame) -> tuple[pd.DataFrame, list[str]
         [(m, i) in known for m, i in zip(params["module"], params["index"])], dtype=bool)
     keep[params.index[lone_params]] = False
     return pairs[keep].reset_index(drop=True), notes
+
+
+def outside_compiled_regions(pairs: pd.DataFrame, compiled_a: set[str], compiled_b: set[str]
+                             ) -> tuple[pd.DataFrame, list[str]]:
+    """``pairs`` less the records of one side inside a module the other side compiled in place
+    (``module.compile()``: the modules inside run as compiled code, without hooks), and a note
+    per side saying how many are left out."""
+    keep = pd.Series(True, index=pairs.index)
+    notes = []
+    for side, compiled, name, other in (("a_only", compiled_b, "A", "B"),
+                                        ("b_only", compiled_a, "B", "A")):
+        if not compiled:
+            continue
+        inside = (pairs["side"] == side) & pairs["module"].map(
+            lambda m: any(fmt.contains(c, m) and m != c for c in compiled))
+        if inside.any():
+            keep &= ~inside
+            regions = ", ".join(sorted(c or fmt.ROOT_NAME for c in compiled))
+            notes.append(f"{int(inside.sum())} of {name}'s records are not compared: they are "
+                         f"inside modules {other} compiled in place ({regions}), whose code "
+                         f"ran compiled, without hooks")
+    return pairs[keep].reset_index(drop=True), notes
+

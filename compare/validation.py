@@ -113,6 +113,25 @@ def _exists(group: h5py.Group, key: bytes) -> bool:
         return True  # there, but unreadable
 
 
+def check_index_type(path: Path, dtype: np.dtype) -> None:
+    """Before the index table is read: a compound type whose columns overlap or overrun it, or
+    whose numeric columns are not of their size (a damaged datatype message), would make HDF5
+    convert into memory outside its buffers."""
+    if dtype.names is None:
+        raise damaged(path, "the index table is not a table of columns")
+    end = 0
+    for offset, size, name in sorted((dtype.fields[n][1], dtype.fields[n][0].itemsize, n)
+                                     for n in dtype.names):
+        if offset < end or offset + size > dtype.itemsize:
+            raise damaged(path, f"the index table's type is damaged (column {name!r})")
+        end = offset + size
+    for name, kind in fmt.INDEX_COLUMNS:
+        if kind in _NUMERIC and name in dtype.names and \
+                dtype[name].itemsize != np.dtype(kind).itemsize:
+            raise damaged(path, f"the index table's type is damaged (column {name!r} is "
+                                f"{dtype[name]}, not {kind})")
+
+
 def check_index(path: Path, table: np.ndarray, version: int, crc: object) -> None:
     """The index table's columns and every row's kind, encoding, status, dtype and shape."""
     names = set(table.dtype.names or ())

@@ -5,7 +5,7 @@ import sys
 import threading
 import warnings
 from collections import defaultdict
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -59,6 +59,25 @@ def _forced_eager() -> bool:
     read where torch keeps it, if torch._dynamo is loaded; False when unknown)."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     return getattr(getattr(eval_frame, "_stance", None), "stance", None) == "force_eager"
+
+
+def compiled_in_place(module: nn.Module) -> bool:
+    """Whether ``module.compile()`` made its calls run as compiled code (regional compilation):
+    its own hooks still run (eagerly: :func:`eager`), those of the modules inside it do not."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def compiled_regions(model: nn.Module) -> list[str]:
+    """Paths of the outermost modules of ``model`` compiled in place."""
+    paths = [path for path, m in model.named_modules() if compiled_in_place(m)]
+    return [p for p in paths if not any(p.startswith(q + ".") or not q for q in paths if q != p)]
+
+
+def eager(hook: Callable, module: nn.Module) -> Callable:
+    """``hook`` as it is registered on ``module``: for a module compiled in place, excluded from
+    compilation (torch.compiler.disable), so that it runs as written, at the region's boundary,
+    instead of being traced into the region's graph (the dumper's hooks cannot be)."""
+    return torch.compiler.disable(hook) if compiled_in_place(module) else hook
 
 
 def runs_hooks(module: nn.Module) -> bool:

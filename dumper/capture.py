@@ -18,7 +18,8 @@ from torch.utils.hooks import RemovableHandle
 
 from compare import format as fmt
 
-from .calls import CallTracker, MicroBatches, hookable_modules, in_backward
+from .calls import (CallTracker, MicroBatches, compiled_in_place, eager, hookable_modules,
+                    in_backward)
 from .flatten import call_leaves, leaves, map_tensors
 from .grads import GradInputCollector, current_sequence_nr, gradient_edge
 from . import ops
@@ -127,23 +128,28 @@ class StepCapture:
         inject = self._inject if self._inject is not None and self._inject.wants(path, module) \
             else None
         quiet = ops.quietly if self._ops is not None else (lambda hook: hook)
-        self.handles.append(module.register_forward_pre_hook(quiet(
-            lambda m, args, kwargs: self._pre_hook(m, path, cls, mode, inject, args, kwargs)
-        ), with_kwargs=True))
-        self.handles.append(module.register_forward_hook(quiet(
-            lambda m, args, kwargs, out: self._post_hook(m, out, inject)), with_kwargs=True))
-        if self._ops is not None:
-            records_ops = self._sel.wants_ops(path, module)
+        self._add_hook(module, quiet(
+            lambda m, args, kwargs: self._pre_hook(m, path, cls, mode, inject, args, kwargs)),
+            pre=True, with_kwargs=True)
+        self._add_hook(module, quiet(lambda m, args, kwargs, out: self._post_hook(m, out, inject)),
+                       with_kwargs=True)
+        if self._ops is not None:  # not in a compiled region: it runs its ops as compiled code
+            records_ops = self._sel.wants_ops(path, module) and not compiled_in_place(module)
             self._own_ops(module, lambda: self._first_call_owner(module, inject, records_ops))
         if inject is not None and fmt.PARAM in inject.kinds:  # put them back, also on errors,
-            self.handles.append(module.register_forward_hook(  # before other forward hooks
-                lambda m, args, out: self._restore_parameters(m), always_call=True,
-                prepend=True))
+            self._add_hook(module, lambda m, args, out: self._restore_parameters(m),
+                           always_call=True, prepend=True)  # before other forward hooks
         if self._params and self._sel.wants_kind(fmt.PARAM_GRAD):
             for i, (name, p) in enumerate(module.named_parameters(recurse=False)):
                 if p.requires_grad:
                     self.handles.append(p.register_post_accumulate_grad_hook(
                         self._param_grad_hook(id(module), i, name)))
+
+    def _add_hook(self, module: nn.Module, hook: Callable, pre: bool = False, **options) -> None:
+        """Register a forward (``pre``: pre-) hook on ``module``, kept in ``handles``; eager
+        in a module compiled in place (:func:`~dumper.calls.eager`)."""
+        register = module.register_forward_pre_hook if pre else module.register_forward_hook
+        self.handles.append(register(eager(hook, module), **options))
 
     def _own_ops(self, module: nn.Module, owner: Callable[[], Optional[tuple]]) -> None:
         """Hooks that make ``module``'s calls own the ops their code runs (:mod:`dumper.ops`):
@@ -153,9 +159,8 @@ class StepCapture:
 
         def enter(m, args) -> None:
             mode.enter(None if in_backward() else owner())  # recomputation: already recorded
-        self.handles.append(module.register_forward_pre_hook(enter))
-        self.handles.append(module.register_forward_hook(lambda m, args, out: mode.leave(),
-                                                         always_call=True))
+        self._add_hook(module, enter, pre=True)
+        self._add_hook(module, lambda m, args, out: mode.leave(), always_call=True)
 
     def _first_call_owner(self, module: nn.Module, inject: Optional[StepReference],
                           records_ops: bool) -> Optional[tuple]:
@@ -177,8 +182,8 @@ class StepCapture:
                 for _, leaf in leaves(output, "output"):
                     if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                         self.handles.append(hook_gradient(leaf, batches.backward_ran))
-        self.handles.append(module.register_forward_pre_hook(enter))
-        self.handles.append(module.register_forward_hook(leave, always_call=True))
+        self._add_hook(module, enter, pre=True)
+        self._add_hook(module, leave, always_call=True)
 
     def finish(self) -> None:
         """Emit what only completes at step end (partial grad sums, final parameter grads)."""

@@ -14,7 +14,7 @@ from torch.utils.hooks import RemovableHandle
 from compare import format as fmt
 from compare.dump import Dump
 
-from .calls import hook_target, runs_hooks, unhookable_roots
+from .calls import compiled_regions, hook_target, runs_hooks, unhookable_roots
 from .capture import StepCapture
 from .claim import PublishedFiles, StepClaim, StepConflictError
 from .consumers import Consumer, Consumers
@@ -161,6 +161,8 @@ class HookerAndDumper:
             return False
         model = hook_target(model)
         _warn_if_scripted_inside(model)
+        compiled = compiled_regions(model)
+        _warn_if_compiled_inside(model, compiled)
         rank, _ = distributed_rank()
         try:
             self._reference = self.injector.step(epoch, step, rank) if self.injector else None
@@ -178,8 +180,8 @@ class HookerAndDumper:
             self._start_sentinel(model)
             return False
         injected_from = self.injector.describe() if self.injector else ""
-        self._writer = StepWriter(claim, fmt.step_group_name(epoch, step),
-                                  run_attrs(model, epoch, step, self.selection.mode, injected_from),
+        attrs = run_attrs(model, epoch, step, self.selection.mode, injected_from, tuple(compiled))
+        self._writer = StepWriter(claim, fmt.step_group_name(epoch, step), attrs,
                                   self._maker.release, self.fsync, self._published.check,
                                   self._consumers.for_step(epoch, step))
         self._budget.on_pressure = self._writer.flush
@@ -346,6 +348,20 @@ def _warn_if_scripted_inside(model: nn.Module) -> None:
         more = f" and {len(outermost) - 3} more" if len(outermost) > 3 else ""
         warnings.warn(f"h5cmp: TorchScript submodules run no Python hooks and are not recorded: "
                       f"{', '.join(outermost[:3])}{more}", RuntimeWarning, stacklevel=3)
+
+
+def _warn_if_compiled_inside(model: nn.Module, compiled: list[str]) -> None:
+    """Regional compilation: the compiled modules are recorded at their boundaries (their hooks
+    run eagerly), the modules inside them run as compiled code and are not recorded."""
+    inside = [p for p, _ in model.named_modules()
+              if any(fmt.contains(c, p) and p != c for c in compiled)]
+    if inside:
+        names = ", ".join(c or fmt.ROOT_NAME for c in compiled[:3])
+        more = f" and {len(compiled) - 3} more" if len(compiled) > 3 else ""
+        warnings.warn(f"h5cmp: {names}{more} run as compiled code (module.compile()): recorded at "
+                      f"their boundaries; the {len(inside)} modules inside them are not recorded "
+                      f"(compiled code runs no hooks; run the step eagerly to record them)",
+                      RuntimeWarning, stacklevel=3)
 
 
 def _prepare_directory(file_path: Union[str, os.PathLike]) -> Path:

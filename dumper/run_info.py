@@ -28,9 +28,11 @@ def model_device(model: nn.Module) -> str:
     return "cpu"
 
 
-def run_attrs(model: nn.Module, epoch: int, step: int, mode: str, injected_from: str = "") -> dict:
+def run_attrs(model: nn.Module, epoch: int, step: int, mode: str, injected_from: str = "",
+              compiled: tuple[str, ...] = ()) -> dict:
     """The root attributes of a step file (names in ``compare.format``); ``injected_from``:
-    what a localizing re-run injects (``Injector.describe()``)."""
+    what a localizing re-run injects (``Injector.describe()``); ``compiled``: the paths of the
+    modules compiled in place (:func:`dumper.calls.compiled_regions`)."""
     rank, world_size = distributed_rank()
     attrs = {
         fmt.ATTR_FORMAT_NAME: fmt.FORMAT_NAME,
@@ -50,6 +52,7 @@ def run_attrs(model: nn.Module, epoch: int, step: int, mode: str, injected_from:
         "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         fmt.ATTR_INJECTED_FROM: injected_from,
+        fmt.ATTR_COMPILED: "\n".join(path or fmt.ROOT_NAME for path in compiled),
     }
     assert set(attrs) == {fmt.ATTR_FORMAT_NAME, fmt.ATTR_FORMAT_VERSION, *fmt.RUN_ATTRS}
     return attrs

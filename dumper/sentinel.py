@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import ops
-from .calls import hookable_modules, in_backward
+from .calls import eager, hookable_modules, in_backward
 from .capture import hook_gradient
 from .flatten import call_leaves, leaves
 from .grads import gradient_edge
@@ -170,13 +170,13 @@ class NonFiniteSentinel:
         self.handles: list[RemovableHandle] = []
         for path, module in hookable_modules(model):
             cls = type(module).__name__
-            self.handles.append(module.register_forward_pre_hook(ops.quietly(
-                lambda m, args, kwargs, path=path: self._pre_hook(path, args, kwargs)),
+            self.handles.append(module.register_forward_pre_hook(eager(ops.quietly(
+                lambda m, args, kwargs, path=path: self._pre_hook(path, args, kwargs)), module),
                 with_kwargs=True))
             self.handles.append(module.register_forward_hook(  # also when the forward raises
-                ops.quietly(lambda m, args, kwargs, out, path=path, cls=cls:
-                            self._post_hook(path, cls, args, kwargs, out)), with_kwargs=True,
-                always_call=True))
+                eager(ops.quietly(lambda m, args, kwargs, out, path=path, cls=cls:
+                                  self._post_hook(path, cls, args, kwargs, out)), module),
+                with_kwargs=True, always_call=True))
 
     def remove(self) -> None:
         """Remove every hook, then read the checks still on the device: a failure found now
