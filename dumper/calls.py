@@ -5,10 +5,11 @@ import sys
 import threading
 import warnings
 from collections import defaultdict
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 
 def in_backward() -> bool:
@@ -187,3 +188,69 @@ class CallTracker:
             self._counts.clear()
             self._open = 0
         self._local = threading.local()
+
+
+# enter(module, path, call_idx, args, kwargs) -> (state, (args, kwargs) to run on instead or None)
+Enter = Callable[[nn.Module, str, int, tuple, dict], tuple[Any, Optional[tuple[tuple, dict]]]]
+# leave(module, state, output) -> the output to return instead, or None
+Leave = Callable[[nn.Module, Any, Any], Any]
+
+
+class CallHooks:
+    """The call-numbering walk every set of module hooks shares (the capture, ``io_shapes``,
+    the ``Injector``), so that they agree on which call of a module is which.
+
+    :meth:`install` puts a forward pre-hook and a forward hook on a module. When a call starts,
+    ``enter(module, path, call_idx, args, kwargs)`` gets its ``call_idx`` (the n-th call of
+    that module in the step, from 0) and returns ``(state, replacement)``: the state handed to
+    the same call's ``leave(module, state, output)``, and the ``(args, kwargs)`` the module is
+    to run on instead, or None. ``leave`` returns the output to return instead, or None. A state
+    of None means "not tracked": ``leave`` is not called. Recomputations of activation
+    checkpointing (forward calls run again during backward) are not calls: neither callback
+    sees them. With ``always_call``, ``leave`` runs also when the forward raised, with
+    ``output`` None; otherwise such a call stays open (:attr:`open_calls`). With
+    ``enter_first`` the pre-hook goes before the pre-hooks already registered (so that they
+    see what it replaces); the forward hook always goes last. In a module compiled in place
+    the hooks run
+    eagerly (:func:`eager`). :meth:`remove` removes every hook and forgets the numbering.
+    """
+
+    def __init__(self, enter: Enter, leave: Leave, always_call: bool = False,
+                 enter_first: bool = False):
+        self._enter, self._leave = enter, leave
+        self._always_call, self._enter_first = always_call, enter_first
+        self._tracker = CallTracker()
+        self._handles: list[RemovableHandle] = []
+
+    def install(self, path: str, module: nn.Module) -> None:
+        def pre_hook(m: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+            if in_backward():  # a recomputation: not a call
+                self._tracker.push(m, None)
+                return None
+            state, replacement = self._enter(m, path, self._tracker.next_index(m), args, kwargs)
+            self._tracker.push(m, state)
+            return replacement
+
+        def hook(m: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            state = self._tracker.pop(m)
+            return None if state is None else self._leave(m, state, output)
+
+        self._handles.append(module.register_forward_pre_hook(
+            eager(pre_hook, module), with_kwargs=True, prepend=self._enter_first))
+        self._handles.append(module.register_forward_hook(
+            eager(hook, module), with_kwargs=True, always_call=self._always_call))
+
+    def state(self, module: nn.Module) -> Any:
+        """The state of this thread's innermost open call of ``module`` (None if none)."""
+        return self._tracker.peek(module)
+
+    @property
+    def open_calls(self) -> int:
+        """Calls that started and have not returned (an exception left them open)."""
+        return self._tracker.open_calls
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._tracker.clear()

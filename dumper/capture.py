@@ -18,8 +18,8 @@ from torch.utils.hooks import RemovableHandle
 
 from compare import format as fmt
 
-from .calls import (CallTracker, MicroBatches, compiled_in_place, eager, hookable_modules,
-                    in_backward)
+from .calls import (CallHooks, CallTracker, MicroBatches, compiled_in_place, eager,
+                    hookable_modules, in_backward)
 from .flatten import call_leaves, leaves, map_tensors
 from .grads import GradInputCollector, current_sequence_nr, gradient_edge
 from . import ops
@@ -85,7 +85,6 @@ class StepCapture:
         self._seq = itertools.count()
         self._calls = itertools.count()
         self._lock = threading.Lock()
-        self._tracker = CallTracker()
         self._micro_batches = MicroBatches()
         self._collectors: list[GradInputCollector] = []
         self._first_call: dict[int, CallInfo] = {}
@@ -98,12 +97,16 @@ class StepCapture:
         # injected gradients: (id of the node, slot) -> (weak reference to it, what arrived)
         self._replaced_grads: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
         self.handles: list[RemovableHandle] = []
-        self._ops: Optional[OpMode] = None  # op-level capture (dumper.ops), if any is selected
-        self._op_counts: dict[tuple[int, str], int] = defaultdict(int)
         modules = list(hookable_modules(model))
-        if any(selection.wants_ops(path, m) for path, m in modules
-               if selection.wants_module(path, m)):
-            self._ops = OpMode(self._run_op, selection.skip_ops)
+        # op-level capture (dumper.ops), if any is selected
+        self._ops: Optional[OpMode] = OpMode(self._run_op, selection.skip_ops) if any(
+            selection.wants_ops(path, m) for path, m in modules
+            if selection.wants_module(path, m)) else None
+        self._op_counts: dict[tuple[int, str], int] = defaultdict(int)
+        # the hooks' own ops are not the model's
+        quiet = ops.quietly if self._ops is not None else (lambda fn: fn)
+        self._calls_hooks = CallHooks(quiet(self._enter), quiet(self._leave))
+        self._installed: dict[int, tuple[str, Optional[StepReference]]] = {}  # mode, injection
         for path, module in modules:
             self._count_micro_batches(module)  # first: its pre-hook runs before the capture's
             if selection.wants_module(path, module):
@@ -119,20 +122,14 @@ class StepCapture:
     @property
     def open_calls(self) -> int:
         """Module calls that started and have not returned (an exception left them)."""
-        return self._tracker.open_calls
+        return self._calls_hooks.open_calls
 
     # -- lifetime ----------------------------------------------------------------------
     def _install(self, path: str, module: nn.Module) -> None:
-        cls = type(module).__name__
-        mode = self._sel.mode_of(path, module)
         inject = self._inject if self._inject is not None and self._inject.wants(path, module) \
             else None
-        quiet = ops.quietly if self._ops is not None else (lambda hook: hook)
-        self._add_hook(module, quiet(
-            lambda m, args, kwargs: self._pre_hook(m, path, cls, mode, inject, args, kwargs)),
-            pre=True, with_kwargs=True)
-        self._add_hook(module, quiet(lambda m, args, kwargs, out: self._post_hook(m, out, inject)),
-                       with_kwargs=True)
+        self._installed[id(module)] = (self._sel.mode_of(path, module), inject)
+        self._calls_hooks.install(path, module)
         if self._ops is not None:  # not in a compiled region: it runs its ops as compiled code
             records_ops = self._sel.wants_ops(path, module) and not compiled_in_place(module)
             self._own_ops(module, lambda: self._first_call_owner(module, inject, records_ops))
@@ -165,7 +162,7 @@ class StepCapture:
     def _first_call_owner(self, module: nn.Module, inject: Optional[StepReference],
                           records_ops: bool) -> Optional[tuple]:
         """The owner of the ops of ``module``'s call that started now: its call and injection."""
-        call = self._tracker.peek(module) if records_ops else None
+        call = self._calls_hooks.state(module) if records_ops else None
         return None if call is None else (call.info, inject)
 
     def _count_micro_batches(self, module: nn.Module) -> None:
@@ -195,6 +192,7 @@ class StepCapture:
 
     def remove(self) -> None:
         """Remove every hook this capture registered (module, tensor, node and parameter hooks)."""
+        self._calls_hooks.remove()
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
@@ -213,12 +211,11 @@ class StepCapture:
         with self._lock:
             return next(self._seq)
 
-    def _pre_hook(self, module: nn.Module, path: str, cls: str, mode: str,
-                  inject: Optional[StepReference], args: tuple, kwargs: dict) -> Optional[tuple]:
-        if in_backward():  # activation-checkpoint recomputation: already recorded
-            self._tracker.push(module, None)
-            return None
-        info = CallInfo(next(self._calls), path, cls, self._tracker.next_index(module), mode,
+    def _enter(self, module: nn.Module, path: str, call_idx: int, args: tuple, kwargs: dict
+               ) -> tuple[_OpenCall, Optional[tuple[tuple, dict]]]:
+        """A module call starts (:class:`~dumper.calls.CallHooks`): record what arrives."""
+        mode, inject = self._installed[id(module)]
+        info = CallInfo(next(self._calls), path, type(module).__name__, call_idx, mode,
                         self._micro_batches.number)
         self._first_call.setdefault(id(module), info)
         call = self._open(info, inject, args, kwargs)
@@ -232,12 +229,15 @@ class StepCapture:
                 record.injected = fmt.PARAM in injects and inject.has(
                     (path, info.call_idx, fmt.PARAM, i))
                 self._sink(record)
-        self._tracker.push(module, call)
         if fmt.PARAM in injects:
             self._swapped.push(module, inject.swap_parameters(path, info.call_idx, module))
         if fmt.INPUT in injects:
-            return self._inject_inputs(inject, call, args, kwargs)
-        return None
+            return call, self._inject_inputs(inject, call, args, kwargs)
+        return call, None
+
+    def _leave(self, module: nn.Module, call: _OpenCall, output: Any) -> None:
+        """A module call returns: record its outputs (and what it will get in backward)."""
+        self._close(call, output, self._installed[id(module)][1])
 
     def _open(self, info: CallInfo, inject: Optional[StepReference], args: tuple,
               kwargs: dict, sink: Optional[Sink] = None) -> _OpenCall:
@@ -339,11 +339,6 @@ class StepCapture:
         swapped = self._swapped.pop(module)
         if swapped:
             restore_parameters(module, swapped)
-
-    def _post_hook(self, module: nn.Module, output: Any, inject: Optional[StepReference]) -> None:
-        call = self._tracker.pop(module)
-        if call is not None:
-            self._close(call, output, inject)
 
     def _close(self, call: _OpenCall, output: Any, inject: Optional[StepReference]) -> None:
         """Record a call's outputs as it returns, and hook the gradients they will get."""

@@ -29,7 +29,7 @@ import itertools
 import os
 import threading
 import warnings
-from typing import Callable, Iterable, Iterator, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -38,7 +38,7 @@ from torch.utils.hooks import RemovableHandle
 from compare import format as fmt
 from compare.dump import Dump, StepFile, load_dump
 
-from .calls import CallTracker, hook_target, hookable_modules, in_backward
+from .calls import CallHooks, hook_target, hookable_modules
 from .encoding import decode_to_tensor
 from .flatten import map_tensors
 
@@ -190,8 +190,8 @@ class Injector:
                              f"got {sorted(bad) or 'none'}")
         self.include = (include,) if isinstance(include, str) else tuple(include or ())
         self._step: Optional[StepReference] = None
-        self._handles: list[RemovableHandle] = []
-        self._calls = CallTracker()
+        self._hooks: Optional[CallHooks] = None
+        self._grad_handles: list[RemovableHandle] = []
         self.injected = 0  # values injected so far, all steps
 
     def step(self, epoch: int, step: int, rank: Optional[int] = None) -> StepReference:
@@ -215,18 +215,18 @@ class Injector:
         """Install hooks injecting into step ``(epoch, step)``; :meth:`remove` takes them away.
         Register it *before* a dumper's hooks for the dump to record what was used."""
         self._step = self.step(epoch, step)
+        self._hooks = CallHooks(self._enter, self._leave, always_call=True, enter_first=True)
         for path, module in hookable_modules(hook_target(model)):
             if self._step.wants(path, module):
-                self._handles.append(module.register_forward_pre_hook(
-                    self._pre_hook(path), with_kwargs=True, prepend=True))
-                self._handles.append(module.register_forward_hook(
-                    self._post_hook(path), with_kwargs=True, always_call=True))
+                self._hooks.install(path, module)
 
     def remove(self) -> None:
-        for handle in self._handles:
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
+        for handle in self._grad_handles:
             handle.remove()
-        self._handles.clear()
-        self._calls.clear()
+        self._grad_handles.clear()
         if self._step is not None:
             self.injected += self._step.injected
             self._step.close()
@@ -240,45 +240,33 @@ class Injector:
         finally:
             self.remove()
 
-    def _pre_hook(self, path: str):
-        def hook(module, args, kwargs):
-            if in_backward():  # activation-checkpoint recomputation
-                return None
-            call_idx = self._calls.next_index(module)
-            swapped = (self._step.swap_parameters(path, call_idx, module)
-                       if fmt.PARAM in self.kinds else [])
-            self._calls.push(module, (call_idx, swapped))
-            if fmt.INPUT not in self.kinds:
-                return None
-            replace = self._step.leaf_replacer(path, call_idx, fmt.INPUT)
-            return map_tensors(args, replace), map_tensors(kwargs, replace)
-        return hook
+    def _enter(self, module: nn.Module, path: str, call_idx: int, args: tuple, kwargs: dict
+               ) -> tuple[tuple, Optional[tuple[tuple, dict]]]:
+        swapped = (self._step.swap_parameters(path, call_idx, module)
+                   if fmt.PARAM in self.kinds else [])
+        state = (path, call_idx, swapped)
+        if fmt.INPUT not in self.kinds:
+            return state, None
+        replace = self._step.leaf_replacer(path, call_idx, fmt.INPUT)
+        return state, (map_tensors(args, replace), map_tensors(kwargs, replace))
 
-    def _post_hook(self, path: str):
-        def hook(module, args, kwargs, output):
-            if in_backward():
-                return None
-            state = self._calls.pop(module)
-            if state is None:
-                return None
-            call_idx, swapped = state
-            restore_parameters(module, swapped)
-            if output is None:  # the forward raised (an always-called hook)
-                return None
-            if fmt.OUTPUT in self.kinds:
-                output = map_tensors(output, self._step.leaf_replacer(path, call_idx,
-                                                                      fmt.OUTPUT))
-            if fmt.GRAD_OUTPUT in self.kinds:
-                counter = itertools.count()
+    def _leave(self, module: nn.Module, state: tuple, output: Any) -> Any:
+        path, call_idx, swapped = state
+        restore_parameters(module, swapped)
+        if output is None:  # the forward raised (the hooks are always called)
+            return None
+        if fmt.OUTPUT in self.kinds:
+            output = map_tensors(output, self._step.leaf_replacer(path, call_idx, fmt.OUTPUT))
+        if fmt.GRAD_OUTPUT in self.kinds:
+            counter = itertools.count()
 
-                def hook_grad(leaf):
-                    if isinstance(leaf, torch.Tensor):
-                        key = (path, call_idx, fmt.GRAD_OUTPUT, next(counter))
-                        if leaf.requires_grad and self._step.has(key):
-                            step = self._step
-                            self._handles.append(leaf.register_hook(
-                                lambda g, key=key: step.tensor(key, g)))
-                    return leaf
-                map_tensors(output, hook_grad)
-            return output
-        return hook
+            def hook_grad(leaf):
+                if isinstance(leaf, torch.Tensor):
+                    key = (path, call_idx, fmt.GRAD_OUTPUT, next(counter))
+                    if leaf.requires_grad and self._step.has(key):
+                        step = self._step
+                        self._grad_handles.append(leaf.register_hook(
+                            lambda g, key=key: step.tensor(key, g)))
+                return leaf
+            map_tensors(output, hook_grad)
+        return output

@@ -10,7 +10,7 @@ from torch import nn
 from compare import format as fmt
 
 from .encoding import dtype_name
-from .calls import CallTracker, hookable_modules, unwrapped
+from .calls import CallHooks, hookable_modules, unwrapped
 from .flatten import call_leaves, leaves
 
 
@@ -31,7 +31,6 @@ def io_shapes(model: nn.Module, *args, **kwargs) -> pd.DataFrame:
     model = unwrapped(model)  # run eagerly: compiled code would skip the hooks
     rows: list[dict] = []
     calls = itertools.count()
-    tracker = CallTracker()
 
     def record(info: dict, kind: str, items) -> None:
         tensors = [(path, leaf) for path, leaf in items if isinstance(leaf, torch.Tensor)]
@@ -39,27 +38,24 @@ def io_shapes(model: nn.Module, *args, **kwargs) -> pd.DataFrame:
             rows.append({**info, "kind": kind, "index": index, "path": path,
                          "dtype": dtype_name(t.dtype), "shape": tuple(t.shape)})
 
-    def pre(path, cls):
-        def hook(module, a, kw):
-            info = {"call": next(calls), "module": path, "cls": cls,
-                    "call_idx": tracker.next_index(module), "key": fmt.module_key(path, cls)}
-            tracker.push(module, info)
-            record(info, fmt.INPUT, call_leaves(a, kw))
-        return hook
+    def enter(module, path, call_idx, a, kw):
+        cls = type(module).__name__
+        info = {"call": next(calls), "module": path, "cls": cls, "call_idx": call_idx,
+                "key": fmt.module_key(path, cls)}
+        record(info, fmt.INPUT, call_leaves(a, kw))
+        return info, None
 
-    def post(module, a, kw, out):
-        record(tracker.pop(module), fmt.OUTPUT, leaves(out, "output"))
+    def leave(module, info, out):
+        record(info, fmt.OUTPUT, leaves(out, "output"))
 
-    handles = []
+    hooks = CallHooks(enter, leave)
     try:
         for path, m in hookable_modules(model):
-            handles.append(m.register_forward_pre_hook(pre(path, type(m).__name__), with_kwargs=True))
-            handles.append(m.register_forward_hook(post, with_kwargs=True))
+            hooks.install(path, m)
         with torch.no_grad():
             model(*args, **kwargs)
     finally:
-        for h in handles:
-            h.remove()
+        hooks.remove()
     frame = pd.DataFrame(rows, columns=["call", "module", "cls", "call_idx", "key", "kind", "index",
                                         "path", "dtype", "shape"])
     return frame.sort_values(["call", "kind"], kind="stable", ignore_index=True)

@@ -44,6 +44,58 @@ def test_io_shapes_per_call_without_grad_or_files(tmp_path, monkeypatch):
     assert "shared.Linear" in table.to_string()
 
 
+class CheckpointedShared(nn.Module):
+    """A module called twice per forward, once inside activation checkpointing (so called again
+    in backward, which is no call of its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.shared, x, use_reentrant=False)
+        return self.out(self.shared(torch.tanh(h)))
+
+
+def _two_micro_batches(model, directory, batches, injector=None):
+    if injector is not None:
+        injector.register(model, 0, 0)
+    with HookerAndDumper(directory).hooks(model, 0, 0):
+        for batch in batches:
+            model(batch).pow(2).mean().backward()
+    if injector is not None:
+        injector.remove()
+
+
+def test_io_shapes_the_dump_and_injection_number_calls_alike(tmp_path):
+    """The three hook installers share one call numbering: io_shapes' calls are the dump's, and
+    an Injector replaces each call's output with the reference's of the same call, also after
+    a backward pass that re-ran checkpointed calls (which are no calls of their own)."""
+    torch.manual_seed(0)
+    model = CheckpointedShared()
+    batches = [torch.randn(3, 4) for _ in range(2)]
+    table = io_shapes(model, batches[0])
+    outputs = table[table["kind"] == "output"]
+    assert list(zip(outputs["module"], outputs["call_idx"])) == [
+        ("", 0), ("shared", 0), ("shared", 1), ("out", 0)]  # in the order the calls started
+    _two_micro_batches(model, tmp_path / "ref", batches)
+    reference = read_tensors(tmp_path / "ref")
+    recorded = {(m, c) for m, c, kind, *_ in reference if kind == "output"}
+    assert recorded == {("shared", c) for c in range(4)} | {("out", 0), ("out", 1), ("", 0), ("", 1)}
+    wrong = CheckpointedShared()
+    wrong.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        wrong.shared.weight.mul_(1.1)
+    injector = Injector(tmp_path / "ref", kinds="output", include="shared")
+    _two_micro_batches(wrong, tmp_path / "fixed", batches, injector)
+    assert injector.injected == 4
+    fixed = read_tensors(tmp_path / "fixed")
+    for call in range(2):
+        key = ("out", call, "output", 0)
+        assert torch.equal(fixed[key], reference[key]), key
+
+
 def _run(directory, *, plant="", injector=None, dtype=torch.float32, batch=None):
     torch.manual_seed(0)
     model = Planted().to(dtype)
