@@ -36,6 +36,7 @@ class Options:
     quiet: bool = False
     mapping: Optional[Path] = None
     suggest_map: bool = False
+    ranks: bool = False
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -69,6 +70,10 @@ class Options:
 @click.option("--rank", type=click.IntRange(min=0),
               help="Distributed rank to compare (default: rank by rank; a non-distributed dump "
                    "is compared with the lowest rank of the other).")
+@click.option("--ranks", is_flag=True,
+              help="With only A, a distributed dump: compare its ranks with the lowest one where "
+                   "they must agree (parameters that are not sharded, replicated DTensors); exit "
+                   "1 at the first disagreement.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
               help="Compare in N processes.")
 @click.option("--map", "mapping", type=click.Path(path_type=Path),
@@ -89,12 +94,15 @@ class Options:
 def main(a: Path, b: Optional[Path], track: Optional[str], debug: bool, **options) -> None:
     """Compare dumps A and B (files or directories of step files) tensor by tensor, judge each
     record against what the precisions involved explain, and report the first divergence.
-    With only A, list its steps, module calls and tensors.
+    With only A, list its steps, module calls and tensors (or, with --ranks, compare its
+    ranks).
 
     Exit status: 0 B agrees with A, 1 differences found, 2 error.
     """
     from .errors import DumpError
     try:
+        if options["ranks"]:
+            sys.exit(ranks_command(a, b, Options(**options)))
         if b is None:
             if track:
                 _track(a, track, options["plot"])
@@ -186,6 +194,26 @@ def compare_command(a: Path, b: Path, opts: Options) -> int:
             click.echo(describe_origins(origins))
         return EXIT_DIFFERENT if (origins["verdict"] == ORIGIN).any() else EXIT_SAME
     return EXIT_SAME if summary.ok else EXIT_DIFFERENT
+
+
+def ranks_command(a: Path, b: Optional[Path], opts: Options) -> int:
+    """``h5cmp RUN --ranks``: the ranks of one distributed dump against its lowest rank."""
+    from .errors import DumpError
+    from .ranks import compare_ranks, describe, first_disagreement
+    asked = [name for name, given in (
+        ("a second dump", b is not None), ("--rtol/--atol", (opts.rtol, opts.atol) != (None, None)),
+        ("--rank", opts.rank is not None), ("-o", bool(opts.outputs)),
+        ("--plot/--heatmap/--dot", any((opts.plot, opts.heatmap, opts.dot))),
+        ("--injected", opts.injected is not None), ("--map", opts.mapping is not None),
+        ("--suggest-map", opts.suggest_map)) if given]
+    if asked:
+        raise DumpError(f"--ranks compares the ranks of one dump, exactly; it does not take "
+                        f"{', '.join(asked)} (it takes --step, --module, --kind, --jobs, -q)")
+    result = compare_ranks(a, steps=opts.steps, modules=opts.modules, kinds=opts.kinds,
+                           jobs=opts.jobs)
+    if not opts.quiet:
+        click.echo(describe(result))
+    return EXIT_SAME if first_disagreement(result) is None else EXIT_DIFFERENT
 
 
 def _track(a: Path, spec: str, plot: Optional[Path]) -> None:

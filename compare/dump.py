@@ -254,6 +254,8 @@ def _strings(path: Path, name: str, column: np.ndarray) -> list[str]:
 
 def _absent(name: str, rows: int) -> np.ndarray:
     """A column an older format version lacks (see ``fmt.COLUMN_SINCE``)."""
+    if name in fmt.SHARDING_COLUMNS:  # not sharded
+        return np.full(rows, "", dtype=object)
     fill = {"checksum": fmt.NO_CHECKSUM, "micro_batch": fmt.NO_MICRO_BATCH,
             "injected": 0, "digest": fmt.NO_DIGEST}.get(name, np.nan)
     return np.full(rows, fill)
@@ -265,10 +267,11 @@ def _index_frame(path: Path, table: np.ndarray) -> pd.DataFrame:
         return pd.DataFrame({n: pd.Series(dtype=object if k == "str" else k)
                              for n, k in fmt.INDEX_COLUMNS})
     present = set(table.dtype.names)
-    cols = {name: _strings(path, name, table[name]) if kind == "str" else
-            table[name] if name in present else _absent(name, len(table))
+    cols = {name: _absent(name, len(table)) if name not in present else
+            _strings(path, name, table[name]) if kind == "str" else table[name]
             for name, kind in fmt.INDEX_COLUMNS}
     frame = pd.DataFrame(cols, columns=list(names))
-    frame["shape"] = frame["shape"].map(fmt.parse_shape)
+    for name in ("shape", "mesh_shape", "global_shape", "offsets"):
+        frame[name] = frame[name].map(fmt.parse_shape)
     frame["requires_grad"] = frame["requires_grad"].astype(bool)
     return frame

@@ -13,13 +13,13 @@ from typing import Optional
 import numpy as np
 
 FORMAT_NAME = "h5cmp-dump"
-FORMAT_VERSION = 7
+FORMAT_VERSION = 8
 # version 1: no sketch columns (read as NaN); versions 1-2: no data checksums, no `incomplete`;
 # versions 1-4: no `micro_batch` (read as NO_MICRO_BATCH); versions 1-5: no `injected` (read as
 # 0) and no `injected_from` attribute (read as ""); versions 1-6: no `digest` (read as
-# NO_DIGEST).
+# NO_DIGEST); versions 1-7: no sharding columns (read as "": not sharded).
 # Version 3 (a development version of 2026-11-23, crc32 data checksums) is not read.
-SUPPORTED_VERSIONS = frozenset({1, 2, 4, 5, 6, 7})
+SUPPORTED_VERSIONS = frozenset({1, 2, 4, 5, 6, 7, 8})
 
 # ---- files -------------------------------------------------------------------------
 FILE_SUFFIX = ".hdf5"
@@ -200,12 +200,23 @@ INDEX_COLUMNS: tuple[tuple[str, str], ...] = (
     # hash mode: the tensor's digest, the `checksum` its dataset would have (data_checksum of
     # its bytes), with no dataset; -1 elsewhere. Since version 7.
     ("digest", "int64"),
+    # A sharded tensor (a DTensor, or a plain tensor marked as a shard): the row's values are
+    # this rank's shard. The device mesh's shape, its placements (one per mesh dimension,
+    # PLACEMENT_SEPARATOR-joined: S(d) sharded along d, R replicated, P(op) partial), the global
+    # shape and this shard's offsets in it; all "" for a tensor that is not sharded. Since 8.
+    ("mesh_shape", "str"),
+    ("placements", "str"),
+    ("global_shape", "str"),
+    ("offsets", "str"),
 )
 STAT_COLUMNS = tuple(name for name, _ in INDEX_COLUMNS if name.startswith("stat_"))
 SKETCH_COLUMNS = tuple(name for name, _ in INDEX_COLUMNS if name.startswith("sketch_"))
 # the version that added a column (absent: version 1); older indexes lack it
 COLUMN_SINCE = {**{name: 2 for name in SKETCH_COLUMNS}, "checksum": 4, "micro_batch": 5,
-                "injected": 6, "digest": 7}
+                "injected": 6, "digest": 7, "mesh_shape": 8, "placements": 8, "global_shape": 8,
+                "offsets": 8}
+SHARDING_COLUMNS = ("mesh_shape", "placements", "global_shape", "offsets")
+PLACEMENT_SEPARATOR = ";"  # a placement's own text may hold a comma: _S(0, 2)
 NO_CHECKSUM = -1  # `checksum` of a row without a dataset, or of a file older than version 4
 NO_DIGEST = -1    # `digest` of a row that is not a hash record, or of a file older than 7
 # `micro_batch` of a parameter gradient (accumulated over the step), or in a file older than 5
@@ -339,3 +350,11 @@ def format_shape(shape: tuple[int, ...]) -> str:
 
 def parse_shape(text: str) -> tuple[int, ...]:
     return tuple(int(s) for s in text.split(",")) if text else ()
+
+
+def format_placements(placements: tuple[str, ...]) -> str:
+    return PLACEMENT_SEPARATOR.join(placements)
+
+
+def parse_placements(text: str) -> tuple[str, ...]:
+    return tuple(text.split(PLACEMENT_SEPARATOR)) if text else ()

@@ -24,6 +24,7 @@ from .record import ByteBudget, RecordMaker
 from .run_info import distributed_rank, run_attrs
 from .selection import Patterns, Selection, Types
 from .sentinel import NonFiniteError, NonFiniteSentinel, check_action
+from .sharding import ShardMarks
 from .snapshot import SnapshotPool
 from .window import Window, WindowSpec
 from .writer import DumpWriteError, StepWriter
@@ -105,7 +106,9 @@ class HookerAndDumper:
         self.max_bytes_in_flight = max_bytes_in_flight
         self._budget = ByteBudget(max_bytes_in_flight)
         self._pool = SnapshotPool(max_bytes_in_flight)
-        self._maker = RecordMaker(self._pool, self._budget, drop_when_full=when_full == "drop")
+        self._shard_marks = ShardMarks()
+        self._maker = RecordMaker(self._pool, self._budget, drop_when_full=when_full == "drop",
+                                  marks=self._shard_marks)
         self._published = PublishedFiles(self.directory)
         self.fsync = fsync
         if on_nonfinite is not None:
@@ -137,6 +140,19 @@ class HookerAndDumper:
         for the rest of the step; training goes on. ``handle.remove()`` takes it out from the
         next dumped step on."""
         return self._consumers.add(fn, kinds, modules)
+
+    def mark_sharded(self, modules: Patterns, kind: str, dim: int, index: Optional[int] = None,
+                     group: Optional[object] = None) -> None:
+        """Declare plain tensors to be shards (a hand-written tensor-parallel layer): for
+        modules matching the ``modules`` globs, tensor ``index`` (all when None) of ``kind``
+        is this rank's equal part, along dimension ``dim``, of a tensor split over the ranks of
+        the process ``group`` (the default group; one rank without torch.distributed) in rank
+        order. Their rows get the sharding columns a ``DTensor``'s get (docs/format.md), so
+        that a comparison can put the shards together. ``DTensor`` needs no mark."""
+        patterns = (modules,) if isinstance(modules, str) else tuple(modules or ())
+        if not patterns:
+            raise ValueError("mark_sharded needs at least one module glob")
+        self._shard_marks.add(patterns, kind, int(dim), index, group)
 
     def in_window(self, epoch: int, step: int) -> bool:
         return epoch in self.epochs and step in self.steps

@@ -12,6 +12,7 @@ from compare import format as fmt
 from .flatten import clip, short_repr
 from .snapshot import Snapshot, SnapshotPool
 from .digest import tensor_digest
+from .sharding import ShardMarks, Sharding, local_part
 from .stats import tensor_sketch, tensor_stats
 
 
@@ -57,6 +58,7 @@ class Record:
     occurrence: int = 0
     producer: int = -1
     injected: bool = False  # the call ran on the reference's value instead (dumper.injection)
+    sharding: Optional[Sharding] = None  # the values are this rank's shard of a global tensor
 
     @property
     def micro_batch(self) -> int:
@@ -135,8 +137,10 @@ class RecordMaker:
     dropped, leaving a ``dropped`` row that readers report.
     """
 
-    def __init__(self, pool: SnapshotPool, budget: ByteBudget, drop_when_full: bool):
+    def __init__(self, pool: SnapshotPool, budget: ByteBudget, drop_when_full: bool,
+                 marks: Optional[ShardMarks] = None):
         self._pool, self._budget, self._drop = pool, budget, drop_when_full
+        self._marks = marks if marks is not None else ShardMarks()
 
     def tensor(self, seq: int, call: CallInfo, kind: str, index: int, path: str,
                t: torch.Tensor, owned: bool = False, stats: bool = False,
@@ -145,11 +149,18 @@ class RecordMaker:
         a digest; statistics with ``stats`` too, with its sketch if ``sketch``) are taken now.
 
         ``owned``: ``t`` is a private tensor nothing else references or modifies (e.g. a sum
-        made by the dumper); on the CPU it becomes the snapshot itself, without a copy."""
+        made by the dumper); on the CPU it becomes the snapshot itself, without a copy.
+
+        A ``DTensor``, or a tensor a :class:`ShardMarks` mark covers, is recorded as this
+        rank's shard, with its ``sharding``."""
+        requires_grad = t.requires_grad
+        t, sharding = local_part(t)
+        if sharding is None and self._marks:
+            sharding = self._marks.sharding(call.module, call.cls, kind, index, t)
         reason = _unsupported_reason(t)
         shape = () if reason and (t.layout is not torch.strided or t.is_nested) else t.shape
-        rec = Record(seq, call, kind, index, path, t.dtype, shape, t.device, t.requires_grad,
-                     fmt.ST_UNSUPPORTED if reason else fmt.ST_OK, reason)
+        rec = Record(seq, call, kind, index, path, t.dtype, shape, t.device, requires_grad,
+                     fmt.ST_UNSUPPORTED if reason else fmt.ST_OK, reason, sharding=sharding)
         if reason:
             return rec
         hashed, summed = call.mode == fmt.MODE_HASH, call.mode == fmt.MODE_STATS or stats

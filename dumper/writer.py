@@ -66,6 +66,9 @@ def _index_table(columns: dict[str, list]) -> np.ndarray:
     return table
 
 
+_NOT_SHARDED = dict.fromkeys(fmt.SHARDING_COLUMNS, "")
+
+
 class _IndexRows:
     """The index rows of one step, kept column by column (``fmt.INDEX_COLUMNS``). The strings
     that repeat from row to row (a call's group, a tensor's dtype, shape and device) are
@@ -99,7 +102,8 @@ class _IndexRows:
                "device": device, "requires_grad": int(r.requires_grad), "status": r.status,
                "value": r.value, "producer": r.producer, "injected": int(r.injected),
                **dict(zip(fmt.STAT_COLUMNS, stats)), **dict(zip(fmt.SKETCH_COLUMNS, sketch)),
-               "checksum": checksum, "digest": digest}
+               "checksum": checksum, "digest": digest,
+               **(r.sharding.columns() if r.sharding is not None else _NOT_SHARDED)}
         for name, column in self.columns.items():
             column.append(row[name])
 

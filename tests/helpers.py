@@ -7,12 +7,13 @@ from compare.dump import load_dump
 from dumper.encoding import decode_to_tensor
 
 
-def read_tensors(path) -> dict[tuple, torch.Tensor]:
-    """Every stored tensor of a one-step dump, bit-exact, keyed by (module, call_idx, kind, index),
-    with the occurrence appended for a repeated gradient."""
+def read_tensors(path, step: int | None = None, rank: int | None = None
+                 ) -> dict[tuple, torch.Tensor]:
+    """Every stored tensor of a one-step dump (or of its ``step`` of ``rank``), bit-exact, keyed
+    by (module, call_idx, kind, index), with the occurrence appended for a repeated gradient."""
     dump = load_dump(path)
     out = {}
-    for step in dump.steps:
+    for step in [s for s in dump.steps if (step, rank) in {(None, None), (s.step, s.rank)}]:
         with step.open() as reader:
             for row in step.index[step.index["dataset"] != ""].itertuples():
                 key = (row.module, row.call_idx, row.kind, row.index) + (

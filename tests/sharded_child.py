@@ -3,7 +3,7 @@
 usage: RANK=r WORLD_SIZE=n MASTER_ADDR=... MASTER_PORT=... sharded_child.py LAYOUT DIR
 LAYOUT: ``fsdp2`` (``fully_shard`` per block of a small transformer), ``fsdp1``
 (``FullyShardedDataParallel``), ``tp`` (``ColwiseParallel``/``RowwiseParallel`` on an MLP
-block) or ``ddp``. Trains three SGD steps without a dumper, then once per dumper mode, and
+block), ``ddp``, or ``ddp-broken`` (DDP whose gradients are not all-reduced). Trains three SGD steps without a dumper, then once per dumper mode, and
 prints one JSON line: per mode, whether losses, outputs and gradients are bit-identical to
 the plain run, and the step files written.
 """
@@ -88,7 +88,18 @@ def build(layout: str) -> nn.Module:
         return FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
     if layout == "ddp":
         return nn.parallel.DistributedDataParallel(model)
+    if layout == "ddp-broken":  # a communication hook that forgets to all-reduce
+        ddp = nn.parallel.DistributedDataParallel(model)
+        ddp.register_comm_hook(None, _no_all_reduce)
+        return ddp
     raise ValueError(f"unknown layout {layout!r}")
+
+
+def _no_all_reduce(state, bucket):  # no annotation: DDP checks it, and ours are strings
+    """A broken DDP communication hook: each rank keeps its own gradients."""
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
 
 
 def _full(t: torch.Tensor | None) -> torch.Tensor:
@@ -102,8 +113,11 @@ def _full(t: torch.Tensor | None) -> torch.Tensor:
 def train(layout: str, dumper: HookerAndDumper | None) -> list[torch.Tensor]:
     """Losses, outputs, gradients and final weights of ``STEPS`` steps, as whole tensors."""
     model = build(layout)
+    if dumper is not None and layout == "tp":  # ColwiseParallel returns a plain local shard
+        dumper.mark_sharded("1.up", "output", dim=-1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = torch.Generator().manual_seed(dist.get_rank())
+    # data parallel: a batch per rank; tensor parallel: every rank computes on the same batch
+    data = torch.Generator().manual_seed(0 if layout == "tp" else dist.get_rank())
     seen = []
     for step in range(STEPS):
         x = torch.randn(2, 5, 8, generator=data)

@@ -484,3 +484,24 @@ def test_input_consumers_are_found_when_node_wrappers_are_not_cached():
     collector = GradInputCollector({(id(edge), 0): 0}, [edge], lambda *a: None)
     found = collector._find_consumers([_Wrapper.of(chain)], 1, 40)
     assert [node.core.seq for node in found] == [1]
+
+
+def test_marked_shards_get_sharding_columns_in_one_process(tmp_path):
+    """mark_sharded outside torch.distributed: one rank, the shard is the whole tensor; only
+    the marked module, kind and index get the columns."""
+    model = SharedTwice()
+    dumper = HookerAndDumper(tmp_path)
+    dumper.mark_sharded("shared", "output", dim=-1)
+    dumper.mark_sharded(["out"], "input", dim=0, index=1)  # it has one input: no row matches
+    with pytest.raises(ValueError, match="kind must be one of"):
+        dumper.mark_sharded("shared", "outputs", dim=0)
+    with pytest.raises(ValueError, match="at least one module glob"):
+        dumper.mark_sharded([], "output", dim=0)
+    with dumper.hooks(model, 0, 0):
+        loss_of(model(torch.randn(3, 8))).backward()
+    index = load_dump(tmp_path).index
+    marked = index["placements"] != ""
+    assert set(zip(index[marked]["module"], index[marked]["kind"])) == {("shared", "output")}
+    row = index[marked].iloc[0]
+    assert (row["mesh_shape"], row["placements"], row["global_shape"], row["offsets"]) == (
+        (1,), "S(1)", (3, 8), (0, 0))

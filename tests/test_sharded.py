@@ -1,5 +1,7 @@
 """Sharded training (FSDP2, FSDP1, tensor parallel, DDP; 2 processes on gloo) with the dumper
-attached, in every mode: it trains, and bit-for-bit as without the dumper."""
+attached, in every mode: it trains, and bit-for-bit as without the dumper; sharded tensors are
+dumped as shards that put together make the global tensor; the ranks agree where they must
+(``h5cmp RUN --ranks``), and a broken all-reduce is found."""
 from __future__ import annotations
 
 import json
@@ -10,9 +12,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from click.testing import CliRunner
+
+from compare.cli import main as h5cmp
 from compare.dump import load_dump
+from compare.ranks import compare_ranks
+
+from helpers import read_tensors
 
 CHILD = Path(__file__).with_name("sharded_child.py")
 WORLD = 2
@@ -61,3 +70,81 @@ def test_sharded_training_is_bit_identical_with_the_dumper(layout, tmp_path):
         dump = load_dump(tmp_path / mode)
         assert sorted((s.step, s.rank) for s in dump.steps) == [
             (step, rank) for step in (0, 2) for rank in range(WORLD)]
+    for mode in reports[0]["modes"]:  # healthy runs: the ranks agree where they must
+        agreed = compare_ranks(tmp_path / mode)
+        assert len(agreed) and (agreed["status"] == "equal").all(), (layout, mode)
+    result = CliRunner().invoke(h5cmp, [str(tmp_path / "default"), "--ranks"])
+    assert result.exit_code == 0 and "every rank agrees with rank 0 bit for bit" in result.output
+    if layout == "tp":
+        _check_tensor_parallel_shards(tmp_path / "params")
+    if layout == "fsdp2":
+        _check_fsdp2_gradient_shards(tmp_path / "params")
+
+
+def _rows(dump_dir: Path, step: int = 0):
+    index = load_dump(dump_dir).index
+    return index[(index["step"] == step) & (index["dataset"] != "")]
+
+
+def _check_tensor_parallel_shards(dump_dir: Path) -> None:
+    """DTensor parameters and activations are dumped as each rank's shard, with mesh,
+    placements, global shape and offsets; the shards put together are the global values (the
+    initial weights, built here as the ranks built them); a plain tensor marked with
+    mark_sharded gets the same columns."""
+    import sharded_child
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), sharded_child.MLP(16),
+                                    torch.nn.Linear(16, 4))
+    rows = _rows(dump_dir)
+    expected = {("1.up", "param", 0): ("S(0)", (64, 16), lambda r: (32 * r, 0)),
+                ("1.up", "param", 1): ("S(0)", (64,), lambda r: (32 * r,)),
+                ("1.down", "param", 0): ("S(1)", (16, 64), lambda r: (0, 32 * r)),
+                ("1.down", "param", 1): ("R", (16,), lambda r: (0,)),
+                ("1.up", "input", 0): ("R", (2, 5, 16), lambda r: (0, 0, 0)),
+                ("1.down", "input", 0): ("S(2)", (2, 5, 64), lambda r: (0, 0, 32 * r)),
+                ("1.up", "output", 0): ("S(2)", (2, 5, 64), lambda r: (0, 0, 32 * r))}
+    for (module, kind, index), (placement, global_shape, offsets) in expected.items():
+        mine = rows[(rows["module"] == module) & (rows["kind"] == kind) & (rows["index"] == index)]
+        assert sorted(mine["rank"]) == list(range(WORLD)), (module, kind)
+        for row in mine.itertuples():
+            assert (row.mesh_shape, row.placements, row.global_shape, row.offsets) == (
+                (WORLD,), placement, global_shape, offsets(row.rank)), (module, kind, row)
+    assert (rows[rows["module"] == "0"]["placements"] == "").all()  # not sharded
+    for module, name, dim in (("1.up", "weight", 0), ("1.down", "weight", 1)):
+        shards = [read_tensors(dump_dir, step=0, rank=r)[(module, 0, "param", 0)]
+                  for r in range(WORLD)]
+        whole = reference.get_submodule(module).get_parameter(name).detach()
+        assert torch.equal(torch.cat(shards, dim), whole), module
+
+
+def _check_fsdp2_gradient_shards(dump_dir: Path) -> None:
+    """FSDP2's parameter gradients are reduce-scattered DTensors: dumped as shards along dim 0."""
+    grads = _rows(dump_dir).query("kind == 'param_grad'")
+    assert len(grads) and (grads["placements"] == "S(0)").all()
+    for row in grads.itertuples():
+        assert row.offsets[0] == row.rank * row.shape[0] and row.global_shape[0] == (
+            WORLD * row.shape[0]), row
+
+
+@pytest.mark.slow
+def test_a_broken_all_reduce_is_found_by_comparing_ranks(tmp_path):
+    """DDP whose communication hook does not all-reduce: each rank steps with its own gradient,
+    so at the next dumped step (2) the replicas' weights differ; step 0 agrees."""
+    launch("ddp-broken", tmp_path)
+    for mode in ("default", "stats", "params"):
+        result = CliRunner().invoke(h5cmp, [str(tmp_path / mode), "--ranks"])
+        assert result.exit_code == 1, (mode, result.output)
+        assert result.output.startswith("first disagreement: step 0:2, rank 1 differs from "
+                                        "rank 0 in embed.Linear#0 param[0] weight"), result.output
+        frame = compare_ranks(tmp_path / mode)
+        assert (frame[frame["step"] == 0]["status"] == "equal").all()
+        assert (frame[frame["step"] == 2]["status"] != "equal").all()
+
+
+def test_comparing_ranks_needs_a_distributed_dump(tmp_path):
+    from helpers import dump_run
+    run = dump_run(tmp_path / "run", steps=1)
+    result = CliRunner().invoke(h5cmp, [str(run), "--ranks"])
+    assert result.exit_code == 2
+    assert "comparing ranks needs a dump of two or more ranks (it holds no distributed step)" \
+        in result.output

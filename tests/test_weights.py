@@ -129,6 +129,16 @@ def test_version_4_dumps_are_read_without_micro_batches(tmp_path):
     assert CliRunner().invoke(main, [str(a), str(b)]).exit_code == 0
 
 
+def test_version_7_dumps_are_read_as_not_sharded(tmp_path):
+    a = _train(tmp_path / "a", 0.05)
+    b = _train(tmp_path / "b", 0.05)
+    _as_version(a, 7)
+    index = load_dump(a).index
+    assert (index["placements"] == "").all() and set(index["offsets"]) == {()}
+    assert set(load_dump(b).index.columns) == set(index.columns)
+    assert (compare_dumps(a, b)["status"] == "equal").all()
+
+
 class OddNames(torch.nn.Module):
     """Module names with spaces, slashes, colons and non-ASCII letters."""
 
