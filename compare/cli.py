@@ -126,7 +126,7 @@ def main(a: Path, b: Optional[Path], track: Optional[str], debug: bool, **option
 
 def compare_command(a: Path, b: Path, opts: Options) -> int:
     """Run one comparison as ``h5cmp A B`` does; returns the exit status."""
-    from .comparison import NAME_MAPPING, NOT_COMPARED, compare_dumps
+    from .comparison import ASSEMBLED, NAME_MAPPING, NOT_COMPARED, compare_dumps
     from .dump import load_dump
     from .pairing import align_ranks, select
     from .plot import check_plot_path, plot_errors, plot_heatmap
@@ -138,7 +138,8 @@ def compare_command(a: Path, b: Path, opts: Options) -> int:
     for picture in (opts.plot, opts.heatmap):
         if picture is not None:
             check_plot_path(picture)
-    dump_a, dump_b, note = align_ranks(load_dump(a), load_dump(b), opts.rank)
+    full_a, full_b = load_dump(a), load_dump(b)  # compare_dumps may put shards together
+    dump_a, dump_b, note = align_ranks(full_a, full_b, opts.rank)
     if opts.suggest_map:
         from .suggest import suggest_mapping
         suggested = suggest_mapping(dump_a, dump_b)
@@ -156,10 +157,12 @@ def compare_command(a: Path, b: Path, opts: Options) -> int:
     total = int((dump_a.index["dataset"] != "").sum())
     with click.progressbar(length=total, label="comparing", file=sys.stderr,
                            hidden=not show_progress) as bar:
-        result = compare_dumps(dump_a, dump_b, opts.rtol, opts.atol, steps=opts.steps,
-                               jobs=opts.jobs, progress=bar.update, mapping=mapping)
+        result = compare_dumps(full_a, full_b, opts.rtol, opts.atol, steps=opts.steps,
+                               rank=opts.rank, jobs=opts.jobs, progress=bar.update,
+                               mapping=mapping)
     if not opts.quiet:
-        for note in [result.attrs.get(NAME_MAPPING), *result.attrs.get(NOT_COMPARED, ())]:
+        for note in [result.attrs.get(NAME_MAPPING), result.attrs.get(ASSEMBLED),
+                     *result.attrs.get(NOT_COMPARED, ())]:
             if note:
                 click.echo(f"h5cmp: {note}", err=True)
     summary = summarize(result)  # of every record: the filters below only choose what is shown

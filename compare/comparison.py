@@ -20,6 +20,7 @@ from .dump import Dump, PathLike, dataset_of, load_dump, open_h5, read_chunks
 from .errors import DumpError
 from . import format as fmt
 from .alignment import align_ops
+from .assembly import PartReader, assemble, compare_parts, sharded_ranks, whole_part
 from .mapping import NameMapping, find_prefix, load_mapping
 from .metrics import METRIC_COLUMNS, ErrorAccumulator
 from .pairing import (KEY, align_ranks, outside_compiled_regions, pair_records,
@@ -36,7 +37,7 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 20  # elements read per dataset slice (4 MiB of fl
 PAIR_COLUMNS = [
     "epoch", "step", "rank", "seq", "call", "module", "cls", "call_idx", "micro_batch", "kind",
     "index", "occurrence", "path", "producer", "injected", "dtype_a", "dtype_b", "shape_a",
-    "shape_b", "status", *METRIC_COLUMNS, "rtol", "atol",
+    "shape_b", "status", *METRIC_COLUMNS, "rtol", "atol", "shard_rank",
 ]
 RESULT_COLUMNS = PAIR_COLUMNS + list(VERDICT_COLUMNS)
 # result.attrs key: the compared steps a dumper marked incomplete, as "B's step 0:1 (why)"
@@ -45,6 +46,8 @@ INCOMPLETE_STEPS = "incomplete_steps"
 NAME_MAPPING = "name_mapping"
 # result.attrs key: what one side recorded that the other's dumper was not asked to record
 NOT_COMPARED = "not_compared"
+# result.attrs key: how a sharded side's tensors were put together ("" when none was)
+ASSEMBLED = "assembled"
 
 
 def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Optional[float] = None,
@@ -75,9 +78,17 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     explains them (a model wrapped one level deeper), B is renamed by that prefix. Either
     way ``result.attrs[NAME_MAPPING]`` says how ("" when B kept its names).
     """
-    dump_a, dump_b, _ = align_ranks(load_dump(a), load_dump(b), rank)
+    full_a, full_b = load_dump(a), load_dump(b)
+    dump_a, dump_b, _ = align_ranks(full_a, full_b, rank)
     _check_distinct(dump_a, dump_b)
     rows_a, rows_b = tensor_rows(dump_a, steps), tensor_rows(dump_b, steps)
+    assembled = _assembled_side(full_a, full_b)
+    if assembled:
+        base = dump_a.steps[0].rank
+        if assembled == "A":
+            rows_a = assemble(full_a, steps, base)
+        else:
+            rows_b = assemble(full_b, steps, base)
     if rows_a.empty and rows_b.empty:
         held = sorted({f"{s.epoch}:{s.step}" for s in dump_a.steps + dump_b.steps})
         raise DumpError(f"{dump_a.path} / {dump_b.path}: nothing to compare: no tensor record"
@@ -106,7 +117,8 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
                 progress(len(result))
     paired = files_a.keys() & files_b.keys()
     # compiled code (fused kernels) rounds otherwise than eager code, even in the same dtypes
-    kernels = not (compiled_a or compiled_b) and all(
+    # and so do shards computed apart and put together (partial sums reduced in another order)
+    kernels = not (compiled_a or compiled_b or assembled) and all(
         fmt.same_kernels(files_a[k].attrs, files_b[k].attrs) for k in paired)
     tf32 = tuple(tuple(any(fmt.tf32_allowed(files[k].attrs)[i] for k in paired) for i in (0, 1))
                  for files in (files_a, files_b))
@@ -117,11 +129,24 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
                 pairs[["epoch", "step", "rank"]].drop_duplicates().itertuples(index=False)}
     result.attrs[NAME_MAPPING] = mapping.describe() if mapping is not None else ""
     result.attrs[NOT_COMPARED] = not_compared
+    result.attrs[ASSEMBLED] = "" if not assembled else (
+        f"{assembled}'s sharded tensors are put together from its ranks' shards; its other "
+        f"records are rank {base}'s")
     result.attrs[INCOMPLETE_STEPS] = [
         f"{side}'s step {f.label} ({f.incomplete})" for side, files in (("A", files_a),
                                                                           ("B", files_b))
         for key, f in sorted(files.items()) if f.incomplete and key in compared]
     return result
+
+
+def _assembled_side(a: Dump, b: Dump) -> str:
+    """"A" or "B": the side whose sharded tensors are put together (:mod:`compare.assembly`),
+    because it is distributed with shards and the other is not distributed; "" for neither."""
+    distributed = [any(s.rank is not None for s in d.steps) for d in (a, b)]
+    if distributed[0] != distributed[1]:
+        side, dump = ("A", a) if distributed[0] else ("B", b)
+        return side if sharded_ranks(dump) else ""
+    return ""
 
 
 def _name_mapping(given: Union[NameMapping, PathLike, None], rows_a: pd.DataFrame,
@@ -169,6 +194,8 @@ class _PairRef(NamedTuple):
     checksum_b: int
     digest_a: int
     digest_b: int
+    parts_a: tuple   # a sharded tensor's parts (compare.assembly), () for a stored one
+    parts_b: tuple
     normalized: int  # parameter length of the normalization it is the input of, else 0
     stats_a: tuple
     stats_b: tuple
@@ -186,6 +213,11 @@ class _PairRef(NamedTuple):
         return (self.digest_a != fmt.NO_DIGEST or self.digest_b != fmt.NO_DIGEST) and all(
             digest != fmt.NO_DIGEST or dataset for digest, dataset in (
                 (self.digest_a, self.dataset_a), (self.digest_b, self.dataset_b)))
+
+    @property
+    def assembled(self) -> bool:
+        """A side is a sharded tensor put together from its parts (compare.assembly)."""
+        return bool(self.parts_a) or bool(self.parts_b)
 
     @property
     def dropped(self) -> bool:
@@ -228,13 +260,17 @@ def _run_task(task: tuple) -> dict[int, dict]:
     out: dict[int, dict] = {}
     acc: Optional[ErrorAccumulator] = None
     with open_h5(path_a) as fa, open_h5(path_b) as fb:
-        values = [r for r in records if r.both_values and not r.dropped and not r.hashed]
+        values = [r for r in records if r.both_values and not r.dropped and not r.hashed
+                  and not r.assembled]
         side_a, side_b = (_Side(path, hard_link(path, f, group, "step group", h5py.Group))
                           for path, f, group in ((path_a, fa, group_a), (path_b, fb, group_b)))
         pieces = _pair_pieces(side_a, side_b, values, chunk_elements)
+        blocks = PartReader()
         try:
             for r in records:
-                if r.hashed and not r.dropped:
+                if r.assembled and not (r.dropped or r.unsupported):
+                    out[r.row] = _compare_assembled(side_a, side_b, r, rtol, atol, blocks)
+                elif r.hashed and not r.dropped:
                     out[r.row] = _compare_digests(r)
                 elif r.dropped or not r.both_values:
                     out[r.row] = _compare_described(side_a, side_b, r, chunk_elements, rtol,
@@ -255,7 +291,29 @@ def _run_task(task: tuple) -> dict[int, dict]:
         except (KeyError, OSError, RuntimeError) as exc:  # what h5py raises on damaged files
             raise DumpError(f"{path_a} / {path_b}: cannot read a tensor ({exc}); the file is "
                             f"damaged") from exc
+        finally:
+            blocks.close()
     return out
+
+
+def _compare_assembled(side_a: "_Side", side_b: "_Side", r: _PairRef, rtol, atol,
+                       blocks: PartReader) -> dict:
+    """A pair where a side is a sharded tensor put together from its parts: compared region
+    by region (:func:`compare.assembly.compare_parts`); the other side, if stored whole, is
+    one part of itself."""
+    tol = pair_tolerance(r.dtype_a, r.dtype_b, rtol, atol)
+    if tuple(r.shape_a) != tuple(r.shape_b):
+        return {"status": SHAPE_MISMATCH, "rtol": tol.rtol, "atol": tol.atol}
+    if not r.both_values:  # values put together against statistics: not supported
+        return {"status": UNSUPPORTED, "rtol": tol.rtol, "atol": tol.atol}
+    parts = [parts or (whole_part(side.path, side.group.name.lstrip("/"), group, dataset, dtype,
+                                  encoding, shape, checksum),)
+             for parts, side, group, dataset, dtype, encoding, shape, checksum in (
+                 (r.parts_a, side_a, r.group_a, r.dataset_a, r.dtype_a, r.encoding_a, r.shape_a,
+                  r.checksum_a),
+                 (r.parts_b, side_b, r.group_b, r.dataset_b, r.dtype_b, r.encoding_b, r.shape_b,
+                  r.checksum_b))]
+    return compare_parts(parts[0], parts[1], tol, blocks)
 
 
 class _Side(NamedTuple):
@@ -384,7 +442,7 @@ def _result_frame(pairs: pd.DataFrame, metrics: dict[int, dict]) -> pd.DataFrame
         lone = (frame["side"] == side).to_numpy()
         frame.loc[lone & ~op, "status"] = missing
         frame.loc[lone & op, "status"] = op_only
-    for col in [*METRIC_COLUMNS, "rtol", "atol"]:
+    for col in [*METRIC_COLUMNS, "rtol", "atol", "shard_rank"]:
         if col not in frame:
             frame[col] = np.nan
     frame["rank"] = frame["rank"].where(frame["rank"] >= 0, None)

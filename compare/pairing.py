@@ -14,8 +14,8 @@ from .errors import DumpError
 STEP_KEY = ["epoch", "step", "rank"]
 KEY = [*STEP_KEY, "module", "call_idx", "kind", "index", "occurrence"]
 SIDE_COLUMNS = ["seq", "call", "cls", "micro_batch", "group", "path", "dtype", "shape", "encoding",
-                "dataset", "status", "checksum", "digest", "producer", "injected", *fmt.STAT_COLUMNS,
-                *fmt.SKETCH_COLUMNS]
+                "dataset", "status", "checksum", "digest", "producer", "injected", "parts",
+                *fmt.STAT_COLUMNS, *fmt.SKETCH_COLUMNS]
 
 
 def align_ranks(a: Dump, b: Dump, rank: Optional[int] = None
@@ -65,7 +65,8 @@ def tensor_rows(dump: Dump, steps: Optional[Iterable[str]] = None) -> pd.DataFra
     if steps:
         wanted = list(steps)
         rows = rows[[_step_matches(e, s, wanted) for e, s in zip(rows["epoch"], rows["step"])]]
-    return rows.assign(rank=rows["rank"].fillna(-1).astype(int))
+    # parts: where a sharded tensor's values are (compare.assembly); none for a stored tensor
+    return rows.assign(rank=rows["rank"].fillna(-1).astype(int), parts=[()] * len(rows))
 
 
 def select(rows: pd.DataFrame, modules: Optional[Iterable[str]] = None,

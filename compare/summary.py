@@ -82,6 +82,9 @@ class Divergence:
                        f"hash record holds a digest, not values: dump this step with values or "
                        f"statistics to measure the error, status {r['status']}")
         lines = [f"first divergence: {where}", f"  {figures}"]
+        if pd.notna(r.get("shard_rank", np.nan)):  # a sharded tensor put together
+            lines.append(f"  put together from the ranks' shards: the largest error is in rank "
+                         f"{int(r['shard_rank'])}'s shard")
         if r["reason"]:
             lines.append(f"  why: {r['reason']}")
         if len(self.aliases):

@@ -68,9 +68,28 @@ def compiled_in_place(module: nn.Module) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None
 
 
+# Attributes under which wrapper modules keep the module they wrap and call: FSDP1's
+# FullyShardedDataParallel, activation checkpointing's checkpoint_wrapper / offload_wrapper.
+WRAPPED_ATTRIBUTES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def _is_wrapper(module: nn.Module) -> bool:
+    return any(isinstance(getattr(module, a, None), nn.Module) for a in WRAPPED_ATTRIBUTES)
+
+
+def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``model.named_modules()`` as dumps name them: without the wrapper modules of
+    :data:`WRAPPED_ATTRIBUTES`, each wrapped module under its wrapper's path (so that a model
+    wrapped by FSDP1 or activation checkpointing pairs with the plain one; the wrapper only
+    calls the module it wraps, whose hooks record the call)."""
+    for path, module in model.named_modules():
+        if not _is_wrapper(module):
+            yield ".".join(p for p in path.split(".") if p not in WRAPPED_ATTRIBUTES), module
+
+
 def compiled_regions(model: nn.Module) -> list[str]:
     """Paths of the outermost modules of ``model`` compiled in place."""
-    paths = [path for path, m in model.named_modules() if compiled_in_place(m)]
+    paths = [path for path, m in named_modules(model) if compiled_in_place(m)]
     return [p for p in paths if not any(p.startswith(q + ".") or not q for q in paths if q != p)]
 
 
@@ -87,13 +106,13 @@ def runs_hooks(module: nn.Module) -> bool:
 
 
 def hookable_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``model.named_modules()`` less the modules that do not :func:`runs_hooks`."""
-    return ((path, m) for path, m in model.named_modules() if runs_hooks(m))
+    """:func:`named_modules` less the modules that do not :func:`runs_hooks`."""
+    return ((path, m) for path, m in named_modules(model) if runs_hooks(m))
 
 
 def unhookable_roots(model: nn.Module) -> list[str]:
     """Paths of the outermost submodules that do not :func:`runs_hooks`."""
-    paths = [path for path, m in model.named_modules() if not runs_hooks(m)]
+    paths = [path for path, m in named_modules(model) if not runs_hooks(m)]
     return [p for p in paths if not any(p.startswith(q + ".") for q in paths)]
 
 

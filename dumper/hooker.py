@@ -14,7 +14,7 @@ from torch.utils.hooks import RemovableHandle
 from compare import format as fmt
 from compare.dump import Dump
 
-from .calls import compiled_regions, hook_target, runs_hooks, unhookable_roots
+from .calls import compiled_regions, hook_target, named_modules, runs_hooks, unhookable_roots
 from .capture import StepCapture
 from .claim import PublishedFiles, StepClaim, StepConflictError
 from .consumers import Consumer, Consumers
@@ -141,18 +141,19 @@ class HookerAndDumper:
         next dumped step on."""
         return self._consumers.add(fn, kinds, modules)
 
-    def mark_sharded(self, modules: Patterns, kind: str, dim: int, index: Optional[int] = None,
-                     group: Optional[object] = None) -> None:
+    def mark_sharded(self, modules: Patterns, kinds: Union[str, Iterable[str]], dim: int,
+                     index: Optional[int] = None, group: Optional[object] = None) -> None:
         """Declare plain tensors to be shards (a hand-written tensor-parallel layer): for
-        modules matching the ``modules`` globs, tensor ``index`` (all when None) of ``kind``
-        is this rank's equal part, along dimension ``dim``, of a tensor split over the ranks of
+        modules matching the ``modules`` globs, tensor ``index`` (all when None) of each of
+        ``kinds`` is this rank's equal part, along dimension ``dim``, of a tensor split over the ranks of
         the process ``group`` (the default group; one rank without torch.distributed) in rank
         order. Their rows get the sharding columns a ``DTensor``'s get (docs/format.md), so
         that a comparison can put the shards together. ``DTensor`` needs no mark."""
         patterns = (modules,) if isinstance(modules, str) else tuple(modules or ())
         if not patterns:
             raise ValueError("mark_sharded needs at least one module glob")
-        self._shard_marks.add(patterns, kind, int(dim), index, group)
+        for kind in (kinds,) if isinstance(kinds, str) else kinds:
+            self._shard_marks.add(patterns, kind, int(dim), index, group)
 
     def in_window(self, epoch: int, step: int) -> bool:
         return epoch in self.epochs and step in self.steps
@@ -369,7 +370,7 @@ def _warn_if_scripted_inside(model: nn.Module) -> None:
 def _warn_if_compiled_inside(model: nn.Module, compiled: list[str]) -> None:
     """Regional compilation: the compiled modules are recorded at their boundaries (their hooks
     run eagerly), the modules inside them run as compiled code and are not recorded."""
-    inside = [p for p, _ in model.named_modules()
+    inside = [p for p, _ in named_modules(model)
               if any(fmt.contains(c, p) and p != c for c in compiled)]
     if inside:
         names = ", ".join(c or fmt.ROOT_NAME for c in compiled[:3])

@@ -3,7 +3,8 @@
 usage: RANK=r WORLD_SIZE=n MASTER_ADDR=... MASTER_PORT=... sharded_child.py LAYOUT DIR
 LAYOUT: ``fsdp2`` (``fully_shard`` per block of a small transformer), ``fsdp1``
 (``FullyShardedDataParallel``), ``tp`` (``ColwiseParallel``/``RowwiseParallel`` on an MLP
-block), ``ddp``, or ``ddp-broken`` (DDP whose gradients are not all-reduced). Trains three SGD steps without a dumper, then once per dumper mode, and
+block; ``tp-planted``: rank 1's shard of its first layer's output is 1 % off), ``ddp``, or
+``ddp-broken`` (DDP whose gradients are not all-reduced). Trains three SGD steps without a dumper, then once per dumper mode, and
 prints one JSON line: per mode, whether losses, outputs and gradients are bit-identical to
 the plain run, and the step files written.
 """
@@ -69,13 +70,15 @@ class Transformer(nn.Module):
 
 def build(layout: str) -> nn.Module:
     torch.manual_seed(0)
-    if layout == "tp":
+    if layout.startswith("tp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                        parallelize_module)
         model = nn.Sequential(nn.Linear(8, 16), MLP(16), nn.Linear(16, 4))
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         parallelize_module(model, mesh, {"1.up": ColwiseParallel(), "1.down": RowwiseParallel()})
+        if layout == "tp-planted" and dist.get_rank() == 1:  # a wrong kernel on one rank
+            model[1].up.register_forward_hook(lambda module, args, out: out * 1.01)
         return model
     model = Transformer()
     if layout == "fsdp2":
@@ -113,11 +116,13 @@ def _full(t: torch.Tensor | None) -> torch.Tensor:
 def train(layout: str, dumper: HookerAndDumper | None) -> list[torch.Tensor]:
     """Losses, outputs, gradients and final weights of ``STEPS`` steps, as whole tensors."""
     model = build(layout)
-    if dumper is not None and layout == "tp":  # ColwiseParallel returns a plain local shard
-        dumper.mark_sharded("1.up", "output", dim=-1)
+    if dumper is not None and layout.startswith("tp"):  # ColwiseParallel returns a plain
+        # local shard, which the activation computes on
+        dumper.mark_sharded("1.up", ["output", "grad_output"], dim=-1)
+        dumper.mark_sharded("1.act", ["input", "output", "grad_input", "grad_output"], dim=-1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     # data parallel: a batch per rank; tensor parallel: every rank computes on the same batch
-    data = torch.Generator().manual_seed(0 if layout == "tp" else dist.get_rank())
+    data = torch.Generator().manual_seed(0 if layout.startswith("tp") else dist.get_rank())
     seen = []
     for step in range(STEPS):
         x = torch.randn(2, 5, 8, generator=data)

@@ -505,3 +505,30 @@ def test_marked_shards_get_sharding_columns_in_one_process(tmp_path):
     row = index[marked].iloc[0]
     assert (row["mesh_shape"], row["placements"], row["global_shape"], row["offsets"]) == (
         (1,), "S(1)", (3, 8), (0, 0))
+
+
+def test_wrapped_models_pair_with_the_plain_one(tmp_path):
+    """Activation checkpointing's wrapper (like FSDP1's, tests/test_sharded.py) is left out of
+    module paths: the wrapped model dumps under the plain model's names, and the two dumps pair
+    record for record (and agree bit for bit: recomputation changes no value)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing)
+    from compare import compare_dumps
+    from dumper import module_keys
+    from sharded_child import Block, Transformer
+    x = torch.randn(2, 5, 8)
+
+    def run(directory, wrap: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = Transformer()
+        if wrap:
+            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+        with HookerAndDumper(directory).hooks(model, 0, 0):
+            loss_of(model(x)).backward()
+        return model
+
+    plain, wrapped = run(tmp_path / "plain", False), run(tmp_path / "wrapped", True)
+    assert any("_checkpoint_wrapped_module" in path for path, _ in wrapped.named_modules())
+    assert module_keys(wrapped) == module_keys(plain)
+    result = compare_dumps(tmp_path / "plain", tmp_path / "wrapped")
+    assert len(result) > 50 and set(result["status"]) == {"equal"}

@@ -17,9 +17,11 @@ import torch.distributed as dist
 
 from click.testing import CliRunner
 
+from compare import compare_dumps
 from compare.cli import main as h5cmp
 from compare.dump import load_dump
 from compare.ranks import compare_ranks
+from compare.status import FAILING
 
 from helpers import read_tensors
 
@@ -75,10 +77,23 @@ def test_sharded_training_is_bit_identical_with_the_dumper(layout, tmp_path):
         assert len(agreed) and (agreed["status"] == "equal").all(), (layout, mode)
     result = CliRunner().invoke(h5cmp, [str(tmp_path / "default"), "--ranks"])
     assert result.exit_code == 0 and "every rank agrees with rank 0 bit for bit" in result.output
+    if layout == "fsdp1":  # FullyShardedDataParallel is left out of the paths
+        _check_plain_names(tmp_path / "default")
     if layout == "tp":
         _check_tensor_parallel_shards(tmp_path / "params")
+        _check_against_one_process(tmp_path)
     if layout == "fsdp2":
         _check_fsdp2_gradient_shards(tmp_path / "params")
+
+
+def _check_plain_names(dump_dir: Path) -> None:
+    import sharded_child
+    from compare import format as fmt
+    from dumper import module_keys
+    index = load_dump(dump_dir).index
+    keys = {fmt.module_key(m, c) for m, c in zip(index["module"], index["cls"])}
+    assert "Transformer" in keys and "blocks.0.mlp.up.Linear" in keys  # the plain model's names
+    assert keys <= set(module_keys(sharded_child.Transformer()))
 
 
 def _rows(dump_dir: Path, step: int = 0):
@@ -148,3 +163,56 @@ def test_comparing_ranks_needs_a_distributed_dump(tmp_path):
     assert result.exit_code == 2
     assert "comparing ranks needs a dump of two or more ranks (it holds no distributed step)" \
         in result.output
+
+
+def _tensor_parallel_in_one_process(directory: Path, **options) -> None:
+    """The tensor-parallel child's model, data and steps in this process, unsharded."""
+    import sharded_child
+    from dumper import HookerAndDumper
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), sharded_child.MLP(16),
+                                torch.nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(0)
+    dumper = HookerAndDumper(directory, steps=[0, 2], **options)
+    for step in range(sharded_child.STEPS):
+        x = torch.randn(2, 5, 8, generator=data)
+        with dumper.hooks(model, 0, step):
+            model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _check_against_one_process(tmp_path: Path) -> None:
+    """TP=2 against the same model in one process: every sharded tensor (DTensor or marked) is
+    put together from the two ranks' shards, and the healthy pair agrees within rounding, in
+    values (params) and with statistics for the weights (default)."""
+    for mode, options in (("default", {}), ("params", {"params": True})):
+        single = tmp_path / f"single-{mode}"
+        _tensor_parallel_in_one_process(single, **options)
+        result = compare_dumps(tmp_path / mode, single)
+        failing = result[result["status"].isin(FAILING)]  # weights drifted apart: inherited
+        assert failing.empty, failing[["module", "kind", "index", "status", "shape_a"]]
+        assert (result[result["step"] == 0]["status"].isin(["equal", "close"])).all()
+        assembled = result[result["shard_rank"].notna()]
+        assert {("1.up", "output"), ("1.down", "input"), ("1.act", "output")} <= set(
+            zip(assembled["module"], assembled["kind"]))
+        cli = CliRunner().invoke(h5cmp, [str(tmp_path / mode), str(single)])
+        assert cli.exit_code == 0, cli.output
+        assert "A's sharded tensors are put together from its ranks' shards" in cli.output
+
+
+@pytest.mark.slow
+def test_a_planted_error_in_one_ranks_shard_is_found_and_attributed(tmp_path):
+    """Rank 1's shard of a column-parallel output 1 % off: against one process, the first
+    divergence is that output, and its largest error is in rank 1's shard."""
+    launch("tp-planted", tmp_path)
+    single = tmp_path / "single"
+    _tensor_parallel_in_one_process(single)
+    cli = CliRunner().invoke(h5cmp, [str(tmp_path / "default"), str(single)])
+    assert cli.exit_code == 1, cli.output
+    assert "first at step 0:0 rank 0 forward in 1.up (output[0])" in cli.output, cli.output
+    assert "the largest error is in rank 1's shard" in cli.output
+    result = compare_dumps(tmp_path / "default", single)
+    first = result[result["status"] == "DIFF"].iloc[0]
+    assert (first["module"], first["kind"], first["shard_rank"]) == ("1.up", "output", 1)
