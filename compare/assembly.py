@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Callable, NamedTuple, Optional
+from typing import Iterator, NamedTuple
 
 import h5py
 import numpy as np
@@ -126,30 +126,47 @@ def _whole_stats(shards: pd.DataFrame) -> tuple:
 
 
 class PartReader:
-    """Reads blocks of parts, keeping their files open while a task runs."""
+    """Reads blocks of parts, keeping their files open while a task runs, and checks a part
+    read whole, in consecutive slabs, against its checksum."""
 
     def __init__(self) -> None:
         self._files: dict[str, h5py.File] = {}
+        self._sums: dict[Part, fmt.DataChecksum] = {}
 
     def read(self, part: Part, lo: tuple, hi: tuple) -> np.ndarray:
+        """The block ``lo:hi`` (global coordinates) of ``part``, decoded."""
         f = self._files.get(part.path)
         if f is None:
             f = self._files[part.path] = open_h5(Path(part.path))
         ds = dataset_of(Path(part.path), f[part.step_group], part.group, part.dataset,
                         part.dtype, part.encoding, part.shape)
         box = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, part.offsets))
-        whole = all(b - a == s for a, b, s in zip(lo, hi, part.shape))
-        raw = ds[()] if not box else ds[box]
-        if whole and part.checksum != fmt.NO_CHECKSUM:  # a block that is the whole shard
-            computed = fmt.DataChecksum()
-            computed.update(raw)
-            check_checksum(ds, part.checksum, computed.value)
-        return decode(np.asarray(raw), part.dtype, part.encoding)
+        raw = np.asarray(ds[box] if box else ds[()])
+        self._check(part, ds, lo, hi, raw)
+        return decode(raw, part.dtype, part.encoding)
+
+    def _check(self, part: Part, ds: h5py.Dataset, lo: tuple, hi: tuple,
+               raw: np.ndarray) -> None:
+        """Slabs of whole rows of a part, read in order from its first row: their checksum,
+        once the last is read, must be the part's."""
+        if part.checksum == fmt.NO_CHECKSUM or any(
+                a != o or b != o + s for a, b, o, s in list(zip(lo, hi, part.offsets,
+                                                                part.shape))[1:]):
+            return
+        if lo[:1] == part.offsets[:1]:
+            self._sums[part] = fmt.DataChecksum()
+        running = self._sums.get(part)
+        if running is None:
+            return
+        running.update(raw)
+        if not hi or hi[0] == part.offsets[0] + part.shape[0]:
+            check_checksum(ds, part.checksum, self._sums.pop(part).value)
 
     def close(self) -> None:
         for f in self._files.values():
             f.close()
         self._files.clear()
+        self._sums.clear()
 
 
 def _regions(parts: tuple[Part, ...]) -> dict[tuple, list[Part]]:
@@ -160,41 +177,48 @@ def _regions(parts: tuple[Part, ...]) -> dict[tuple, list[Part]]:
     return regions
 
 
+def _slabs(lo: tuple, hi: tuple, max_elements: int) -> Iterator[tuple[tuple, tuple]]:
+    """The box ``lo:hi`` cut along its first dimension into slabs of at most ``max_elements``
+    elements (at least one row each)."""
+    if not lo:
+        yield lo, hi
+        return
+    row = math.prod(b - a for a, b in zip(lo[1:], hi[1:]))
+    step = max(1, max_elements // max(1, row))
+    for start in range(lo[0], hi[0], step):
+        yield (start, *lo[1:]), (min(start + step, hi[0]), *hi[1:])
+
+
 def compare_parts(parts_a: tuple[Part, ...], parts_b: tuple[Part, ...], tol: Tolerance,
-                  blocks: Optional[PartReader] = None) -> dict:
+                  reader: PartReader, max_elements: int) -> dict:
     """Metrics of a pair of global tensors given as parts (a side stored whole is one part at
-    offset 0), and ``shard_rank``: the rank of the shard holding the largest error."""
-    own = blocks is None
-    blocks = blocks or PartReader()
+    offset 0, :func:`whole_part`), read in slabs of at most ``max_elements`` elements, and
+    ``shard_rank``: the rank of the shard holding the largest absolute error."""
     acc, worst, worst_rank = ErrorAccumulator(tol), -1.0, math.nan
-    try:
-        for (offsets_a, shape_a), side_a in _regions(parts_a).items():
-            for (offsets_b, shape_b), side_b in _regions(parts_b).items():
-                lo = tuple(max(x, y) for x, y in zip(offsets_a, offsets_b))
-                hi = tuple(min(x + s, y + t) for x, s, y, t in zip(offsets_a, shape_a,
-                                                                   offsets_b, shape_b))
-                if any(b <= a for a, b in zip(lo, hi)):
-                    continue
-                a, b = (_block(side, lo, hi, blocks.read) for side in (side_a, side_b))
+    for (offsets_a, shape_a), side_a in _regions(parts_a).items():
+        for (offsets_b, shape_b), side_b in _regions(parts_b).items():
+            lo = tuple(max(x, y) for x, y in zip(offsets_a, offsets_b))
+            hi = tuple(min(x + s, y + t) for x, s, y, t in zip(offsets_a, shape_a, offsets_b,
+                                                               shape_b))
+            if any(b <= a for a, b in zip(lo, hi)):
+                continue
+            for slab_lo, slab_hi in _slabs(lo, hi, max_elements):
+                a, b = (_block(side, slab_lo, slab_hi, reader) for side in (side_a, side_b))
                 acc.update(a.reshape(-1), b.reshape(-1))
                 with np.errstate(all="ignore"):
-                    block_worst = float(np.nanmax(np.abs(a.astype(np.float64) - b), initial=0))
-                if block_worst > worst:
+                    slab_worst = float(np.nanmax(np.abs(a.astype(np.float64) - b), initial=0))
+                if slab_worst > worst:
                     sharded = side_a if side_a[0].rank >= 0 else side_b
-                    worst, worst_rank = block_worst, sharded[0].rank
-    finally:
-        if own:
-            blocks.close()
+                    worst, worst_rank = slab_worst, sharded[0].rank
     return {**acc.result(), "rtol": tol.rtol, "atol": tol.atol, "shard_rank": worst_rank}
 
 
-def _block(parts: list[Part], lo: tuple, hi: tuple,
-           read: Callable[[Part, tuple, tuple], np.ndarray]) -> np.ndarray:
+def _block(parts: list[Part], lo: tuple, hi: tuple, reader: PartReader) -> np.ndarray:
     if len(parts) == 1 and not parts[0].partial:
-        return read(parts[0], lo, hi)
+        return reader.read(parts[0], lo, hi)
     total = None
     for part in parts:  # partial values: their sum
-        values = read(part, lo, hi).astype(np.float64)
+        values = reader.read(part, lo, hi).astype(np.float64)
         total = values if total is None else total + values
     return total
 

@@ -37,6 +37,7 @@ class Options:
     mapping: Optional[Path] = None
     suggest_map: bool = False
     ranks: bool = False
+    scheduler: Optional[str] = None
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -76,6 +77,9 @@ class Options:
                    "1 at the first disagreement.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
               help="Compare in N processes.")
+@click.option("--scheduler", metavar="ADDRESS",
+              help="Compare on the Dask cluster of this scheduler (e.g. tcp://host:8786; needs "
+                   "h5cmp[dask]); its workers read the dumps at the same paths.")
 @click.option("--map", "mapping", type=click.Path(path_type=Path),
               help="Rename B's module paths before pairing, by the rules of FILE (YAML, needs "
                    "h5cmp[map], or JSON): a list of {glob: PATTERN, to: NAME} or {regex: ..., "
@@ -153,13 +157,21 @@ def compare_command(a: Path, b: Path, opts: Options) -> int:
     if note and not opts.quiet:
         click.echo(f"h5cmp: {note}", err=True)
     _report_unpaired_steps(dump_a, dump_b, opts.quiet)
+    client = None
+    if opts.scheduler is not None:
+        from .cluster import connect
+        client = connect(opts.scheduler)
     show_progress = not opts.quiet and sys.stderr.isatty()
     total = int((dump_a.index["dataset"] != "").sum())
     with click.progressbar(length=total, label="comparing", file=sys.stderr,
                            hidden=not show_progress) as bar:
-        result = compare_dumps(full_a, full_b, opts.rtol, opts.atol, steps=opts.steps,
-                               rank=opts.rank, jobs=opts.jobs, progress=bar.update,
-                               mapping=mapping)
+        try:
+            result = compare_dumps(full_a, full_b, opts.rtol, opts.atol, steps=opts.steps,
+                                   rank=opts.rank, jobs=opts.jobs, progress=bar.update,
+                                   mapping=mapping, client=client)
+        finally:
+            if client is not None:
+                client.close()
     if not opts.quiet:
         for note in [result.attrs.get(NAME_MAPPING), result.attrs.get(ASSEMBLED),
                      *result.attrs.get(NOT_COMPARED, ())]:
@@ -208,7 +220,8 @@ def ranks_command(a: Path, b: Optional[Path], opts: Options) -> int:
         ("--rank", opts.rank is not None), ("-o", bool(opts.outputs)),
         ("--plot/--heatmap/--dot", any((opts.plot, opts.heatmap, opts.dot))),
         ("--injected", opts.injected is not None), ("--map", opts.mapping is not None),
-        ("--suggest-map", opts.suggest_map)) if given]
+        ("--suggest-map", opts.suggest_map), ("--scheduler", opts.scheduler is not None))
+        if given]
     if asked:
         raise DumpError(f"--ranks compares the ranks of one dump, exactly; it does not take "
                         f"{', '.join(asked)} (it takes --step, --module, --kind, --jobs, -q)")

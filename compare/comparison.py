@@ -3,18 +3,20 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import functools
 import itertools
 import math
 import os
 import queue
 import threading
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, NamedTuple, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Union
 
 import h5py
 import numpy as np
 import pandas as pd
 
+from . import cluster
 from .centering import Centering, normalized_sizes
 from .dump import Dump, PathLike, dataset_of, load_dump, open_h5, read_chunks
 from .errors import DumpError
@@ -56,7 +58,8 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
                   rank: Optional[int] = None, jobs: int = 1,
                   chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
                   progress: Optional[Callable[[int], None]] = None,
-                  mapping: Union[NameMapping, PathLike, None] = None) -> pd.DataFrame:
+                  mapping: Union[NameMapping, PathLike, None] = None,
+                  client: Optional[Any] = None) -> pd.DataFrame:
     """One row per tensor record of either dump, in execution order, with its errors and its
     status (see :mod:`compare.status` and :mod:`compare.verdict`).
 
@@ -71,7 +74,10 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     verdict does not depend on them. A
     non-distributed dump is compared with one rank of a distributed one: ``rank``, else the
     lowest (see :func:`compare.pairing.align_ranks`). ``jobs`` > 1 compares in that many
-    processes. ``progress(n)`` is called as ``n`` more pairs are done.
+    processes; with ``client`` (a ``distributed.Client``) the work runs on that Dask cluster's
+    workers instead, which read the step files from storage they share with this process
+    (:mod:`compare.cluster`; the rows are the same). ``progress(n)`` is called as ``n`` more
+    pairs are done.
 
     ``mapping`` (a :class:`~compare.mapping.NameMapping` or a rules file) renames B's module
     paths before pairing. Without one, when most of B's modules are not A's and a prefix
@@ -105,11 +111,15 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
                               for files in (files_a, files_b))
     pairs, left_out = outside_compiled_regions(pairs, compiled_a, compiled_b)
     not_compared += left_out
+    if client is not None:
+        jobs = max(jobs, cluster.worker_count(client))
     tasks = _tasks(pairs, files_a, files_b, max(1, jobs), chunk_elements, rtol, atol)
     metrics: dict[int, dict] = {}
     with contextlib.ExitStack() as stack:
-        runner = map
-        if jobs > 1 and len(tasks) > 1:
+        runner: Callable = map
+        if client is not None:
+            runner = functools.partial(cluster.run_on, client)
+        elif jobs > 1 and len(tasks) > 1:
             runner = stack.enter_context(cf.ProcessPoolExecutor(max_workers=jobs)).map
         for result in runner(_run_task, tasks):
             metrics.update(result)
@@ -269,7 +279,8 @@ def _run_task(task: tuple) -> dict[int, dict]:
         try:
             for r in records:
                 if r.assembled and not (r.dropped or r.unsupported):
-                    out[r.row] = _compare_assembled(side_a, side_b, r, rtol, atol, blocks)
+                    out[r.row] = _compare_assembled(side_a, side_b, r, rtol, atol, blocks,
+                                                    chunk_elements)
                 elif r.hashed and not r.dropped:
                     out[r.row] = _compare_digests(r)
                 elif r.dropped or not r.both_values:
@@ -297,7 +308,7 @@ def _run_task(task: tuple) -> dict[int, dict]:
 
 
 def _compare_assembled(side_a: "_Side", side_b: "_Side", r: _PairRef, rtol, atol,
-                       blocks: PartReader) -> dict:
+                       blocks: PartReader, chunk_elements: int) -> dict:
     """A pair where a side is a sharded tensor put together from its parts: compared region
     by region (:func:`compare.assembly.compare_parts`); the other side, if stored whole, is
     one part of itself."""
@@ -313,7 +324,7 @@ def _compare_assembled(side_a: "_Side", side_b: "_Side", r: _PairRef, rtol, atol
                   r.checksum_a),
                  (r.parts_b, side_b, r.group_b, r.dataset_b, r.dtype_b, r.encoding_b, r.shape_b,
                   r.checksum_b))]
-    return compare_parts(parts[0], parts[1], tol, blocks)
+    return compare_parts(parts[0], parts[1], tol, blocks, chunk_elements)
 
 
 class _Side(NamedTuple):

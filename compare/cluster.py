@@ -1,0 +1,47 @@
+"""Comparing on a Dask cluster (the optional extra ``h5cmp[dask]``).
+
+``compare_dumps(..., client=client)`` sends its work units — a step's (and rank's) pairs, split
+in tensor ranges so that every worker has work — to the cluster's workers, which read the step
+files themselves: they must see the dumps at the same paths (shared storage) and have h5cmp
+installed. Pairing and the verdict stay in the calling process, so the rows are those of a local
+comparison.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator
+
+from .errors import DumpError
+
+CONNECT_TIMEOUT = "20s"  # how long connect() waits for the scheduler
+
+
+def connect(address: str) -> Any:
+    """A ``distributed.Client`` of the scheduler at ``address`` (e.g. ``tcp://host:8786``)."""
+    try:
+        from distributed import Client
+    except ImportError as exc:
+        raise DumpError(f"--scheduler {address}: comparing on a Dask cluster needs dask and "
+                        f"distributed: pip install 'h5cmp[dask]'") from exc
+    try:
+        return Client(address, timeout=CONNECT_TIMEOUT)
+    except (OSError, TimeoutError) as exc:
+        raise DumpError(f"--scheduler {address}: cannot reach the Dask scheduler "
+                        f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+                        f"start it (dask scheduler) or check the address") from exc
+
+
+def worker_count(client: Any) -> int:
+    """How many workers the cluster has now (at least 1)."""
+    return max(1, len(client.scheduler_info().get("workers", {})))
+
+
+def run_on(client: Any, fn: Callable, tasks: Iterable) -> Iterator:
+    """``fn(task)`` for each task on the cluster's workers, results as they complete. A task
+    that raises raises here (the remaining ones are cancelled)."""
+    from distributed import as_completed
+    futures = client.map(fn, list(tasks), pure=False)
+    try:
+        for _, result in as_completed(futures, with_results=True):
+            yield result
+    finally:
+        client.cancel(futures)
