@@ -12,12 +12,14 @@ known by statistics only is given the statistics of the whole (without a sketch)
 """
 from __future__ import annotations
 
+import collections
 import math
 import re
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
 import h5py
+from h5py import h5s
 import numpy as np
 import pandas as pd
 
@@ -26,6 +28,7 @@ from .decoding import decode
 from .dump import Dump, check_checksum, dataset_of, open_h5
 from .metrics import ErrorAccumulator
 from .pairing import KEY, tensor_rows
+from .prefetch import prefetched
 from .statistics import stats_from_sums
 from .tolerance import Tolerance
 
@@ -60,65 +63,109 @@ def assemble(dump: Dump, steps, rank: int) -> pd.DataFrame:
     not sharded, and one row per sharded record (from every rank's shards), whose ``shape`` is
     the global shape and ``parts`` its :class:`Part` tuple (empty on every other row)."""
     rows = tensor_rows(dump, steps)
-    files = {(s.epoch, s.step, s.rank): s for s in dump.steps}
     sharded = (rows["placements"] != "").to_numpy()
     plain = rows[~sharded & (rows["rank"] == rank).to_numpy()]
-    made = [_assembled(group.sort_values("rank", kind="stable"), files, rank)
-            for _, group in rows[sharded].groupby(_RECORD, sort=False, dropna=False)]
-    out = pd.concat([plain, pd.DataFrame(made)], ignore_index=True) if made else plain
+    shards = rows[sharded]
+    if shards.empty:
+        return plain
+    files = {(s.epoch, s.step, s.rank): s for s in dump.steps}
+    columns = [*_RECORD, "rank", "placements", "global_shape", "status", "digest", "dataset",
+               "group", "dtype", "encoding", "shape", "offsets", "checksum", *fmt.STAT_COLUMNS]
+    records: dict[tuple, list[tuple[int, _Shard]]] = {}
+    first_stat = columns.index(fmt.STAT_COLUMNS[0])
+    for position, values in enumerate(zip(*(shards[c].tolist() for c in columns))):
+        shard = _Shard(*values[len(_RECORD):first_stat], values[first_stat:])
+        records.setdefault(values[:len(_RECORD)], []).append((position, shard))
+    positions, changes = [], []
+    for (epoch, step, *_), record in records.items():
+        record.sort(key=lambda item: (item[1].rank != rank, item[1].rank))  # base rank first
+        positions.append(record[0][0])
+        changes.append(_assembled([shard for _, shard in record],
+                                  {shard.rank: files[(epoch, step, shard.rank)]
+                                   for _, shard in record}))
+    made = shards.iloc[positions].reset_index(drop=True)
+    made["rank"] = rank
+    made["shape"] = made["global_shape"]
+    made["checksum"], made["digest"] = fmt.NO_CHECKSUM, fmt.NO_DIGEST
+    for column in {name for change in changes for name in change}:
+        values = made[column].tolist()
+        for i, change in enumerate(changes):
+            if column in change:
+                values[i] = change[column]
+        made[column] = pd.Series(values, dtype=made[column].dtype if column != "parts"
+                                 else object)
+    out = pd.concat([plain, made], ignore_index=True)
     return out.sort_values(["epoch", "step", "seq"], kind="stable", ignore_index=True)
 
 
-def _assembled(shards: pd.DataFrame, files: dict, rank: int) -> dict:
-    """The row of one sharded record, from its ranks' rows."""
-    base = shards[shards["rank"] == rank]
-    row = (base if len(base) else shards).iloc[0].to_dict()
-    row.update(rank=rank, parts=(), checksum=fmt.NO_CHECKSUM, digest=fmt.NO_DIGEST,
-               shape=tuple(row["global_shape"]))
+class _Shard(NamedTuple):
+    """What putting a record together needs of one rank's row."""
+
+    rank: int
+    placements: str
+    global_shape: tuple
+    status: str
+    digest: int
+    dataset: str
+    group: str
+    dtype: str
+    encoding: str
+    shape: tuple
+    offsets: tuple
+    checksum: int
+    stats: tuple   # fmt.STAT_COLUMNS
+
+
+def _assembled(shards: list[_Shard], files: dict) -> dict:
+    """The columns that change on the row of one sharded record, its shards given with the
+    base rank's first, ``files`` its step's file per rank."""
     why = _why_not(shards)
     if why:
-        row.update(status=fmt.ST_UNSUPPORTED, value=f"shards not put together: {why}",
-                   dataset="", **dict.fromkeys(fmt.STAT_COLUMNS, math.nan))
-        return row
-    partial = any(p.startswith("P") for p in fmt.parse_placements(row["placements"]))
-    kept = shards if partial else shards.drop_duplicates(["offsets", "shape"])
-    if (kept["dataset"] != "").all():
-        row["parts"] = tuple(
-            Part(str(f.path), f.group_name, s.group, s.dataset, s.dtype, s.encoding,
-                 tuple(s.shape), tuple(s.offsets), int(s.checksum), int(s.rank), partial)
-            for s in kept.itertuples() for f in [files[(s.epoch, s.step, s.rank)]])
-    else:  # statistics of each shard: those of the whole
-        row.update(dataset="", **dict(zip(fmt.STAT_COLUMNS, _whole_stats(kept))),
-                   **dict.fromkeys(fmt.SKETCH_COLUMNS, math.nan))
-    return row
+        return {"status": fmt.ST_UNSUPPORTED, "value": f"shards not put together: {why}",
+                "dataset": "", "parts": (), **dict.fromkeys(fmt.STAT_COLUMNS, math.nan)}
+    partial = any(p.startswith("P") for p in fmt.parse_placements(shards[0].placements))
+    if not partial:  # replicated shards: the first of each region
+        shards = list({(s.offsets, s.shape): s for s in reversed(shards)}.values())[::-1]
+    if all(s.dataset for s in shards):
+        return {"parts": tuple(
+            Part(str(f.path), f.group_name, s.group, s.dataset, s.dtype, s.encoding, s.shape,
+                 s.offsets, int(s.checksum), int(s.rank), partial)
+            for s in shards for f in [files[s.rank]])}
+    # statistics of each shard: those of the whole
+    return {"parts": (), "dataset": "", **dict(zip(fmt.STAT_COLUMNS, _whole_stats(shards))),
+            **dict.fromkeys(fmt.SKETCH_COLUMNS, math.nan)}
 
 
-def _why_not(shards: pd.DataFrame) -> str:
+def _why_not(shards: list[_Shard]) -> str:
     """Why the shards of one record cannot be put together ("" when they can)."""
-    if len(set(zip(shards["placements"], shards["global_shape"]))) > 1:
+    first = shards[0]
+    if any((s.placements, s.global_shape) != (first.placements, first.global_shape)
+           for s in shards):
         return "the ranks disagree on its sharding"
-    if (shards["status"] != fmt.ST_OK).any():
-        return "a shard was " + shards[shards["status"] != fmt.ST_OK]["status"].iloc[0]
-    if (shards["digest"] != fmt.NO_DIGEST).any():
+    failed = [s.status for s in shards if s.status != fmt.ST_OK]
+    if failed:
+        return f"a shard was {failed[0]}"
+    if any(s.digest != fmt.NO_DIGEST for s in shards):
         return "digests of shards are not the digest of the whole"
-    placements = fmt.parse_placements(shards["placements"].iloc[0])
+    placements = fmt.parse_placements(first.placements)
     if not all(_PLACEMENT.fullmatch(p) for p in placements):
         return f"placements {';'.join(placements)} (only S(d), R and P(sum) are)"
     partial = any(p.startswith("P") for p in placements)
-    if partial and ("R" in placements or (shards["dataset"] == "").any()):
+    if partial and ("R" in placements or not all(s.dataset for s in shards)):
         return "partial values replicated over a mesh dimension, or known by statistics only"
-    regions = shards.groupby(["offsets", "shape"], sort=False).size()
-    covered = sum(math.prod(shape) for _, shape in regions.index)
-    if covered != math.prod(shards["global_shape"].iloc[0]) or (
-            partial and regions.nunique() > 1):
-        return f"shards are missing (ranks {', '.join(map(str, sorted(shards['rank'])))} held)"
+    regions: dict[tuple, int] = {}
+    for s in shards:
+        regions[(s.offsets, s.shape)] = regions.get((s.offsets, s.shape), 0) + 1
+    covered = sum(math.prod(shape) for _, shape in regions)
+    if covered != math.prod(first.global_shape) or (partial and len(set(regions.values())) > 1):
+        return f"shards are missing (ranks {', '.join(str(s.rank) for s in shards)} held)"
     return ""
 
 
-def _whole_stats(shards: pd.DataFrame) -> tuple:
+def _whole_stats(shards: list[_Shard]) -> tuple:
     """The statistics of a tensor from those of its (disjoint) shards."""
-    stats = shards[list(fmt.STAT_COLUMNS)].to_numpy(dtype=np.float64)
-    n = np.array([math.prod(s) for s in shards["shape"]], dtype=np.float64)
+    stats = np.array([s.stats for s in shards], dtype=np.float64)
+    n = np.array([math.prod(s.shape) for s in shards], dtype=np.float64)
     lo, hi, mean, _, norm, nan, inf, zero = stats.T
     return stats_from_sums(float(np.min(lo)), float(np.max(hi)), float(np.sum(mean * n)),
                            float(np.sum(norm ** 2)), int(n.sum()), float(nan.sum()),
@@ -126,24 +173,51 @@ def _whole_stats(shards: pd.DataFrame) -> tuple:
 
 
 class PartReader:
-    """Reads blocks of parts, keeping their files open while a task runs, and checks a part
-    read whole, in consecutive slabs, against its checksum."""
+    """Reads blocks of parts, keeping their files open while a task runs. A part of at most
+    ``max_elements`` elements is read whole, once, checked against its checksum and kept
+    while the last few parts are (a whole side that several shards overlap is read once);
+    a larger one is read block by block, and checked once its slabs of whole rows have been
+    read in order."""
 
-    def __init__(self) -> None:
+    KEPT = 4  # small parts kept decoded: the ones a record's regions go back to
+
+    def __init__(self, max_elements: int) -> None:
+        self._max = max_elements
         self._files: dict[str, h5py.File] = {}
         self._sums: dict[Part, fmt.DataChecksum] = {}
+        self._kept: collections.OrderedDict[Part, np.ndarray] = collections.OrderedDict()
 
     def read(self, part: Part, lo: tuple, hi: tuple) -> np.ndarray:
         """The block ``lo:hi`` (global coordinates) of ``part``, decoded."""
-        f = self._files.get(part.path)
-        if f is None:
-            f = self._files[part.path] = open_h5(Path(part.path))
-        ds = dataset_of(Path(part.path), f[part.step_group], part.group, part.dataset,
-                        part.dtype, part.encoding, part.shape)
         box = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, part.offsets))
+        if math.prod(part.shape) <= self._max:
+            return self._whole(part)[box]
+        ds = self._dataset(part)
         raw = np.asarray(ds[box] if box else ds[()])
         self._check(part, ds, lo, hi, raw)
         return decode(raw, part.dtype, part.encoding)
+
+    def _whole(self, part: Part) -> np.ndarray:
+        values = self._kept.get(part)
+        if values is None:
+            ds = self._dataset(part)
+            raw = np.empty(part.shape, ds.id.dtype)
+            if raw.size:
+                ds.id.read(h5s.ALL, h5s.ALL, raw)
+            if part.checksum != fmt.NO_CHECKSUM:
+                check_checksum(ds, part.checksum, fmt.data_checksum(raw))
+            values = self._kept[part] = decode(raw, part.dtype, part.encoding)
+            while len(self._kept) > self.KEPT:
+                self._kept.popitem(last=False)
+        self._kept.move_to_end(part)
+        return values
+
+    def _dataset(self, part: Part) -> h5py.Dataset:
+        f = self._files.get(part.path)
+        if f is None:
+            f = self._files[part.path] = open_h5(Path(part.path))
+        return dataset_of(Path(part.path), f[part.step_group], part.group, part.dataset,
+                          part.dtype, part.encoding, part.shape)
 
     def _check(self, part: Part, ds: h5py.Dataset, lo: tuple, hi: tuple,
                raw: np.ndarray) -> None:
@@ -167,6 +241,7 @@ class PartReader:
             f.close()
         self._files.clear()
         self._sums.clear()
+        self._kept.clear()
 
 
 def _regions(parts: tuple[Part, ...]) -> dict[tuple, list[Part]]:
@@ -192,9 +267,25 @@ def _slabs(lo: tuple, hi: tuple, max_elements: int) -> Iterator[tuple[tuple, tup
 def compare_parts(parts_a: tuple[Part, ...], parts_b: tuple[Part, ...], tol: Tolerance,
                   reader: PartReader, max_elements: int) -> dict:
     """Metrics of a pair of global tensors given as parts (a side stored whole is one part at
-    offset 0, :func:`whole_part`), read in slabs of at most ``max_elements`` elements, and
-    ``shard_rank``: the rank of the shard holding the largest absolute error."""
-    acc, worst, worst_rank = ErrorAccumulator(tol), -1.0, math.nan
+    offset 0, :func:`whole_part`), read in slabs of at most ``max_elements`` elements (ahead,
+    by a background thread), and ``shard_rank``: the rank of the shard holding the largest
+    absolute error."""
+    acc, worst_rank = ErrorAccumulator(tol), math.nan
+    pairs = _slab_pairs(parts_a, parts_b, reader, max_elements)
+    if sum(math.prod(p.shape) for p in parts_a) > max_elements:  # more than one slab
+        pairs = prefetched(pairs)
+    for a, b, rank in pairs:
+        worst = acc.max_abs
+        acc.update(a.reshape(-1), b.reshape(-1))
+        if acc.max_abs > worst or math.isnan(worst_rank):  # the largest error so far is here
+            worst_rank = rank
+    return {**acc.result(), "rtol": tol.rtol, "atol": tol.atol, "shard_rank": worst_rank}
+
+
+def _slab_pairs(parts_a: tuple[Part, ...], parts_b: tuple[Part, ...], reader: PartReader,
+                max_elements: int) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """``(a, b, rank)`` for each slab of each overlap of a region of A with one of B: the two
+    sides' values there and the rank of the shard they belong to."""
     for (offsets_a, shape_a), side_a in _regions(parts_a).items():
         for (offsets_b, shape_b), side_b in _regions(parts_b).items():
             lo = tuple(max(x, y) for x, y in zip(offsets_a, offsets_b))
@@ -202,15 +293,10 @@ def compare_parts(parts_a: tuple[Part, ...], parts_b: tuple[Part, ...], tol: Tol
                                                                shape_b))
             if any(b <= a for a, b in zip(lo, hi)):
                 continue
+            rank = (side_a if side_a[0].rank >= 0 else side_b)[0].rank
             for slab_lo, slab_hi in _slabs(lo, hi, max_elements):
-                a, b = (_block(side, slab_lo, slab_hi, reader) for side in (side_a, side_b))
-                acc.update(a.reshape(-1), b.reshape(-1))
-                with np.errstate(all="ignore"):
-                    slab_worst = float(np.nanmax(np.abs(a.astype(np.float64) - b), initial=0))
-                if slab_worst > worst:
-                    sharded = side_a if side_a[0].rank >= 0 else side_b
-                    worst, worst_rank = slab_worst, sharded[0].rank
-    return {**acc.result(), "rtol": tol.rtol, "atol": tol.atol, "shard_rank": worst_rank}
+                yield (_block(side_a, slab_lo, slab_hi, reader),
+                       _block(side_b, slab_lo, slab_hi, reader), rank)
 
 
 def _block(parts: list[Part], lo: tuple, hi: tuple, reader: PartReader) -> np.ndarray:

@@ -7,10 +7,8 @@ import functools
 import itertools
 import math
 import os
-import queue
-import threading
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Union
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Union
 
 import h5py
 import numpy as np
@@ -25,6 +23,7 @@ from .alignment import align_ops
 from .assembly import PartReader, assemble, compare_parts, sharded_ranks, whole_part
 from .mapping import NameMapping, find_prefix, load_mapping
 from .metrics import METRIC_COLUMNS, ErrorAccumulator
+from .prefetch import prefetched
 from .pairing import (KEY, align_ranks, outside_compiled_regions, pair_records,
                       recorded_on_both_sides, select, tensor_rows)
 from .statistics import compare_stats, sketch_of_chunks, stats_of_chunks
@@ -275,7 +274,7 @@ def _run_task(task: tuple) -> dict[int, dict]:
         side_a, side_b = (_Side(path, hard_link(path, f, group, "step group", h5py.Group))
                           for path, f, group in ((path_a, fa, group_a), (path_b, fb, group_b)))
         pieces = _pair_pieces(side_a, side_b, values, chunk_elements)
-        blocks = PartReader()
+        blocks = PartReader(chunk_elements)
         try:
             for r in records:
                 if r.assembled and not (r.dropped or r.unsupported):
@@ -286,7 +285,7 @@ def _run_task(task: tuple) -> dict[int, dict]:
                 elif r.dropped or not r.both_values:
                     out[r.row] = _compare_described(side_a, side_b, r, chunk_elements, rtol,
                                                     atol)
-            for ref, a, b in _prefetched(pieces):
+            for ref, a, b in prefetched(pieces):
                 tol = pair_tolerance(ref.dtype_a, ref.dtype_b, rtol, atol)
                 if tuple(ref.shape_a) != tuple(ref.shape_b):
                     out[ref.row] = {"status": SHAPE_MISMATCH, "rtol": tol.rtol, "atol": tol.atol}
@@ -398,40 +397,6 @@ def _pair_pieces(side_a: _Side, side_b: _Side, records: list[_PairRef], chunk_el
                     read_chunks(ds_b, r.dtype_b, r.encoding_b, chunk_elements, int(r.checksum_b))):
                 yield r, a, b
         yield r, None, None
-
-
-def _prefetched(items: Iterator, depth: int = 2) -> Iterator:
-    """Iterate ``items`` produced by a background thread, ``depth`` ahead: reading the next chunk
-    (h5py, GIL released) overlaps with computing on this one (numpy, GIL released)."""
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    end = object()
-
-    def produce() -> None:
-        try:
-            for item in items:
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            q.put(end)
-        except BaseException as exc:  # handed to the consumer
-            q.put(exc)
-
-    thread = threading.Thread(target=produce, name="h5cmp-prefetch", daemon=True)
-    thread.start()
-    try:
-        while (item := q.get()) is not end:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        thread.join()
 
 
 def _result_frame(pairs: pd.DataFrame, metrics: dict[int, dict]) -> pd.DataFrame:

@@ -1,12 +1,20 @@
 """Benchmark: compare_dumps throughput against simply reading every dataset with h5py.
 
-    python scripts/bench_compare.py [--size-mb 512] [--repeat 3] [--jobs 1]
+    python scripts/bench_compare.py [--size-mb 512] [--repeat 3] [--jobs 1] [--no-sharded]
+                                    [--no-dask]
 
 Builds two one-step dumps per layout (many small tensors; a few large ones) of about --size-mb
 each, B = A with noise, then times, side by side in the same run, (1) reading every dataset of
 both files with h5py and (2) compare_dumps on them; each measurement in a fresh subprocess, which
 reports its peak resident memory. Prints throughput, the ratio compare/read (target >= 0.5) and
 peak RSS (target: independent of tensor size).
+
+Issue 22, also in the same rounds: (3) a 4-rank dump of the same tensors, each rank holding a
+quarter of each (dim 0, marked with mark_sharded; written by 4 gloo processes), against the
+one-process B: sharded tensors put together (target: within 1.3x of (2)'s time, the same memory
+bound); (4) compare_dumps on a Dask LocalCluster of 1 and of 2 worker processes (one thread
+each) on the many-small layout, the cluster started and warmed up before the clock (target: 2
+workers >= 1.6x faster than 1 on this 2-core machine).
 """
 from __future__ import annotations
 
@@ -48,12 +56,63 @@ def build(directory: Path, n_tensors: int, elements: int, noise: float) -> None:
             m(i)
 
 
+def build_rank(directory: Path, n_tensors: int, elements: int) -> None:
+    """One rank of the sharded dump: a quarter (dim 0) of each tensor ``build`` makes."""
+    import datetime
+    import torch
+    import torch.distributed as dist
+    from dumper import HookerAndDumper
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    class Emit(torch.nn.Module):
+        def forward(self, i):
+            t = torch.randn(elements, generator=torch.Generator().manual_seed(int(i)))
+            return t.chunk(world)[rank].clone()
+
+    model = torch.nn.ModuleList([Emit() for _ in range(n_tensors)])
+    dumper = HookerAndDumper(directory, kinds=["output"])
+    dumper.mark_sharded("*", "output", dim=0)
+    with dumper.hooks(model, 0, 0):
+        for i, m in enumerate(model):
+            m(i)
+    dist.destroy_process_group()
+
+
+def build_sharded(directory: Path, n_tensors: int, elements: int, world: int = 4) -> None:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, __file__, "--build-rank", str(directory),
+                               str(n_tensors), str(elements)], env=dict(env, RANK=str(r)))
+             for r in range(world)]
+    try:
+        for p in procs:
+            if p.wait(timeout=600) != 0:
+                raise RuntimeError("a rank of the sharded dump failed")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
 def child(mode: str, a: str, b: str, jobs: int) -> None:
     """Time one measurement; imports happen before the clock starts."""
     import h5py
     from compare import compare_dumps
     compare_dumps.__doc__  # resolve the lazy import now
     import pandas  # noqa: F401  (loaded before the clock starts, as h5py and compare are)
+    client = None
+    if mode.startswith("dask"):
+        import logging
+        from distributed import Client, LocalCluster
+        cluster = LocalCluster(n_workers=int(mode[4:]), threads_per_worker=1, processes=True,
+                               dashboard_address=None, silence_logs=logging.ERROR)
+        client = Client(cluster)
+        compare_dumps(a, b, client=client, steps=["0"])  # warm up: workers import compare
     start = time.perf_counter()
     nbytes = 0
     if mode == "read":
@@ -66,7 +125,7 @@ def child(mode: str, a: str, b: str, jobs: int) -> None:
                             nbytes += obj[()].nbytes
                     f.visititems(visit)
     else:
-        result = compare_dumps(a, b, jobs=jobs)
+        result = compare_dumps(a, b, jobs=jobs, client=client)
         nbytes = int(sum(result["numel"].fillna(0)) * 4 * 2)
     print(json.dumps({"seconds": time.perf_counter() - start, "bytes": nbytes,
                       "peak_rss_mb": peak_rss_mb()}))
@@ -83,11 +142,18 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=512)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--no-sharded", action="store_true", help="skip (3)")
+    parser.add_argument("--no-dask", action="store_true", help="skip (4)")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--build-rank", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         mode, a, b, jobs = args.child
         child(mode, a, b, int(jobs))
+        return
+    if args.build_rank:
+        directory, n, elements = args.build_rank
+        build_rank(Path(directory), int(n), int(elements))
         return
     sys.path.insert(0, str(ROOT))
     total = args.size_mb * (1 << 20) // 4
@@ -97,20 +163,42 @@ def main() -> None:
           f"jobs={args.jobs}")
     print(f"{'layout':<28} {'read MB/s':>10} {'compare MB/s':>13} {'ratio':>6} "
           f"{'read RSS MB':>12} {'compare RSS MB':>15}")
+    extra = []  # the lines of (3) and (4), printed after the table
     with tempfile.TemporaryDirectory(prefix="bench_compare_") as tmp:
         for name, (n, elements) in layouts.items():
             a, b = Path(tmp, name[:4], "a"), Path(tmp, name[:4], "b")
             build(a, n, elements, 0.0)
             build(b, n, elements, 1e-6)
-            reads, compares = [], []
-            for _ in range(args.repeat):  # interleaved, so both see the same machine load
-                reads.append(measure("read", a, b, args.jobs))
-                compares.append(measure("compare", a, b, args.jobs))
-            read_mbs = statistics.median(r["bytes"] / r["seconds"] for r in reads) / 1e6
-            cmp_mbs = statistics.median(r["bytes"] / r["seconds"] for r in compares) / 1e6
-            print(f"{name:<28} {read_mbs:>10.0f} {cmp_mbs:>13.0f} {cmp_mbs / read_mbs:>6.2f} "
-                  f"{max(r['peak_rss_mb'] for r in reads):>12.0f} "
-                  f"{max(r['peak_rss_mb'] for r in compares):>15.0f}")
+            sharded = Path(tmp, name[:4], "sharded")
+            modes = ["read", "compare"]
+            if not args.no_sharded:
+                build_sharded(sharded, n, elements)
+                modes.append("sharded")
+            if not args.no_dask and n > 4:
+                modes += ["dask1", "dask2"]
+            runs: dict[str, list] = {mode: [] for mode in modes}
+            for _ in range(args.repeat):  # interleaved, so all see the same machine load
+                for mode in modes:
+                    runs[mode].append(measure(mode, sharded if mode == "sharded" else a, b,
+                                              args.jobs))
+            mbs = {mode: statistics.median(r["bytes"] / r["seconds"] for r in rs) / 1e6
+                   for mode, rs in runs.items()}
+            rss = {mode: max(r["peak_rss_mb"] for r in rs) for mode, rs in runs.items()}
+            print(f"{name:<28} {mbs['read']:>10.0f} {mbs['compare']:>13.0f} "
+                  f"{mbs['compare'] / mbs['read']:>6.2f} {rss['read']:>12.0f} "
+                  f"{rss['compare']:>15.0f}")
+            if "sharded" in mbs:
+                extra.append(f"{name}: 4-rank sharded vs one process {mbs['sharded']:.0f} MB/s, "
+                             f"time {mbs['compare'] / mbs['sharded']:.2f}x the unsharded "
+                             f"compare's (target <= 1.3x), peak RSS {rss['sharded']:.0f} MB "
+                             f"(unsharded {rss['compare']:.0f} MB)")
+            if "dask2" in mbs:
+                extra.append(f"{name}: Dask LocalCluster 1 worker {mbs['dask1']:.0f} MB/s, 2 "
+                             f"workers {mbs['dask2']:.0f} MB/s: speed-up "
+                             f"{mbs['dask2'] / mbs['dask1']:.2f}x (target >= 1.6x); local "
+                             f"jobs={args.jobs} {mbs['compare']:.0f} MB/s")
+    for line in extra:
+        print(line)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def test_shards_compare_as_the_whole_tensor(tmp_path, tol, dim, max_elements):
     parts = tuple(_store(tmp_path / f"r{r}.h5", shard, r,
                          [0, 0][:dim] + [r * shard.shape[dim]] + [0] * (1 - dim))
                   for r, shard in enumerate(shards))
-    reader = PartReader()
+    reader = PartReader(max_elements)
     try:
         result = compare_parts(parts, (_store(tmp_path / "whole.h5", whole),), tol, reader,
                                max_elements)
@@ -57,18 +57,20 @@ def test_partial_shards_are_added_up(tmp_path, tol):
     parts = tuple(_store(tmp_path / f"p{r}.h5", v, r, (0, 0), partial=True)
                   for r, v in enumerate((first, second)))
     total = (first.astype(np.float64) + second).astype(np.float32)
-    reader = PartReader()
+    reader = PartReader(3)
     result = compare_parts(parts, (_store(tmp_path / "whole.h5", total),), tol, reader, 3)
     reader.close()
     assert result["max_abs_err"] < 1e-6 and result["status"] in ("equal", "close")
 
 
-def test_a_shard_whose_bytes_changed_is_refused(tmp_path, tol):
+@pytest.mark.parametrize("max_elements", [4, 100])  # read in slabs; read whole
+def test_a_shard_whose_bytes_changed_is_refused(tmp_path, tol, max_elements):
     values = np.arange(12, dtype=np.float32).reshape(4, 3)
     part = _store(tmp_path / "r0.h5", values, 0, (0, 0))
     with h5py.File(tmp_path / "r0.h5", "r+") as f:
         f["step/call/output_0"][1, 1] = 99.0
-    reader = PartReader()
+    reader = PartReader(max_elements)
     with pytest.raises(DumpError, match="does not match its checksum"):
-        compare_parts((part,), (_store(tmp_path / "whole.h5", values),), tol, reader, 4)
+        compare_parts((part,), (_store(tmp_path / "whole.h5", values),), tol, reader,
+                      max_elements)
     reader.close()
