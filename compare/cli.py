@@ -130,7 +130,8 @@ def main(a: Path, b: Optional[Path], track: Optional[str], debug: bool, **option
 
 def compare_command(a: Path, b: Path, opts: Options) -> int:
     """Run one comparison as ``h5cmp A B`` does; returns the exit status."""
-    from .comparison import ASSEMBLED, NAME_MAPPING, NOT_COMPARED, compare_dumps
+    from .comparison import (ASSEMBLED, NAME_MAPPING, NOT_COMPARED, assembled_sides,
+                             compare_dumps)
     from .dump import load_dump
     from .pairing import align_ranks, select
     from .plot import check_plot_path, plot_errors, plot_heatmap
@@ -156,7 +157,8 @@ def compare_command(a: Path, b: Path, opts: Options) -> int:
         mapping = load_mapping(opts.mapping)  # before the compare: a bad file fails at once
     if note and not opts.quiet:
         click.echo(f"h5cmp: {note}", err=True)
-    _report_unpaired_steps(dump_a, dump_b, opts.quiet)
+    if not assembled_sides(full_a, full_b) == "A and B":  # else the ranks do not pair
+        _report_unpaired_steps(dump_a, dump_b, opts.quiet)
     client = None
     if opts.scheduler is not None:
         from .cluster import connect

@@ -24,7 +24,7 @@ from .assembly import PartReader, assemble, compare_parts, sharded_ranks, whole_
 from .mapping import NameMapping, find_prefix, load_mapping
 from .metrics import METRIC_COLUMNS, ErrorAccumulator
 from .prefetch import prefetched
-from .pairing import (KEY, align_ranks, outside_compiled_regions, pair_records,
+from .pairing import (KEY, align_ranks, at_rank, outside_compiled_regions, pair_records,
                       recorded_on_both_sides, select, tensor_rows)
 from .statistics import compare_stats, sketch_of_chunks, stats_of_chunks
 from .status import (DROPPED, EQUAL, HASH_MISMATCH, MISSING_IN_A, MISSING_IN_B, OP_ONLY_IN_A,
@@ -84,16 +84,20 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     way ``result.attrs[NAME_MAPPING]`` says how ("" when B kept its names).
     """
     full_a, full_b = load_dump(a), load_dump(b)
-    dump_a, dump_b, _ = align_ranks(full_a, full_b, rank)
+    assembled = assembled_sides(full_a, full_b)
+    if assembled == "A and B":  # two layouts: each side's other records are its lowest rank's
+        base_a, base_b = (rank if rank is not None else min(s.rank for s in d.steps)
+                          for d in (full_a, full_b))
+        dump_a, dump_b = at_rank(full_a, base_a), at_rank(full_b, base_b, label=base_a)
+    else:
+        dump_a, dump_b, _ = align_ranks(full_a, full_b, rank)
+        base_a = base_b = dump_a.steps[0].rank
     _check_distinct(dump_a, dump_b)
     rows_a, rows_b = tensor_rows(dump_a, steps), tensor_rows(dump_b, steps)
-    assembled = _assembled_side(full_a, full_b)
-    if assembled:
-        base = dump_a.steps[0].rank
-        if assembled == "A":
-            rows_a = assemble(full_a, steps, base)
-        else:
-            rows_b = assemble(full_b, steps, base)
+    if "A" in assembled:
+        rows_a = assemble(full_a, steps, base_a)
+    if "B" in assembled:
+        rows_b = assemble(full_b, steps, base_b).assign(rank=base_a)
     if rows_a.empty and rows_b.empty:
         held = sorted({f"{s.epoch}:{s.step}" for s in dump_a.steps + dump_b.steps})
         raise DumpError(f"{dump_a.path} / {dump_b.path}: nothing to compare: no tensor record"
@@ -139,8 +143,8 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     result.attrs[NAME_MAPPING] = mapping.describe() if mapping is not None else ""
     result.attrs[NOT_COMPARED] = not_compared
     result.attrs[ASSEMBLED] = "" if not assembled else (
-        f"{assembled}'s sharded tensors are put together from its ranks' shards; its other "
-        f"records are rank {base}'s")
+        f"{assembled}'s sharded tensors are put together from the ranks' shards; the other "
+        f"records are rank {base_a}'s" + (f" (B's rank {base_b}'s)" if base_b != base_a else ""))
     result.attrs[INCOMPLETE_STEPS] = [
         f"{side}'s step {f.label} ({f.incomplete})" for side, files in (("A", files_a),
                                                                           ("B", files_b))
@@ -148,14 +152,27 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     return result
 
 
-def _assembled_side(a: Dump, b: Dump) -> str:
-    """"A" or "B": the side whose sharded tensors are put together (:mod:`compare.assembly`),
-    because it is distributed with shards and the other is not distributed; "" for neither."""
+def assembled_sides(a: Dump, b: Dump) -> str:
+    """Which sides' sharded tensors are put together (:mod:`compare.assembly`): "A" or "B",
+    the distributed side, if it holds shards and the other is not distributed; "A and B" when
+    both are distributed in different layouts (other ranks, or the same records sharded
+    otherwise); "" otherwise (the ranks pair one by one)."""
     distributed = [any(s.rank is not None for s in d.steps) for d in (a, b)]
     if distributed[0] != distributed[1]:
         side, dump = ("A", a) if distributed[0] else ("B", b)
         return side if sharded_ranks(dump) else ""
+    if distributed[0] and (sharded_ranks(a) or sharded_ranks(b)) and _layouts(a) != _layouts(b):
+        return "A and B"
     return ""
+
+
+def _layouts(dump: Dump) -> tuple[frozenset, frozenset]:
+    """A distributed dump's ranks, and how its lowest rank's records are sharded."""
+    index = dump.index
+    lowest = index[(index["rank"] == index["rank"].min()) & (index["placements"] != "")]
+    return (frozenset(s.rank for s in dump.steps), frozenset(zip(
+        lowest["module"], lowest["call_idx"], lowest["kind"], lowest["index"],
+        lowest["mesh_shape"], lowest["placements"])))
 
 
 def _name_mapping(given: Union[NameMapping, PathLike, None], rows_a: pd.DataFrame,

@@ -36,17 +36,19 @@ def align_ranks(a: Dump, b: Dump, rank: Optional[int] = None
         single, other = ("A", "B") if single_a else ("B", "A")
         note = (f"{single} is not distributed: compared with rank {rank} of {other} "
                 f"(choose another with --rank)")
-    return _at_rank(a, rank), _at_rank(b, rank), note
+    return at_rank(a, rank), at_rank(b, rank), note
 
 
-def _at_rank(dump: Dump, rank: int) -> Dump:
-    """The steps of ``rank``, and the non-distributed steps labelled as ``rank``."""
+def at_rank(dump: Dump, rank: int, label: Optional[int] = None) -> Dump:
+    """The steps of ``rank``, and the non-distributed steps, labelled as rank ``label``
+    (default: ``rank``)."""
+    label = rank if label is None else label
     steps = []
     for step in dump.steps:
-        if step.rank is None:
-            step = copy.copy(step)
-            step.rank = rank
-        if step.rank == rank:
+        if step.rank is None or step.rank == rank:
+            if step.rank != label:
+                step = copy.copy(step)
+                step.rank = label
             steps.append(step)
     if not steps:
         ranks = sorted({s.rank for s in dump.steps})

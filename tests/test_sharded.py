@@ -199,7 +199,7 @@ def _check_against_one_process(tmp_path: Path) -> None:
             zip(assembled["module"], assembled["kind"]))
         cli = CliRunner().invoke(h5cmp, [str(tmp_path / mode), str(single)])
         assert cli.exit_code == 0, cli.output
-        assert "A's sharded tensors are put together from its ranks' shards" in cli.output
+        assert "A's sharded tensors are put together from the ranks' shards" in cli.output
 
 
 @pytest.mark.slow
@@ -216,3 +216,26 @@ def test_a_planted_error_in_one_ranks_shard_is_found_and_attributed(tmp_path):
     result = compare_dumps(tmp_path / "default", single)
     first = result[result["status"] == "DIFF"].iloc[0]
     assert (first["module"], first["kind"], first["shard_rank"]) == ("1.up", "output", 1)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_layouts_compare_with_each_other(tmp_path):
+    """TP=4 (four processes) against TP=2 and against one process: every sharded tensor of
+    both sides is put together, and the healthy pairs agree within rounding."""
+    launch("tp", tmp_path / "tp2")
+    launch("tp", tmp_path / "tp4", world=4)
+    _tensor_parallel_in_one_process(tmp_path / "single")
+    index = load_dump(tmp_path / "tp4" / "default").index
+    assert set(index["rank"]) == {0, 1, 2, 3}
+    assert set(index[index["module"] == "1.down"]["placements"]) >= {"S(2)", "S(1)", "R"}
+    for other in ("tp2", "single"):
+        result = compare_dumps(tmp_path / "tp4" / "default", tmp_path / other / (
+            "default" if other == "tp2" else ""))
+        failing = result[result["status"].isin(FAILING)]
+        assert failing.empty, (other, failing[["module", "kind", "index", "status"]])
+        assert (result[result["step"] == 0]["status"].isin(["equal", "close"])).all()
+        assert result.attrs["assembled"].startswith(
+            "A and B's" if other == "tp2" else "A's")
+    cli = CliRunner().invoke(h5cmp, [str(tmp_path / "tp4" / "default"),
+                                     str(tmp_path / "tp2" / "default")])
+    assert cli.exit_code == 0 and "is only in" not in cli.output, cli.output
