@@ -1,10 +1,13 @@
 """``HookerAndDumper``: the public entry point of the capture side."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
 import warnings
+import weakref
+from collections import deque
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Union
 
@@ -30,6 +33,8 @@ from .window import Window, WindowSpec
 from .writer import DumpWriteError, StepWriter
 
 DEFAULT_MAX_BYTES_IN_FLIGHT = 1 << 30
+PUBLISH_MODES = ("auto", "background", "wait")
+BACKGROUND_STEPS = 2  # steps at most being published while training goes on
 
 
 class HookerAndDumper:
@@ -52,9 +57,19 @@ class HookerAndDumper:
     ``max_bytes_in_flight`` bytes of snapshots wait for it: past that a hook waits
     (``when_full="wait"``) or the tensor is dropped and the drop recorded (``"drop"``).
 
+    ``publish="background"`` makes ``remove_hooks`` return once the step's records are taken
+    and have the writer publish the file while training goes on (at most
+    ``BACKGROUND_STEPS`` steps at a time; the next dumped step waits beyond that, and
+    :meth:`wait` or :meth:`close` wait for all); ``"wait"`` makes it return once the file is
+    published; ``"auto"`` (default) publishes in the background the steps that recorded
+    accelerator tensors (the host mostly waits for the device there) and waits on CPU-only
+    steps (h5py holds the GIL for its per-dataset work: writing while the next step computes
+    gained nothing on a 2-core CPU, docs/benchmarks.md).
+
     ``on_error="raise"`` (default) makes ``remove_hooks`` raise :class:`DumpWriteError` when the
-    step could not be written; ``"warn"`` warns and lets training go on. Either way earlier step
-    files are untouched.
+    step could not be written, or, for a step published in the background, the next call of
+    ``register_hooks``, ``remove_hooks``, :meth:`wait` or :meth:`close`, naming the step's file;
+    ``"warn"`` warns and lets training go on. Either way earlier step files are untouched.
 
     ``on_nonfinite="raise"`` or ``"warn"`` turns on the NaN/Inf sentinel
     (:mod:`dumper.sentinel`) on *every* step ``register_hooks`` is called for, in the window or
@@ -89,7 +104,8 @@ class HookerAndDumper:
                  when_full: str = "wait", fsync: bool = False,
                  on_nonfinite: Optional[str] = None, nonfinite_history: int = 8,
                  inject: Union[str, os.PathLike, Dump, Injector, None] = None,
-                 ops: Patterns = None, skip_ops: Optional[Iterable[str]] = None):
+                 ops: Patterns = None, skip_ops: Optional[Iterable[str]] = None,
+                 publish: str = "auto"):
         self.directory = _prepare_directory(file_path)
         self.epochs = Window(epochs, "epochs")
         self.steps = Window(steps, "steps")
@@ -99,6 +115,10 @@ class HookerAndDumper:
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         self.on_error = on_error
+        if publish not in PUBLISH_MODES:
+            raise ValueError(f"publish must be one of {PUBLISH_MODES}, got {publish!r}")
+        self.publish = publish
+        self._publishing: deque[StepWriter] = deque()  # steps published in the background
         if max_bytes_in_flight <= 0:
             raise ValueError(f"max_bytes_in_flight must be positive, got {max_bytes_in_flight}")
         if when_full not in ("wait", "drop"):
@@ -171,6 +191,7 @@ class HookerAndDumper:
         if self._registered:
             raise RuntimeError("register_hooks was called twice without remove_hooks; call "
                                "remove_hooks() at the end of every step (or use `with d.hooks(...)`)")
+        self._collect_published(block=False)  # a background step's error is raised here
         self._registered = True
         if not self.in_window(epoch, step):
             self._give_back_memory()
@@ -188,8 +209,10 @@ class HookerAndDumper:
             raise
         path = self.directory / fmt.step_file_name(epoch, step, rank)
         try:
+            self._make_room_to_publish(path)
             claim = self._claim(path)
         except BaseException:
+            self._registered = False
             self._close_reference()
             raise
         if claim is None:
@@ -240,12 +263,16 @@ class HookerAndDumper:
 
     def remove_hooks(self) -> Optional[Path]:
         """Remove every hook and publish this step's file; returns its path (None outside the
-        window). A step that ends while an exception propagates, or with module calls that
-        never returned, is published marked incomplete (``h5cmp`` says so); ``with
-        d.hooks(...)`` discards such a step instead."""
+        window, or when it could not be written and ``on_error="warn"``). A step published in
+        the background (``publish``) is at that path once :meth:`wait` returns. A step that
+        ends while an exception propagates, or with module calls that never returned, is
+        published marked incomplete (``h5cmp`` says so); ``with d.hooks(...)`` discards such a
+        step instead."""
         self._registered = False
         try:
-            return self._publish_step()
+            path = self._publish_step()
+            self._collect_published(block=False)  # an earlier background step's error
+            return path
         finally:
             self._stop_sentinel()  # last: whatever its read raises, nothing is left behind
 
@@ -265,19 +292,58 @@ class HookerAndDumper:
                           f"hooked model did not run between register_hooks and remove_hooks, or "
                           f"ran as torch.compile'd code, which skips module hooks",
                           RuntimeWarning, stacklevel=3)
+        if incomplete:
+            warnings.warn(f"h5cmp: {writer.final_path} is marked incomplete: {incomplete}",
+                          RuntimeWarning, stacklevel=3)
+        writer.finish_later(incomplete)
+        if self.publish == "background" or (self.publish == "auto"
+                                             and writer.held_accelerator_tensors):
+            self._publishing.append(writer)
+            _waited_at_exit.add(self)
+            return writer.final_path
+        return self._published_by(writer, stacklevel=4)
+
+    def _published_by(self, writer: StepWriter, stacklevel: int) -> Optional[Path]:
+        """Wait for ``writer`` to publish its step; its path, or None after a write error
+        that ``on_error="warn"`` turned into a warning."""
         try:
-            path = writer.finish(incomplete)
+            path = writer.wait()
         except DumpWriteError as exc:
             if self.on_error == "raise":
                 raise
-            warnings.warn(str(exc), RuntimeWarning, stacklevel=3)
+            warnings.warn(str(exc), RuntimeWarning, stacklevel=stacklevel)
             return None
         self._published.published(path)
         self.written_files.append(path)
-        if incomplete:
-            warnings.warn(f"h5cmp: {path} is marked incomplete: {incomplete}", RuntimeWarning,
-                          stacklevel=3)
         return path
+
+    def _collect_published(self, block: bool) -> None:
+        """Take in the steps published in the background (all of them with ``block``, else
+        those done): their files join ``written_files``; the first write error is raised (or
+        warned about) once the others are taken in."""
+        error: Optional[DumpWriteError] = None
+        while self._publishing and (block or self._publishing[0].done):
+            try:
+                self._published_by(self._publishing.popleft(), stacklevel=4)
+            except DumpWriteError as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def _make_room_to_publish(self, path: Path) -> None:
+        """Before a dumped step: wait for the oldest steps still being published beyond
+        ``BACKGROUND_STEPS - 1``, and for one being published to ``path`` (its claim)."""
+        while self._publishing and (len(self._publishing) >= BACKGROUND_STEPS or any(
+                w.final_path == path for w in self._publishing)):
+            writer = self._publishing.popleft()
+            self._published_by(writer, stacklevel=4)
+
+    def wait(self) -> list[Path]:
+        """Wait until every step handed to the writer is published; returns ``written_files``.
+        Raises :class:`DumpWriteError` for a step that could not be written (with
+        ``on_error="raise"``)."""
+        self._collect_published(block=True)
+        return self.written_files
 
     def abort_step(self) -> None:
         """Remove every hook and discard the step in flight (nothing is published)."""
@@ -315,10 +381,15 @@ class HookerAndDumper:
         self.remove_hooks()
 
     def close(self) -> None:
-        """Discard a step left open (hooks registered, never removed) and give the snapshot
-        buffers kept for reuse back to the system."""
-        self.abort_step()
-        self._give_back_memory()
+        """Discard a step left open (hooks registered, never removed), wait for the steps
+        being published (:meth:`wait`) and give the snapshot buffers kept for reuse back to
+        the system."""
+        try:
+            self.abort_step()
+            self.wait()
+        finally:
+            _waited_at_exit.discard(self)
+            self._give_back_memory()
 
     def _give_back_memory(self) -> None:
         """Free the snapshot buffers kept for the next dumped step, and the C heap's free pages:
@@ -336,6 +407,20 @@ class HookerAndDumper:
         """Print the structure of the dump (groups, datasets, dtypes, shapes); default: all of it."""
         from compare.inspect import print_tree
         print_tree(self.directory if path is None else path)
+
+
+_waited_at_exit: "weakref.WeakSet[HookerAndDumper]" = weakref.WeakSet()
+
+
+@atexit.register
+def _publish_before_exit() -> None:
+    """At interpreter exit (before daemon threads stop): finish the background publishing of
+    dumpers that were never closed, so that their last steps are not lost."""
+    for dumper in list(_waited_at_exit):
+        try:
+            dumper.wait()
+        except DumpWriteError as exc:
+            warnings.warn(str(exc), RuntimeWarning)
 
 
 def given_or_new(owner: str, dumper: Optional[HookerAndDumper], args: tuple,

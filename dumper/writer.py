@@ -155,6 +155,7 @@ class StepWriter:
         self._held_lock = threading.Lock()
         self._core_free = core_left_for_writer()
         self._held_accelerator = False  # whether a held record comes from an accelerator
+        self._saw_accelerator = False   # whether any record of the step did
         self._step_bytes = 0              # bytes of values held in the step
         self._index = _IndexRows()
         self.error: Optional[BaseException] = None
@@ -173,7 +174,9 @@ class StepWriter:
             self._held.append(record)
             self._held_bytes += record.nbytes
             self._step_bytes += record.nbytes
-            self._held_accelerator |= getattr(record.device, "type", "cpu") != "cpu"
+            accelerator = getattr(record.device, "type", "cpu") != "cpu"
+            self._held_accelerator |= accelerator
+            self._saw_accelerator |= accelerator
             write_ahead = (self._held_bytes >= WRITE_AHEAD_BYTES
                            and (self._core_free or self._held_accelerator))
         if write_ahead:
@@ -195,9 +198,28 @@ class StepWriter:
     def finish(self, incomplete: str = "") -> Path:
         """Write the index, close and publish the file, marked ``incomplete`` for that reason
         if one is given; raises :class:`DumpWriteError` on failure."""
+        self.finish_later(incomplete)
+        return self.wait()
+
+    def finish_later(self, incomplete: str = "") -> None:
+        """Have the thread write what is left and publish the file while the caller goes on;
+        :meth:`wait` for it. No record may be submitted after this."""
         self._incomplete = incomplete
         self._hand_over()
         self._queue.put(_FINISH)
+
+    @property
+    def done(self) -> bool:
+        """Whether the thread has ended (published, or failed)."""
+        return not self._thread.is_alive()
+
+    @property
+    def held_accelerator_tensors(self) -> bool:
+        """Whether the step recorded tensors that live on an accelerator."""
+        return self._saw_accelerator
+
+    def wait(self) -> Path:
+        """Wait for the file to be published; raises :class:`DumpWriteError` on failure."""
         self._thread.join()
         if self.error is not None:
             raise DumpWriteError(self._error_message()) from self.error

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,32 @@ def test_full_disk_reports_error_and_keeps_completed_steps(tmp_path):
     assert sorted(os.listdir(limited))[0] == fmt.step_file_name(0, 0)
     assert not any(fmt.is_temp_file_name(n) for n in os.listdir(limited))
     _assert_steps_equal(reference, limited, range(1))
+
+
+@pytest.mark.slow
+def test_kill_9_while_publishing_in_the_background_loses_only_that_step(tmp_path):
+    """publish="background": step 2's file is being written when the process dies; training
+    went on, and the steps published before and after it are complete and exact."""
+    reference = tmp_path / "reference"
+    ref = _child(reference, 4)
+    assert ref.wait(timeout=120) == 0, ref.stderr.read()
+    crashed = tmp_path / "crashed"
+    proc = _child(crashed, 5, "--hang-publishing-at", 2)
+    expected = [fmt.step_file_name(0, s) for s in (0, 1, 3)]
+    try:
+        lines: list[str] = []
+        while "PUBLISHING" not in lines and len(lines) < 10:
+            lines.append(proc.stdout.readline().strip())
+        deadline = time.monotonic() + 60
+        while not all((crashed / name).exists() for name in expected):
+            assert time.monotonic() < deadline, os.listdir(crashed)
+            time.sleep(0.05)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    # training went on while step 2 was being published: remove_hooks had returned for it
+    assert {"DONE 0", "DONE 1", "DONE 2", "PUBLISHING"} <= set(lines), lines
+    published = sorted(n for n in os.listdir(crashed) if not n.startswith("."))
+    assert published == expected
+    assert sorted(s.step for s in load_dump(crashed).steps) == [0, 1, 3]
+    _assert_steps_equal(reference, crashed, (0, 1, 3))
