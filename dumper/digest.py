@@ -17,13 +17,16 @@ from compare import format as fmt
 
 assert sys.byteorder == "little", "digests read a tensor's bytes as little-endian words"
 
-Digest = Union[int, torch.Tensor]  # a digest (CPU), or its unfolded word sum on the device
+
+def tensor_digest(t: torch.Tensor) -> int:
+    """The digest of ``t``. For a tensor on an accelerator this reads the result (a host sync);
+    the dumper batches those instead (:func:`word_sum`, :mod:`dumper.arena`)."""
+    return fmt.fold_word_sum(int(word_sum(t)))
 
 
-def tensor_digest(t: torch.Tensor) -> Digest:
-    """The digest of ``t`` (an int, for a CPU tensor), or, for a tensor on an accelerator, a
-    one-element int64 tensor on its device holding the word sum: :func:`finish_digest` makes
-    the digest of it once it is on the host."""
+def word_sum(t: torch.Tensor) -> torch.Tensor:
+    """The sum, modulo 2**64, of ``t``'s bytes in C order as little-endian 64-bit words (the
+    last one padded with zeros): a 0-d int64 tensor on ``t``'s device (no host sync)."""
     x = t.detach()
     if x.is_complex() or x.dtype is torch.bool:  # no integer view of their own width
         x = torch.view_as_real(x) if x.is_complex() else x.view(torch.uint8)
@@ -36,9 +39,9 @@ def tensor_digest(t: torch.Tensor) -> Digest:
     if tail.numel():
         shifts = torch.arange(0, 8 * tail.numel(), 8, dtype=torch.int64, device=tail.device)
         total = total + (tail.to(torch.int64) << shifts).sum()
-    return fmt.fold_word_sum(int(total)) if raw.device.type == "cpu" else total.reshape(1)
+    return total
 
 
 def finish_digest(value: Union[int, torch.Tensor]) -> int:
-    """The digest of a :func:`tensor_digest` result, on the host."""
+    """The digest of a record's digest: an int already, or a word sum read back to the host."""
     return value if isinstance(value, int) else fmt.fold_word_sum(int(value.reshape(-1)[0]))

@@ -17,6 +17,7 @@ from torch.utils.hooks import RemovableHandle
 from compare import format as fmt
 from compare.dump import Dump
 
+from .arena import StepBatch
 from .calls import compiled_regions, hook_target, named_modules, runs_hooks, unhookable_roots
 from .capture import StepCapture
 from .claim import PublishedFiles, StepClaim, StepConflictError
@@ -225,6 +226,7 @@ class HookerAndDumper:
                                   self._maker.release, self.fsync, self._published.check,
                                   self._consumers.for_step(epoch, step))
         self._budget.on_pressure = self._writer.flush
+        self._maker.batch = StepBatch(self._pool)
         self._capture = StepCapture(model, self._writer.submit, self._maker, self.selection,
                                     self.params, self._reference)
         self._start_sentinel(model)  # after the capture: a failing call's tensors are recorded
@@ -282,8 +284,10 @@ class HookerAndDumper:
         if capture is None:
             return None
         incomplete = _why_incomplete(capture.open_calls)
+        batch, self._maker.batch = self._maker.batch, None
         try:
             capture.finish()
+            batch.seal()  # what the device holds goes to the host, for the writer
         finally:
             capture.remove()
             self._close_reference()
@@ -350,6 +354,7 @@ class HookerAndDumper:
         self._registered = False
         capture, writer = self._capture, self._writer
         self._capture = self._writer = None
+        self._maker.batch = None
         try:
             if capture is not None:
                 capture.remove()

@@ -9,6 +9,7 @@ import torch
 
 from compare import format as fmt
 
+from .arena import Pending, StepBatch, on_device
 from .flatten import clip, short_repr
 from .snapshot import Snapshot, SnapshotPool
 from .digest import tensor_digest
@@ -51,10 +52,10 @@ class Record:
     requires_grad: bool
     status: str
     value: str = ""
-    snapshot: Optional[Snapshot] = None
-    stats: Union[tuple, Snapshot, None] = None  # a tuple (CPU) or a device copy in flight
-    sketch: Union[tuple, Snapshot, None] = None  # likewise (parameter statistics)
-    digest: Union[int, Snapshot, None] = None  # hash mode: the digest (CPU), or a device copy
+    snapshot: Union[Snapshot, Pending, None] = None  # values: a host copy, or in an arena
+    stats: Union[tuple, Pending, None] = None  # a tuple (CPU), or numbers on their device
+    sketch: Union[tuple, Pending, None] = None  # likewise (parameter statistics)
+    digest: Union[int, Pending, None] = None  # hash mode: the digest (CPU), or on the device
     occurrence: int = 0
     producer: int = -1
     injected: bool = False  # the call ran on the reference's value instead (dumper.injection)
@@ -141,6 +142,7 @@ class RecordMaker:
                  marks: Optional[ShardMarks] = None):
         self._pool, self._budget, self._drop = pool, budget, drop_when_full
         self._marks = marks if marks is not None else ShardMarks()
+        self.batch: Optional[StepBatch] = None  # the dumped step's (dumper.arena), if any
 
     def tensor(self, seq: int, call: CallInfo, kind: str, index: int, path: str,
                t: torch.Tensor, owned: bool = False, stats: bool = False,
@@ -152,7 +154,8 @@ class RecordMaker:
         made by the dumper); on the CPU it becomes the snapshot itself, without a copy.
 
         A ``DTensor``, or a tensor a :class:`ShardMarks` mark covers, is recorded as this
-        rank's shard, with its ``sharding``."""
+        rank's shard, with its ``sharding``. An accelerator's tensor is taken into the step's
+        :attr:`batch` (:mod:`dumper.arena`) where it can be: no host work, no sync."""
         requires_grad = t.requires_grad
         t, sharding = local_part(t)
         if sharding is None and self._marks:
@@ -164,17 +167,21 @@ class RecordMaker:
         if reason:
             return rec
         hashed, summed = call.mode == fmt.MODE_HASH, call.mode == fmt.MODE_STATS or stats
+        batch = self.batch if self.batch is not None and t.numel() and on_device(t) else None
         if hashed or summed:
             try:
+                if batch is not None:
+                    taken = batch.take(t, stats=summed, sketch=summed and sketch, digest=hashed)
+                    rec.stats, rec.sketch, rec.digest = (
+                        taken.get(what) for what in ("stats", "sketch", "digest"))
+                    return rec
                 digest = tensor_digest(t) if hashed else None
                 stats = tensor_stats(t) if summed else None
                 drawn = tensor_sketch(t) if summed and sketch else None
             except Exception as exc:  # a tensor type nobody foresaw must not stop training
                 rec.status, rec.value = fmt.ST_UNSUPPORTED, unreadable(exc)
                 return rec
-            rec.digest, rec.stats, rec.sketch = (
-                v if v is None or isinstance(v, (int, tuple)) else self._pool.take(v)
-                for v in (digest, stats, drawn))
+            rec.digest, rec.stats, rec.sketch = digest, stats, drawn
             return rec
         nbytes = t.numel() * t.element_size()
         if not self._budget.try_acquire(nbytes):
@@ -184,8 +191,13 @@ class RecordMaker:
                 return rec
             self._budget.acquire(nbytes)
         try:
-            rec.snapshot = Snapshot(t.detach()) if owned and t.device.type == "cpu" else \
-                self._pool.take(t)
+            taken = batch.take(t, values=True) if batch is not None else None
+            if taken is not None:
+                rec.snapshot = taken["values"]
+            elif owned and t.device.type == "cpu":
+                rec.snapshot = Snapshot(t.detach())
+            else:
+                rec.snapshot = self._pool.take(t)
         except Exception as exc:  # as above
             self._budget.release(nbytes)
             rec.status, rec.value = fmt.ST_UNSUPPORTED, unreadable(exc)
@@ -197,7 +209,7 @@ class RecordMaker:
             self._budget.release(record.nbytes)
             record.snapshot.release()
         for numbers in (record.stats, record.sketch, record.digest):
-            if isinstance(numbers, Snapshot):
+            if isinstance(numbers, Pending):
                 numbers.release()
 
 

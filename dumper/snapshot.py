@@ -83,6 +83,10 @@ class SnapshotPool:
         ready.record(torch.cuda.current_stream(src.device))
         return Snapshot(view, buffer, self, ready, pinned=True)
 
+    def host_buffer(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        """A host buffer (uint8) of at least ``nbytes`` from the pool; :meth:`give` it back."""
+        return self._take_buffer(_size_class(nbytes), pinned)
+
     def _take_buffer(self, size: int, pinned: bool) -> torch.Tensor:
         with self._lock:
             self._in_use += size

@@ -4,7 +4,6 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from typing import Union
 
 import numpy as np
 import torch
@@ -15,13 +14,15 @@ from compare.statistics import (SKETCH_COLUMNS_P, SKETCH_ROWS_Q, SKETCH_SIZE, sk
 SMALL = 1 << 16  # CPU tensors up to this many elements are reduced with numpy: far fewer
 #                  dispatcher round trips than torch for the same eight numbers
 
-Stats = Union[tuple, torch.Tensor]
+# The raw sums a device computes per tensor (dumper.arena), turned into the statistics on the
+# host by :func:`stats_of_sums`
+RAW_SUMS = ("min", "max", "sum", "sumsq", "nan", "inf", "zero")
 
 
-def tensor_stats(t: torch.Tensor) -> Stats:
-    """``(min, max, mean, std, norm, nan, inf, zero)`` of ``t`` in float64: a tuple for CPU
-    tensors, a float64 tensor on ``t``'s device otherwise (no host sync; the writer copies it
-    asynchronously). Order of ``compare.format.STAT_COLUMNS``.
+def tensor_stats(t: torch.Tensor) -> tuple:
+    """``(min, max, mean, std, norm, nan, inf, zero)`` of ``t`` in float64, order of
+    ``compare.format.STAT_COLUMNS``. For a tensor on an accelerator this reads the result
+    (a host sync); the dumper batches those instead (:mod:`dumper.arena`).
 
     Complex tensors are described by their magnitudes; integers and bool as float64;
     float16/bfloat16/float8 reduced in float32; sums accumulate in float64. NaNs propagate into
@@ -34,15 +35,39 @@ def tensor_stats(t: torch.Tensor) -> Stats:
         return stats_from_sums(math.nan, math.nan, 0.0, 0.0, 0, 0, 0, 0)
     if x.dtype in _NUMPY_FLOATS and x.is_cpu and n <= SMALL:
         return _small_cpu_stats(_float64_copy(x))  # the common case, kept short
+    x = reduced(x)
+    if x.device.type == "cpu":
+        return _cpu_stats(x.reshape(-1))
+    row = torch.empty(len(RAW_SUMS), dtype=torch.float64, device=x.device)
+    tensor_sums(x.reshape(-1), row)
+    return stats_of_sums(row.tolist(), n)
+
+
+def reduced(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the statistics see it: complex by magnitude, integers and bool as float64,
+    16- and 8-bit floats as float32 (docs/format.md)."""
     if x.is_complex():
         x = x.abs()
     if not x.is_floating_point():
-        x = x.to(torch.float64)
-    elif x.element_size() < 4:
-        x = x.float()
-    if x.device.type == "cpu":
-        return _cpu_stats(x.reshape(-1))
-    return _device_stats(x.reshape(-1))
+        return x.to(torch.float64)
+    return x.float() if x.element_size() < 4 else x
+
+
+def tensor_sums(x: torch.Tensor, row: torch.Tensor) -> None:
+    """Write the raw sums (``RAW_SUMS``) of ``x`` (flat, :func:`reduced`, not empty) into
+    ``row`` (float64, on ``x``'s device) with a few reductions and no host sync."""
+    row[0:2].copy_(torch.stack(torch.aminmax(x)))
+    for column, values in ((2, x), (3, torch.square(x.to(torch.float64))), (4, torch.isnan(x)),
+                           (5, torch.isinf(x)), (6, x == 0)):
+        torch.sum(values, 0, dtype=torch.float64, out=row[column])
+
+
+def stats_of_sums(raw: list[float], n: int) -> tuple:
+    """The statistics of a tensor of ``n`` elements from its ``RAW_SUMS``."""
+    lo, hi, total, sumsq, nan, inf, zero = raw[:len(RAW_SUMS)]
+    if nan:  # NaN propagates into min and max, whatever a reduction made of it
+        lo = hi = math.nan
+    return stats_from_sums(lo, hi, total, sumsq, n, nan, inf, zero)
 
 
 _NUMPY_FLOATS = (torch.float32, torch.float64)
@@ -118,17 +143,6 @@ def _cpu_stats(x: torch.Tensor) -> tuple:
     return stats_from_sums(lo, hi, total, sumsq, n, nan, inf, n - nonzero)
 
 
-def _device_stats(x: torch.Tensor) -> torch.Tensor:
-    n = x.numel()
-    lo, hi = torch.aminmax(x)
-    mean = x.sum(dtype=torch.float64) / n
-    norm = torch.linalg.vector_norm(x, dtype=torch.float64)
-    std = (norm * norm / n - mean * mean).clamp_min(0).sqrt()
-    values = (lo, hi, mean, std, norm, torch.isnan(x).sum(), torch.isinf(x).sum(),
-              n - torch.count_nonzero(x))
-    return torch.stack([v.to(torch.float64) for v in values])
-
-
 _sign_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 SKETCH_ROWS = 1 << 10  # rows of P elements sketched at a time: float64 scratch of 8 MiB
 
@@ -141,11 +155,10 @@ def _signs_on(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return tables
 
 
-def tensor_sketch(t: torch.Tensor) -> Stats:
+def tensor_sketch(t: torch.Tensor) -> tuple:
     """The sketch of ``t`` (``compare.statistics.sketch_of_chunks``, the definition the reader
-    shares), in float64: a tuple for CPU tensors, a float64 tensor on ``t``'s device otherwise
-    (no host sync). Rows of P elements are multiplied by their row signs a block at a time (one
-    small matrix product), then by the column signs; the last partial row apart."""
+    shares), in float64. For a tensor on an accelerator this reads the result (a host sync);
+    the dumper batches those instead (:func:`sketch_on_device`, :mod:`dumper.arena`)."""
     x = t.detach().reshape(-1)
     if x.is_complex():
         x = x.abs()
@@ -153,7 +166,7 @@ def tensor_sketch(t: torch.Tensor) -> Stats:
         # one product with each element's sign, precomputed: a few us (no dispatcher, no BLAS)
         signs = _element_signs()[:, :x.numel()]
         return tuple(float(v) for v in np.einsum("kn,n->k", signs, _float64_copy(x)))
-    return _sketch(x, _signs_on(x.device))
+    return tuple(sketch_on_device(x).tolist())
 
 
 @functools.cache
@@ -165,10 +178,14 @@ def _element_signs() -> np.ndarray:
                                                           % SKETCH_ROWS_Q]
 
 
-def _sketch(x: torch.Tensor, signs) -> Stats:
-    """The sketch of the flat tensor ``x`` (row blocks by their row signs in one product each,
-    then the column signs; the last partial row apart)."""
-    col_signs, row_signs = signs
+def sketch_on_device(t: torch.Tensor) -> torch.Tensor:
+    """The sketch of ``t`` as a float64 tensor on its device (no host sync). Rows of P
+    elements are multiplied by their row signs a block at a time (one small matrix product),
+    then by the column signs; the last partial row apart."""
+    x = t.detach().reshape(-1)
+    if x.is_complex():
+        x = x.abs()
+    col_signs, row_signs = _signs_on(x.device)
     p, q = SKETCH_COLUMNS_P, SKETCH_ROWS_Q
     rows = x.shape[0] // p
     total = torch.zeros(SKETCH_SIZE, p, dtype=torch.float64, device=x.device)
@@ -180,4 +197,4 @@ def _sketch(x: torch.Tensor, signs) -> Stats:
     tail = x[rows * p:].to(torch.float64)
     if tail.numel():
         sketch += (row_signs[:, rows % q, None] * col_signs[:, :tail.numel()]) @ tail
-    return tuple(sketch.tolist()) if x.device.type == "cpu" else sketch
+    return sketch

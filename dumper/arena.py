@@ -1,0 +1,351 @@
+"""An accelerator's records of one step, taken on the device and read on the host once.
+
+A hook that records a small tensor of an accelerator launches one copy of it into the step's
+*arena* for its device and dtype: no host work, no sync. A larger tensor's statistics, sketch
+or digest are reduced on the device into a row of the step's *table* (a few reductions each);
+its values are copied as before (:mod:`dumper.snapshot`). When the step ends, when an arena or
+table fills, or when the writer needs a record sooner, the open arenas and tables are
+*sealed*: the arenas' numbers are reduced for all their tensors at once (a few segmented
+reductions per arena), everything the host needs (values, numbers) is copied there in a few
+large non-blocking transfers, and one event is recorded per device. The writer's thread waits
+for that event when it reaches the seal's first record: one host sync per seal, none on the
+training thread.
+
+The numbers are the raw sums of :data:`dumper.stats.RAW_SUMS` (and the sketch, and the 64-bit
+word sum of the digest); the host turns them into the statistics with
+:func:`dumper.stats.stats_of_sums`, the definition the CPU path and the reader share.
+:func:`on_device` says which tensors take this path: an accelerator's (tests force CPU tensors
+through it, to count its syncs on a machine without one).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+from compare.statistics import SKETCH_SIZE
+
+from .digest import word_sum
+from .snapshot import SnapshotPool
+from .stats import RAW_SUMS, reduced, sketch_on_device, stats_of_sums, tensor_sums
+
+SMALL_BYTES = 1 << 18   # tensors up to this size go into an arena
+ARENA_BYTES = 4 << 20   # one arena; a full one is sealed and a new one started
+ALIGN = 16              # slots start here: any dtype's view, and whole 64-bit words
+TABLE_ROWS = 256        # rows of one table of numbers
+WIDTH = len(RAW_SUMS) + SKETCH_SIZE  # a row of numbers: the raw sums, then the sketch
+
+
+WANTS = ("values", "stats", "sketch", "digest")  # what a record can take of a tensor
+
+
+def on_device(t: torch.Tensor) -> bool:
+    """Whether ``t``'s records are taken on its device and read once per seal."""
+    return t.device.type != "cpu"
+
+
+def _int64_on(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` on ``device`` without a host sync (from pinned memory, on CUDA)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class _Slot:
+    """One record's tensor in an arena or a table: its row, where its bytes are, what it is."""
+
+    __slots__ = ("row", "offset", "nbytes", "numel", "dtype", "shape", "sketch")
+
+    def __init__(self, row: int, offset: int, t: torch.Tensor, sketch: bool):
+        self.row, self.offset = row, offset
+        self.nbytes, self.numel = t.numel() * t.element_size(), t.numel()
+        self.dtype, self.shape, self.sketch = t.dtype, t.shape, sketch
+
+
+class _Seal:
+    """What one seal sent to the host: :meth:`wait` returns once it has landed."""
+
+    def __init__(self, batch: "StepBatch"):
+        self._batch = batch
+        self._events: list = []
+        self._landed = False
+        self._lock = threading.Lock()
+
+    def record(self, devices: set) -> None:
+        for device in devices:
+            if device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+                self._events.append(event)
+
+    def wait(self) -> None:
+        with self._lock:
+            if not self._landed:
+                self._batch.waited_for_seal()
+                for event in self._events:
+                    event.synchronize()
+                self._landed = True
+
+
+class _Open:
+    """Records of one device taken since the last seal: an arena or a table."""
+
+    def __init__(self, device: torch.device, pool: SnapshotPool):
+        self.device, self._pool = device, pool
+        self.slots: list[_Slot] = []
+        self.seal: Optional[_Seal] = None
+        self.host: dict[str, torch.Tensor] = {}   # what landed: "values", "numbers", "digests"
+        self._streams: set = set()                 # the streams its kernels ran on
+        self._pinned: list[torch.Tensor] = []     # host buffers to give back to the pool
+        self._pending = 0                         # records not yet released
+
+    def note_stream(self) -> None:
+        if self.device.type == "cuda":
+            self._streams.add(torch.cuda.current_stream(self.device))
+
+    def wait_for_streams(self) -> None:
+        """Order the sealing stream after every stream that wrote into it (no host sync)."""
+        if self.device.type == "cuda":
+            current = torch.cuda.current_stream(self.device)
+            for stream in self._streams - {current}:
+                current.wait_stream(stream)
+
+    def device_side(self) -> dict[str, torch.Tensor]:
+        """What the host needs, still on the device (reductions launched now)."""
+        raise NotImplementedError
+
+    def send(self) -> None:
+        """Copy :meth:`device_side` to the host (non-blocking from CUDA, into pinned buffers)."""
+        for name, t in self.device_side().items():
+            if self.device.type == "cpu":
+                self.host[name] = t
+            elif self.device.type == "cuda":
+                buffer = self._pool.host_buffer(t.numel() * t.element_size(), pinned=True)
+                self._pinned.append(buffer)
+                host = buffer[:t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                self.host[name] = host.copy_(t, non_blocking=True)
+            else:  # other accelerators: a plain synchronous copy
+                self.host[name] = t.to("cpu")
+
+    def taken(self) -> None:
+        self._pending += 1
+
+    def release(self) -> None:
+        """One record is done; the last one gives the host buffers back."""
+        self._pending -= 1
+        if self._pending == 0:
+            for buffer in self._pinned:
+                self._pool.give(buffer, pinned=True)
+            self._pinned.clear()
+            self.host.clear()
+
+
+class _Arena(_Open):
+    """Small tensors of one device and dtype, copied one after another into one buffer."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, pool: SnapshotPool):
+        super().__init__(device, pool)
+        self.dtype = dtype
+        # zeroed: a slot's last 64-bit word is padded with zeros, as a digest reads it
+        self.buffer = torch.zeros(ARENA_BYTES, dtype=torch.uint8, device=device)
+        self.used = 0
+        self.stats = self.digests = self.values = False  # what some slot wants
+
+    def add(self, t: torch.Tensor, values: bool, stats: bool, sketch: bool,
+            digest: bool) -> Optional[_Slot]:
+        """Copy ``t`` into the next slot; None when it is full."""
+        offset = -(-self.used // ALIGN) * ALIGN
+        nbytes = t.numel() * t.element_size()
+        if offset + nbytes > ARENA_BYTES:
+            return None
+        slot = _Slot(len(self.slots), offset, t, sketch)
+        self.view(self.buffer, slot).copy_(t)
+        self.note_stream()
+        self.slots.append(slot)
+        self.used = offset + nbytes
+        self.values |= values
+        self.stats |= stats
+        self.digests |= digest
+        return slot
+
+    @staticmethod
+    def view(buffer: torch.Tensor, slot: _Slot) -> torch.Tensor:
+        return buffer[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+
+    def device_side(self) -> dict[str, torch.Tensor]:
+        out = {}
+        if self.values:
+            out["values"] = self.buffer[:self.used]
+        if self.stats:
+            out["numbers"] = self._numbers()
+        if self.digests:
+            out["digests"] = self._word_sums()
+        return out
+
+    def _segments(self, size: int) -> list[int]:
+        """Segment lengths in units of ``size`` bytes over the used buffer: (gap, slot) pairs."""
+        lengths, end = [], 0
+        for slot in self.slots:
+            lengths += [(slot.offset - end) // size, -(-slot.nbytes // size)]
+            end = slot.offset + -(-slot.nbytes // size) * size
+        return lengths
+
+    def _numbers(self) -> torch.Tensor:
+        """Every slot's raw sums (segmented reductions over the arena, the gaps between slots
+        being segments of their own) and, where wanted, sketch."""
+        x = reduced(self.buffer[:self.used].view(self.dtype))
+        lengths = _int64_on(self._segments(self.dtype.itemsize), self.device)
+        wide = x.to(torch.float64)
+        numbers = torch.full((len(self.slots), WIDTH), float("nan"), dtype=torch.float64,
+                             device=self.device)
+        for column, (values, how) in enumerate((
+                (x, "min"), (x, "max"), (wide, "sum"), (torch.square(wide), "sum"),
+                (torch.isnan(x).to(torch.float64), "sum"),
+                (torch.isinf(x).to(torch.float64), "sum"),
+                ((x == 0).to(torch.float64), "sum"))):
+            numbers[:, column] = torch.segment_reduce(values, how, lengths=lengths,
+                                                      unsafe=True)[1::2]
+        for slot in self.slots:
+            if slot.sketch:
+                numbers[slot.row, len(RAW_SUMS):] = sketch_on_device(
+                    self.view(self.buffer, slot))
+        return numbers
+
+    def _word_sums(self) -> torch.Tensor:
+        """Every slot's 64-bit word sum (docs/format.md, "Digest"), wrapping modulo 2**64."""
+        words = self.buffer[:-(-self.used // 8) * 8].view(torch.int64)
+        gap = len(self.slots)  # the gaps' sums land in a last, dropped, row
+        owners = _int64_on([i // 2 if i % 2 else gap for i in range(2 * gap)], self.device)
+        lengths = self._segments(8)
+        ids = torch.repeat_interleave(owners, _int64_on(lengths, self.device),
+                                      output_size=sum(lengths))  # known: no sync for it
+        sums = torch.zeros(len(self.slots) + 1, dtype=torch.int64, device=self.device)
+        return sums.index_add_(0, ids, words)[:-1]
+
+
+class _Table(_Open):
+    """Numbers of larger tensors of one device, reduced one by one into rows."""
+
+    def __init__(self, device: torch.device, pool: SnapshotPool):
+        super().__init__(device, pool)
+        self.numbers = torch.full((TABLE_ROWS, WIDTH), float("nan"), dtype=torch.float64,
+                                  device=device)
+        self.digests = torch.zeros(TABLE_ROWS, dtype=torch.int64, device=device)
+
+    def add(self, t: torch.Tensor, values: bool, stats: bool, sketch: bool,
+            digest: bool) -> Optional[_Slot]:
+        if len(self.slots) == TABLE_ROWS:
+            return None
+        slot = _Slot(len(self.slots), 0, t, sketch)
+        row = self.numbers[slot.row]
+        if stats:
+            tensor_sums(reduced(t.reshape(-1)), row)
+        if sketch:
+            row[len(RAW_SUMS):] = sketch_on_device(t)
+        if digest:
+            self.digests[slot.row] = word_sum(t)
+        self.note_stream()
+        self.slots.append(slot)
+        return slot
+
+    def device_side(self) -> dict[str, torch.Tensor]:
+        rows = len(self.slots)
+        return {"numbers": self.numbers[:rows], "digests": self.digests[:rows]}
+
+
+class Pending:
+    """A record's values, statistics, sketch or digest from an arena or a table: :meth:`wait`
+    returns them on the host once their seal has landed (sealing first if it has not
+    happened: the writer got there before the step ended); :meth:`release` lets them go."""
+
+    __slots__ = ("_batch", "_open", "_slot", "what")
+
+    def __init__(self, batch: "StepBatch", where: _Open, slot: _Slot, what: str):
+        self._batch, self._open, self._slot, self.what = batch, where, slot, what
+        where.taken()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of values held for the record (the byte budget counts them)."""
+        return self._slot.nbytes if self.what == "values" else 0
+
+    def wait(self) -> torch.Tensor:
+        where, slot = self._open, self._slot
+        if where.seal is None:
+            self._batch.seal(where)
+        where.seal.wait()
+        if self.what == "values":
+            return _Arena.view(where.host["values"], slot)
+        if self.what == "digest":
+            return where.host["digests"][slot.row:slot.row + 1]
+        row = where.host["numbers"][slot.row]
+        if self.what == "sketch":
+            return row[len(RAW_SUMS):]
+        return torch.tensor(stats_of_sums(row.tolist(), slot.numel), dtype=torch.float64)
+
+    def release(self) -> None:
+        where, self._open = self._open, None
+        if where is not None:
+            where.release()
+
+
+class StepBatch:
+    """The arenas and tables of one step (see the module docstring); thread-safe (hooks run on
+    the training thread and on autograd's)."""
+
+    def __init__(self, pool: SnapshotPool):
+        self._pool = pool
+        self._open: dict[tuple, _Open] = {}
+        self._lock = threading.RLock()
+        self.seals = 0       # seals so far
+        self.host_syncs = 0  # seals waited for on the host (a device sync each, by the writer)
+
+    def waited_for_seal(self) -> None:
+        with self._lock:
+            self.host_syncs += 1
+
+    def take(self, t: torch.Tensor, values: bool = False, stats: bool = False,
+             sketch: bool = False, digest: bool = False) -> Optional[dict[str, Pending]]:
+        """Take ``t`` (on its device, not empty): a :class:`Pending` for each of what is
+        wanted; None for values of a tensor too large for an arena (snapshot it instead)."""
+        t = t.detach()
+        small = t.numel() * t.element_size() <= min(SMALL_BYTES, ARENA_BYTES)
+        if values and not small:
+            return None
+        wants = dict(values=values, stats=stats, sketch=sketch, digest=digest)
+        key = (t.device, t.dtype) if small else (t.device, None)
+        with self._lock:  # also while the copy is launched: a seal must come after it
+            where = self._open.get(key)
+            slot = where.add(t, **wants) if where is not None else None
+            if slot is None:
+                if where is not None:
+                    self._seal_now([where])
+                where = self._open[key] = (_Arena(t.device, t.dtype, self._pool) if small
+                                           else _Table(t.device, self._pool))
+                slot = where.add(t, **wants)
+            return {what: Pending(self, where, slot, what) for what in WANTS if wants[what]}
+
+    def seal(self, where: Optional[_Open] = None) -> None:
+        """Send to the host what was taken (all of it, or what ``where`` holds if it is still
+        open): when the step ends, when the writer needs it, when the byte budget needs room."""
+        with self._lock:
+            if where is None:
+                self._seal_now(list(self._open.values()))
+            elif where.seal is None:
+                self._seal_now([where])
+
+    def _seal_now(self, opened: list[_Open]) -> None:
+        if not opened:
+            return
+        self.seals += 1
+        seal = _Seal(self)
+        for where in opened:
+            for key, value in list(self._open.items()):
+                if value is where:
+                    del self._open[key]
+            where.wait_for_streams()
+            where.send()
+            where.seal = seal
+        seal.record({where.device for where in opened})

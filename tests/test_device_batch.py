@@ -1,0 +1,154 @@
+"""Records taken on the device and read once per step (dumper.arena), forced here on CPU tensors:
+the same values, statistics, sketches and digests as the host path, one seal and one host sync
+per step, however the arenas and tables fill and whoever seals them first."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from compare import compare_dumps
+from compare import format as fmt
+from compare.dump import load_dump
+from dumper import HookerAndDumper
+from dumper import arena, hooker, record
+
+from helpers import read_tensors
+
+
+class Mixed(nn.Module):
+    """Token ids in, a mask, bfloat16 and float16 parts, a complex output, and one activation
+    larger than an arena slot (``arena.SMALL_BYTES``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.wide = nn.Linear(16, 4096)
+        self.low = nn.Linear(4096, 8).to(torch.bfloat16)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, ids):
+        h = torch.relu(self.wide(self.embed(ids)))   # 32 x 4096 floats: a large tensor
+        h = self.low(h.to(torch.bfloat16)).float()
+        return self.norm(h * (ids[..., None] > 3))
+
+
+class Spectrum(nn.Module):
+    def forward(self, x):
+        return torch.fft.rfft(x, dim=-1), x.half()
+
+
+def _run(directory, mode: str, steps: int = 2, **options) -> list:
+    """Train ``Mixed`` (then ``Spectrum`` on its output) for ``steps`` steps; the step batches."""
+    torch.manual_seed(0)
+    model, spectrum = Mixed(), Spectrum()
+    both = nn.ModuleDict({"mixed": model, "spectrum": spectrum})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dumper = HookerAndDumper(directory, mode=mode, **options)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        ids = torch.randint(0, 50, (4, 8), generator=gen)
+        with dumper.hooks(both, 0, step):
+            out = model(ids)
+            spec, half = spectrum(out)
+            (out.pow(2).mean() + spec.abs().mean() + half.float().mean()).backward()
+        opt.step()
+        opt.zero_grad()
+    dumper.close()
+    return dumper
+
+
+class Forced(list):
+    """The step batches made since :meth:`on` took every CPU tensor through the device path."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self._monkeypatch = monkeypatch
+
+    def on(self) -> None:
+        batches = self
+
+        class Counted(arena.StepBatch):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                batches.append(self)
+        self._monkeypatch.setattr(record, "on_device", lambda t: True)
+        self._monkeypatch.setattr(hooker, "StepBatch", Counted)
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    return Forced(monkeypatch)
+
+
+@pytest.mark.parametrize("mode", ["tensors", "stats", "hash"])
+def test_the_device_path_records_what_the_host_path_does(tmp_path, forced, mode):
+    _run(tmp_path / "host-path", mode)
+    forced.on()
+    _run(tmp_path / "device-path", mode)
+    assert len(forced) == 2
+    for batch in forced:  # one seal and one host sync per step, at its end
+        assert (batch.seals, batch.host_syncs) == (1, 1)
+    _assert_same_records(tmp_path / "host-path", tmp_path / "device-path", mode)
+
+
+def _assert_same_records(host_dir, device_dir, mode: str) -> None:
+    host, device = load_dump(host_dir).index, load_dump(device_dir).index
+    keys = ["step", "module", "call_idx", "kind", "index", "occurrence"]
+    host, device = host.sort_values(keys).reset_index(), device.sort_values(keys).reset_index()
+    assert len(host) == len(device) > 40
+    assert (host[keys + ["dtype", "shape", "status"]] == device[keys + ["dtype", "shape",
+                                                                        "status"]]).all().all()
+    assert set(host["dtype"]) >= {"float32", "bfloat16", "float16", "complex64", "int64"}
+    assert (host["status"] == fmt.ST_OK).all() and (device["status"] == fmt.ST_OK).all()
+    if mode == "tensors":
+        a, b = read_tensors(host_dir / fmt.step_file_name(0, 1)), read_tensors(
+            device_dir / fmt.step_file_name(0, 1))
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    if mode == "hash":
+        assert (host["digest"] == device["digest"]).all()
+        assert (compare_dumps(host_dir, device_dir)["status"] == "equal").all()
+    # statistics (stats mode, and every mode's parameter statistics) and sketches
+    rows = host["stat_norm"].notna()
+    assert rows.sum() > 10 and (device["stat_norm"].notna() == rows).all()
+    for column in fmt.STAT_COLUMNS + fmt.SKETCH_COLUMNS:
+        a, b = host.loc[rows, column].to_numpy(), device.loc[rows, column].to_numpy()
+        exact = column in ("stat_min", "stat_max", "stat_nan", "stat_inf", "stat_zero")
+        np.testing.assert_allclose(b, a, rtol=0 if exact else 1e-12, atol=0 if exact else 1e-9,
+                                   equal_nan=True, err_msg=column)
+
+
+def test_full_arenas_and_tables_are_sealed_as_they_fill(tmp_path, forced, monkeypatch):
+    _run(tmp_path / "host-path", "stats")
+    forced.on()
+    monkeypatch.setattr(arena, "ARENA_BYTES", 4096)
+    monkeypatch.setattr(arena, "TABLE_ROWS", 2)
+    _run(tmp_path / "device-path", "stats")
+    assert all(batch.seals > 5 and batch.host_syncs == batch.seals for batch in forced)
+    _assert_same_records(tmp_path / "host-path", tmp_path / "device-path", "stats")
+
+
+def test_the_writer_seals_what_it_needs_before_the_step_ends(tmp_path, forced):
+    """A byte budget of a few small tensors: producers wait for the writer, which writes the
+    records so far, sealing their arena; the values are the host path's."""
+    _run(tmp_path / "host-path", "tensors")
+    forced.on()
+    _run(tmp_path / "device-path", "tensors", max_bytes_in_flight=4096)
+    assert all(batch.seals > 3 for batch in forced)
+    _assert_same_records(tmp_path / "host-path", tmp_path / "device-path", "tensors")
+
+
+def test_nan_and_inf_are_counted_on_the_device_path(tmp_path, forced):
+    forced.on()
+    model = nn.Linear(4, 4)
+    dumper = HookerAndDumper(tmp_path, mode="stats", kinds=["input"])
+    x = torch.tensor([[1.0, math.nan, -math.inf, 0.0]] * 3)
+    with dumper.hooks(model, 0, 0):
+        model(x)
+    row = load_dump(tmp_path).index.iloc[0]
+    assert math.isnan(row["stat_min"]) and math.isnan(row["stat_max"])
+    assert (row["stat_nan"], row["stat_inf"], row["stat_zero"]) == (3, 3, 3)
