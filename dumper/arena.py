@@ -31,7 +31,7 @@ from .snapshot import SnapshotPool
 from .stats import RAW_SUMS, reduced, sketch_on_device, stats_of_sums, tensor_sums
 
 SMALL_BYTES = 1 << 18   # tensors up to this size go into an arena
-ARENA_BYTES = 4 << 20   # one arena; a full one is sealed and a new one started
+ARENA_BYTES = 16 << 20  # one arena; a full one is sealed and a new one started
 ALIGN = 16              # slots start here: any dtype's view, and whole 64-bit words
 TABLE_ROWS = 256        # rows of one table of numbers
 WIDTH = len(RAW_SUMS) + SKETCH_SIZE  # a row of numbers: the raw sums, then the sketch
