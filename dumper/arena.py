@@ -1,29 +1,29 @@
-"""An accelerator's records of one step, taken on the device and read on the host once.
+"""A step's records taken in batches: copied in the hooks, reduced and read once per seal.
 
-A hook that records a small tensor of an accelerator launches one copy of it into the step's
-*arena* for its device and dtype: no host work, no sync. A larger tensor's statistics, sketch
-or digest are reduced on the device into a row of the step's *table* (a few reductions each);
+A hook that records a small tensor launches one copy of it into the step's *arena* for its
+device and dtype: no reduction, no host sync. A larger accelerator tensor's statistics, sketch
+or digest are reduced on its device into a row of the step's *table* (a few reductions each);
 its values are copied as before (:mod:`dumper.snapshot`). When the step ends, when an arena or
-table fills, or when the writer needs a record sooner, the open arenas and tables are
-*sealed*: the arenas' numbers are reduced for all their tensors at once (a few segmented
-reductions per arena), everything the host needs (values, numbers) is copied there in a few
-large non-blocking transfers, and one event is recorded per device. The writer's thread waits
-for that event when it reaches the seal's first record: one host sync per seal, none on the
-training thread.
+table fills, or when the writer needs a record sooner, what is open is *sealed*: the arenas'
+numbers are reduced for all their tensors at once, what the host needs (values, numbers) is
+copied there in a few large non-blocking transfers, and one event is recorded per device. The
+writer's thread waits for that event when it reaches the seal's first record: one host sync per
+seal, none on the training thread.
 
 The numbers are the raw sums of :data:`dumper.stats.RAW_SUMS` (and the sketch, and the 64-bit
 word sum of the digest); the host turns them into the statistics with
-:func:`dumper.stats.stats_of_sums`, the definition the CPU path and the reader share.
-:func:`on_device` says which tensors take this path: an accelerator's (tests force CPU tensors
-through it, to count its syncs on a machine without one).
+:func:`dumper.stats.stats_of_sums`, the definition the per-tensor path of CPU tensors and the
+reader share. CPU tensors are reduced in their hooks instead: batched on this 2-core CPU, the
+copies and numpy's segmented reductions cost as much or more (docs/benchmarks.md).
 """
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
+from compare import format as fmt
 from compare.statistics import SKETCH_SIZE
 
 from .digest import word_sum
@@ -35,13 +35,12 @@ ARENA_BYTES = 16 << 20  # one arena; a full one is sealed and a new one started
 ALIGN = 16              # slots start here: any dtype's view, and whole 64-bit words
 TABLE_ROWS = 256        # rows of one table of numbers
 WIDTH = len(RAW_SUMS) + SKETCH_SIZE  # a row of numbers: the raw sums, then the sketch
-
-
 WANTS = ("values", "stats", "sketch", "digest")  # what a record can take of a tensor
 
 
 def on_device(t: torch.Tensor) -> bool:
-    """Whether ``t``'s records are taken on its device and read once per seal."""
+    """Whether ``t``'s records go through the step's :class:`StepBatch`: it lives on an
+    accelerator (tests force CPU tensors through it, to count its syncs without one)."""
     return t.device.type != "cpu"
 
 
@@ -58,9 +57,8 @@ class _Slot:
 
     __slots__ = ("row", "offset", "nbytes", "numel", "dtype", "shape", "sketch")
 
-    def __init__(self, row: int, offset: int, t: torch.Tensor, sketch: bool):
-        self.row, self.offset = row, offset
-        self.nbytes, self.numel = t.numel() * t.element_size(), t.numel()
+    def __init__(self, row: int, offset: int, nbytes: int, t: torch.Tensor, sketch: bool):
+        self.row, self.offset, self.nbytes, self.numel = row, offset, nbytes, t.numel()
         self.dtype, self.shape, self.sketch = t.dtype, t.shape, sketch
 
 
@@ -97,48 +95,61 @@ class _Open:
         self.slots: list[_Slot] = []
         self.seal: Optional[_Seal] = None
         self.host: dict[str, torch.Tensor] = {}   # what landed: "values", "numbers", "digests"
+        self._rows: Optional[list] = None           # the numbers as lists, once landed
+        self._words: Optional[list] = None          # the digests' word sums, once landed
         self._streams: set = set()                 # the streams its kernels ran on
-        self._pinned: list[torch.Tensor] = []     # host buffers to give back to the pool
+        self._pooled: list[tuple] = []             # (host buffer, pinned) to give back
         self._pending = 0                         # records not yet released
+        self.error: Optional[Exception] = None    # why its seal failed, if it did
 
     def note_stream(self) -> None:
         if self.device.type == "cuda":
             self._streams.add(torch.cuda.current_stream(self.device))
 
-    def wait_for_streams(self) -> None:
-        """Order the sealing stream after every stream that wrote into it (no host sync)."""
+    def send(self) -> None:
+        """Copy :meth:`device_side` to the host (non-blocking from CUDA, into pinned buffers),
+        once the sealing stream is ordered after every stream that wrote into it."""
         if self.device.type == "cuda":
             current = torch.cuda.current_stream(self.device)
             for stream in self._streams - {current}:
                 current.wait_stream(stream)
+        for name, t in self.device_side().items():
+            if self.device.type == "cpu":
+                self.host[name] = t
+            elif self.device.type == "cuda":
+                nbytes = t.numel() * t.element_size()
+                buffer = self._pool.host_buffer(nbytes, pinned=True)
+                self._pooled.append((buffer, True))
+                host = buffer[:nbytes].view(t.dtype).view(t.shape)
+                self.host[name] = host.copy_(t, non_blocking=True)
+            else:  # other accelerators: a plain synchronous copy
+                self.host[name] = t.to("cpu")
 
     def device_side(self) -> dict[str, torch.Tensor]:
         """What the host needs, still on the device (reductions launched now)."""
         raise NotImplementedError
 
-    def send(self) -> None:
-        """Copy :meth:`device_side` to the host (non-blocking from CUDA, into pinned buffers)."""
-        for name, t in self.device_side().items():
-            if self.device.type == "cpu":
-                self.host[name] = t
-            elif self.device.type == "cuda":
-                buffer = self._pool.host_buffer(t.numel() * t.element_size(), pinned=True)
-                self._pinned.append(buffer)
-                host = buffer[:t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                self.host[name] = host.copy_(t, non_blocking=True)
-            else:  # other accelerators: a plain synchronous copy
-                self.host[name] = t.to("cpu")
+    def row(self, slot: _Slot) -> list[float]:
+        """``slot``'s numbers, once landed (the table read as lists once)."""
+        if self._rows is None:
+            self._rows = self.host["numbers"].tolist()
+        return self._rows[slot.row]
+
+    def word_sum(self, slot: _Slot) -> int:
+        if self._words is None:
+            self._words = self.host["digests"].tolist()
+        return self._words[slot.row]
 
     def taken(self) -> None:
         self._pending += 1
 
     def release(self) -> None:
-        """One record is done; the last one gives the host buffers back."""
+        """One record is done; the last one, once sealed, gives the host buffers back."""
         self._pending -= 1
-        if self._pending == 0:
-            for buffer in self._pinned:
-                self._pool.give(buffer, pinned=True)
-            self._pinned.clear()
+        if self._pending == 0 and self.seal is not None:
+            for buffer, pinned in self._pooled:
+                self._pool.give(buffer, pinned)
+            self._pooled.clear()
             self.host.clear()
 
 
@@ -148,20 +159,22 @@ class _Arena(_Open):
     def __init__(self, device: torch.device, dtype: torch.dtype, pool: SnapshotPool):
         super().__init__(device, pool)
         self.dtype = dtype
-        # zeroed: a slot's last 64-bit word is padded with zeros, as a digest reads it
-        self.buffer = torch.zeros(ARENA_BYTES, dtype=torch.uint8, device=device)
+        self.buffer = torch.empty(ARENA_BYTES, dtype=torch.uint8, device=device)
+        self._typed = self.buffer.view(dtype)  # the arena as elements of its dtype
         self.used = 0
         self.stats = self.digests = self.values = False  # what some slot wants
 
-    def add(self, t: torch.Tensor, values: bool, stats: bool, sketch: bool,
+    def add(self, t: torch.Tensor, nbytes: int, values: bool, stats: bool, sketch: bool,
             digest: bool) -> Optional[_Slot]:
         """Copy ``t`` into the next slot; None when it is full."""
         offset = -(-self.used // ALIGN) * ALIGN
-        nbytes = t.numel() * t.element_size()
         if offset + nbytes > ARENA_BYTES:
             return None
-        slot = _Slot(len(self.slots), offset, t, sketch)
-        self.view(self.buffer, slot).copy_(t)
+        slot = _Slot(len(self.slots), offset, nbytes, t, sketch)
+        first = offset // t.element_size()
+        self._typed[first:first + slot.numel].view(t.shape).copy_(t)
+        if digest and nbytes % 8:  # a digest reads the last 64-bit word padded with zeros
+            self.buffer[offset + nbytes:-(-(offset + nbytes) // 8) * 8].zero_()
         self.note_stream()
         self.slots.append(slot)
         self.used = offset + nbytes
@@ -234,11 +247,11 @@ class _Table(_Open):
                                   device=device)
         self.digests = torch.zeros(TABLE_ROWS, dtype=torch.int64, device=device)
 
-    def add(self, t: torch.Tensor, values: bool, stats: bool, sketch: bool,
+    def add(self, t: torch.Tensor, nbytes: int, values: bool, stats: bool, sketch: bool,
             digest: bool) -> Optional[_Slot]:
         if len(self.slots) == TABLE_ROWS:
             return None
-        slot = _Slot(len(self.slots), 0, t, sketch)
+        slot = _Slot(len(self.slots), 0, nbytes, t, sketch)
         row = self.numbers[slot.row]
         if stats:
             tensor_sums(reduced(t.reshape(-1)), row)
@@ -271,19 +284,23 @@ class Pending:
         """Bytes of values held for the record (the byte budget counts them)."""
         return self._slot.nbytes if self.what == "values" else 0
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> Union[torch.Tensor, tuple, int]:
+        """The values (a CPU tensor), the statistics or the sketch (tuples of float), or the
+        digest (an int)."""
         where, slot = self._open, self._slot
         if where.seal is None:
             self._batch.seal(where)
         where.seal.wait()
+        if where.error is not None:
+            raise where.error.with_traceback(None)
         if self.what == "values":
             return _Arena.view(where.host["values"], slot)
         if self.what == "digest":
-            return where.host["digests"][slot.row:slot.row + 1]
-        row = where.host["numbers"][slot.row]
+            return fmt.fold_word_sum(where.word_sum(slot))
+        row = where.row(slot)
         if self.what == "sketch":
-            return row[len(RAW_SUMS):]
-        return torch.tensor(stats_of_sums(row.tolist(), slot.numel), dtype=torch.float64)
+            return tuple(row[len(RAW_SUMS):])
+        return stats_of_sums(row, slot.numel)
 
     def release(self) -> None:
         where, self._open = self._open, None
@@ -308,24 +325,26 @@ class StepBatch:
 
     def take(self, t: torch.Tensor, values: bool = False, stats: bool = False,
              sketch: bool = False, digest: bool = False) -> Optional[dict[str, Pending]]:
-        """Take ``t`` (on its device, not empty): a :class:`Pending` for each of what is
-        wanted; None for values of a tensor too large for an arena (snapshot it instead)."""
+        """Take ``t`` (not empty): a :class:`Pending` for each of what is wanted; None for
+        values of a tensor too large for an arena (snapshot it instead)."""
         t = t.detach()
-        small = t.numel() * t.element_size() <= min(SMALL_BYTES, ARENA_BYTES)
+        nbytes = t.numel() * t.element_size()
+        small = nbytes <= min(SMALL_BYTES, ARENA_BYTES)
         if values and not small:
             return None
-        wants = dict(values=values, stats=stats, sketch=sketch, digest=digest)
         key = (t.device, t.dtype) if small else (t.device, None)
         with self._lock:  # also while the copy is launched: a seal must come after it
             where = self._open.get(key)
-            slot = where.add(t, **wants) if where is not None else None
+            slot = None if where is None else where.add(t, nbytes, values, stats, sketch,
+                                                        digest)
             if slot is None:
                 if where is not None:
                     self._seal_now([where])
                 where = self._open[key] = (_Arena(t.device, t.dtype, self._pool) if small
                                            else _Table(t.device, self._pool))
-                slot = where.add(t, **wants)
-            return {what: Pending(self, where, slot, what) for what in WANTS if wants[what]}
+                slot = where.add(t, nbytes, values, stats, sketch, digest)
+            return {what: Pending(self, where, slot, what)
+                    for what, wanted in zip(WANTS, (values, stats, sketch, digest)) if wanted}
 
     def seal(self, where: Optional[_Open] = None) -> None:
         """Send to the host what was taken (all of it, or what ``where`` holds if it is still
@@ -345,7 +364,9 @@ class StepBatch:
             for key, value in list(self._open.items()):
                 if value is where:
                     del self._open[key]
-            where.wait_for_streams()
-            where.send()
+            try:
+                where.send()
+            except Exception as exc:  # a tensor type nobody foresaw must not stop training:
+                where.error = exc     # its records are written without numbers
             where.seal = seal
         seal.record({where.device for where in opened})

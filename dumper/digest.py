@@ -9,8 +9,6 @@ with integer sums only (a few kernels, no host sync on an accelerator).
 from __future__ import annotations
 
 import sys
-from typing import Union
-
 import torch
 
 from compare import format as fmt
@@ -40,8 +38,3 @@ def word_sum(t: torch.Tensor) -> torch.Tensor:
         shifts = torch.arange(0, 8 * tail.numel(), 8, dtype=torch.int64, device=tail.device)
         total = total + (tail.to(torch.int64) << shifts).sum()
     return total
-
-
-def finish_digest(value: Union[int, torch.Tensor]) -> int:
-    """The digest of a record's digest: an int already, or a word sum read back to the host."""
-    return value if isinstance(value, int) else fmt.fold_word_sum(int(value.reshape(-1)[0]))

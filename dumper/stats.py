@@ -163,10 +163,14 @@ def tensor_sketch(t: torch.Tensor) -> tuple:
     if x.is_complex():
         x = x.abs()
     if x.device.type == "cpu" and x.dtype in _NUMPY_FLOATS and x.numel() <= SMALL:
-        # one product with each element's sign, precomputed: a few us (no dispatcher, no BLAS)
-        signs = _element_signs()[:, :x.numel()]
-        return tuple(float(v) for v in np.einsum("kn,n->k", signs, _float64_copy(x)))
+        return tuple(sketch_of_small(_float64_copy(x)).tolist())
     return tuple(sketch_on_device(x).tolist())
+
+
+def sketch_of_small(x: np.ndarray) -> np.ndarray:
+    """The sketch of a flat float64 array of at most ``SMALL`` elements: one product with each
+    element's sign, precomputed (a few us: no dispatcher, no BLAS)."""
+    return np.einsum("kn,n->k", _element_signs()[:, :x.size], x)
 
 
 @functools.cache

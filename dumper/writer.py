@@ -1,6 +1,7 @@
 """The step writer: one background thread owns the HDF5 file of one step and publishes it."""
 from __future__ import annotations
 
+import collections
 import errno
 import os
 import queue
@@ -20,7 +21,6 @@ from compare import format as fmt
 
 from .claim import StepClaim, StepConflictError
 from .consumers import StepConsumers
-from .digest import finish_digest
 from .encoding import dtype_name, encode
 from .hdf5 import LowLevelGroup, write_attributes
 from .memory import trim_heap
@@ -55,27 +55,39 @@ def _index_table(columns: dict[str, list]) -> np.ndarray:
     for name, kind in fmt.INDEX_COLUMNS:
         values = columns[name]
         if kind == "str":
-            encoded = [fmt.name_bytes(v) for v in values]
+            encoded = _encoded(values)
             width = max(map(len, encoded), default=0) or 1
             arrays[name] = np.array(encoded, dtype=h5py.string_dtype("utf-8", width))[order]
         else:
-            arrays[name] = np.array(values, dtype=kind)[order]
+            arrays[name] = np.asarray(values, dtype=kind)[order]
     table = np.empty(len(order), dtype=[(name, arrays[name].dtype) for name in arrays])
     for name, array in arrays.items():
         table[name] = array
     return table
 
 
-_NOT_SHARDED = dict.fromkeys(fmt.SHARDING_COLUMNS, "")
+def _encoded(values) -> list[bytes]:
+    """``fmt.name_bytes`` of each value, each distinct value encoded once (columns repeat)."""
+    cache: dict[str, bytes] = {}
+    return [cache[v] if v in cache else cache.setdefault(v, fmt.name_bytes(v)) for v in values]
+
+
+# An index row as the writer keeps it until the index is written: the scalar columns by name
+# (fmt.INDEX_COLUMNS), the statistics and sketch as tuples (fmt.STAT_COLUMNS, .SKETCH_COLUMNS
+# order) and the sharding (None: not sharded).
+_SCALARS = tuple(name for name in fmt.INDEX_COLUMN_NAMES
+                 if name not in fmt.STAT_COLUMNS + fmt.SKETCH_COLUMNS + fmt.SHARDING_COLUMNS)
+_Row = collections.namedtuple("_Row", _SCALARS + ("stats", "sketch", "sharding"))
 
 
 class _IndexRows:
-    """The index rows of one step, kept column by column (``fmt.INDEX_COLUMNS``). The strings
-    that repeat from row to row (a call's group, a tensor's dtype, shape and device) are
-    formatted once per step instead of once per row."""
+    """The index rows of one step, kept as compact rows (a record's values and buffers are
+    not kept) and turned into columns (``fmt.INDEX_COLUMNS``) once, when the index is written.
+    The strings that repeat from row to row (a call's group, a tensor's dtype, shape and
+    device) are formatted once per step instead of once per row."""
 
     def __init__(self):
-        self.columns: dict[str, list] = {name: [] for name in fmt.INDEX_COLUMN_NAMES}
+        self._rows: list[_Row] = []
         self._groups: dict[int, str] = {}
         self._described: dict[tuple, tuple[str, str, str]] = {}
 
@@ -95,17 +107,29 @@ class _IndexRows:
                                                  str(r.device))
         dtype, shape, device = described
         c = r.call
-        row = {"seq": r.seq, "call": c.number, "module": c.module, "cls": c.cls,
-               "call_idx": c.call_idx, "micro_batch": r.micro_batch, "group": group,
-               "kind": r.kind, "index": r.index, "occurrence": r.occurrence, "path": r.path,
-               "dataset": dataset, "dtype": dtype, "shape": shape, "encoding": encoding,
-               "device": device, "requires_grad": int(r.requires_grad), "status": r.status,
-               "value": r.value, "producer": r.producer, "injected": int(r.injected),
-               **dict(zip(fmt.STAT_COLUMNS, stats)), **dict(zip(fmt.SKETCH_COLUMNS, sketch)),
-               "checksum": checksum, "digest": digest,
-               **(r.sharding.columns() if r.sharding is not None else _NOT_SHARDED)}
-        for name, column in self.columns.items():
-            column.append(row[name])
+        self._rows.append(_Row(
+            seq=r.seq, call=c.number, module=c.module, cls=c.cls, call_idx=c.call_idx,
+            micro_batch=r.micro_batch, group=group, kind=r.kind, index=r.index,
+            occurrence=r.occurrence, path=r.path, dataset=dataset, dtype=dtype, shape=shape,
+            encoding=encoding, device=device, requires_grad=int(r.requires_grad),
+            status=r.status, value=r.value, producer=r.producer, injected=int(r.injected),
+            checksum=checksum, digest=digest, stats=stats, sketch=sketch, sharding=r.sharding))
+
+    def columns(self) -> dict[str, list]:
+        """The rows as columns, every name of ``fmt.INDEX_COLUMNS``."""
+        rows = self._rows
+        columns = dict(zip(_Row._fields, map(list, zip(*rows)))) if rows else {
+            name: [] for name in _Row._fields}
+        for names, part in ((fmt.STAT_COLUMNS, "stats"), (fmt.SKETCH_COLUMNS, "sketch")):
+            numbers = np.array(columns.pop(part), dtype=np.float64).reshape(-1, len(names))
+            columns.update(zip(names, numbers.T))
+        shards = [_NOT_SHARDED if s is None else s.columns() for s in columns.pop("sharding")]
+        columns.update({name: [shard[name] for shard in shards]
+                        for name in fmt.SHARDING_COLUMNS})
+        return columns
+
+
+_NOT_SHARDED = dict.fromkeys(fmt.SHARDING_COLUMNS, "")
 
 
 def core_left_for_writer() -> bool:
@@ -307,9 +331,13 @@ class StepWriter:
                     datasets.write(group, dataset, array, dtype_name(record.dtype)
                                    if encoding == fmt.ENC_BITS else None)
                     checksum = fmt.data_checksum(array)
-            stats, sketch = _numbers(record.stats, _NO_STATS), _numbers(record.sketch, _NO_SKETCH)
-            digest = fmt.NO_DIGEST if record.digest is None else finish_digest(
-                record.digest if isinstance(record.digest, int) else record.digest.wait())
+            try:
+                stats, sketch = (_numbers(record.stats, _NO_STATS),
+                                 _numbers(record.sketch, _NO_SKETCH))
+                digest = _numbers(record.digest, fmt.NO_DIGEST)
+            except Exception as exc:  # taken by the hook, yet its batch could not be reduced
+                record.status, record.value = fmt.ST_UNSUPPORTED, unreadable(exc)
+                stats, sketch, digest = _NO_STATS, _NO_SKETCH, fmt.NO_DIGEST
             self._index.add(record, group, dataset, encoding, stats, sketch, checksum, digest)
             if self._consumers is not None and record.status == fmt.ST_OK and (
                     values is not None or record.stats is not None):
@@ -319,7 +347,7 @@ class StepWriter:
 
     def _write_index(self, datasets: LowLevelGroup) -> int:
         """Write the index table; returns its checksum (``fmt.ATTR_INDEX_CRC``)."""
-        table = _index_table(self._index.columns)
+        table = _index_table(self._index.columns())
         datasets.write_here(fmt.INDEX_DATASET, table)
         return zlib.crc32(table.tobytes())
 
@@ -348,11 +376,12 @@ def _is_disk_full(exc: BaseException) -> bool:
     return any(f"errno = {code}," in text or os.strerror(code) in text for code in _DISK_FULL)
 
 
-def _numbers(numbers, missing: tuple) -> tuple:
-    """A record's statistics or sketch as a tuple: computed on the CPU, or a device copy."""
+def _numbers(numbers, missing):
+    """A record's statistics, sketch or digest: computed in the hook (a tuple, an int), or
+    taken in the step's batch (:class:`dumper.arena.Pending`)."""
     if numbers is None:
         return missing
-    return numbers if isinstance(numbers, tuple) else tuple(numbers.wait().tolist())
+    return numbers if isinstance(numbers, (tuple, int)) else numbers.wait()
 
 
 class _Aborted(Exception):

@@ -125,7 +125,8 @@ def test_a_background_write_error_is_raised_at_the_next_call_naming_the_step(tmp
     for step in range(2):
         with dumper.hooks(model, 0, step):
             _step(model, step)
-    dumper._publishing[-1]._thread.join()  # step 1 has failed by now
+    for step_writer in dumper._publishing:  # step 0 is published, step 1 has failed by now
+        step_writer._thread.join()
     with pytest.raises(DumpWriteError, match=f"{fmt.step_file_name(0, 1)} failed .*No space "
                                              f"left on device.*earlier steps are intact"):
         dumper.register_hooks(model, 0, 2)

@@ -396,10 +396,12 @@ def test_torch_func_transforms_run_unchanged_with_the_dumper(tmp_path, mode):
     assert tensors["value"].str.contains("torch.func transform").all()
 
 
-def test_a_tensor_that_cannot_be_read_loses_only_its_own_row(tmp_path, monkeypatch):
-    """Safety nets for tensor types nobody foresaw: a failure to take statistics (in the hook)
-    or to read a snapshot (in the writer) makes that row `unsupported`; training goes on and
-    the rest of the step is written."""
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_tensor_that_cannot_be_read_loses_only_its_own_row(tmp_path, monkeypatch, batched):
+    """Safety nets for tensor types nobody foresaw: a failure to take statistics (in the hook,
+    or into the step's batch) or to read a snapshot (in the writer) makes that row
+    `unsupported`; training goes on and the rest of the step is written."""
+    import dumper.arena
     import dumper.record
     import dumper.writer
 
@@ -409,6 +411,11 @@ def test_a_tensor_that_cannot_be_read_loses_only_its_own_row(tmp_path, monkeypat
                 raise RuntimeError("Cannot access data pointer\nsecond line")
             return original(t)
         return wrapped
+    if batched:  # CPU tensors taken as an accelerator's, into the step's batch
+        monkeypatch.setattr(dumper.record, "on_device", lambda t: True)
+    add = dumper.arena._Arena.add
+    monkeypatch.setattr(dumper.arena._Arena, "add", lambda self, t, *args: add(
+        self, fails_on_width_3(lambda x: x)(t), *args))
     monkeypatch.setattr(dumper.record, "tensor_stats", fails_on_width_3(dumper.record.tensor_stats))
     monkeypatch.setattr(dumper.writer, "encode", fails_on_width_3(dumper.writer.encode))
     torch.manual_seed(0)
@@ -423,6 +430,29 @@ def test_a_tensor_that_cannot_be_read_loses_only_its_own_row(tmp_path, monkeypat
         reason = "values not readable: RuntimeError: Cannot access data pointer"  # 1st line
         assert set(bad["value"]) == {reason}
         assert len(good) and (good["status"] == "ok").all()
+
+
+def test_a_batch_that_cannot_be_reduced_loses_only_its_rows(tmp_path, monkeypatch):
+    """A failure to reduce the step's batch (at the seal) leaves its records `unsupported`;
+    training goes on, the records that did not go through it are written whole."""
+    import dumper.arena
+    import dumper.record
+
+    def fails(self):
+        raise RuntimeError("segmented reduction failed\nsecond line")
+    monkeypatch.setattr(dumper.record, "on_device", lambda t: True)
+    monkeypatch.setattr(dumper.arena._Arena, "_numbers", fails)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 70_000))  # its output: no arena's
+    with HookerAndDumper(tmp_path, mode="stats", full_tensors=["1"]).hooks(model, 0, 0):
+        model(torch.randn(4, 2)).sum().backward()
+    index = load_dump(tmp_path).index
+    batched = index[index["module"] == "0"]
+    assert len(batched) and (batched["status"] == "unsupported").all()
+    assert set(batched["value"]) == {
+        "values not readable: RuntimeError: segmented reduction failed"}
+    whole = index[(index["module"] == "1") & (index["kind"] == "output")]
+    assert len(whole) == 1 and (whole["status"] == "ok").all() and (whole["dataset"] != "").all()
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")

@@ -61,8 +61,8 @@ def _run(directory, mode: str, steps: int = 2, **options) -> list:
     return dumper
 
 
-class Forced(list):
-    """The step batches made since :meth:`on` took every CPU tensor through the device path."""
+class DevicePath(list):
+    """Takes every CPU tensor as an accelerator's once :meth:`on`; lists the step batches."""
 
     def __init__(self, monkeypatch):
         super().__init__()
@@ -75,22 +75,22 @@ class Forced(list):
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
                 batches.append(self)
-        self._monkeypatch.setattr(record, "on_device", lambda t: True)
         self._monkeypatch.setattr(hooker, "StepBatch", Counted)
+        self._monkeypatch.setattr(record, "on_device", lambda t: True)
 
 
 @pytest.fixture
-def forced(monkeypatch):
-    return Forced(monkeypatch)
+def device_path(monkeypatch):
+    return DevicePath(monkeypatch)
 
 
 @pytest.mark.parametrize("mode", ["tensors", "stats", "hash"])
-def test_the_device_path_records_what_the_host_path_does(tmp_path, forced, mode):
+def test_the_device_path_records_what_the_host_path_does(tmp_path, device_path, mode):
     _run(tmp_path / "host-path", mode)
-    forced.on()
+    device_path.on()
     _run(tmp_path / "device-path", mode)
-    assert len(forced) == 2
-    for batch in forced:  # one seal and one host sync per step, at its end
+    assert len(device_path) == 2
+    for batch in device_path:  # one seal and one host sync per step, at its end
         assert (batch.seals, batch.host_syncs) == (1, 1)
     _assert_same_records(tmp_path / "host-path", tmp_path / "device-path", mode)
 
@@ -122,28 +122,30 @@ def _assert_same_records(host_dir, device_dir, mode: str) -> None:
                                    equal_nan=True, err_msg=column)
 
 
-def test_full_arenas_and_tables_are_sealed_as_they_fill(tmp_path, forced, monkeypatch):
+def test_full_arenas_and_tables_are_sealed_as_they_fill(tmp_path, device_path, monkeypatch):
     _run(tmp_path / "host-path", "stats")
-    forced.on()
+    device_path.on()
     monkeypatch.setattr(arena, "ARENA_BYTES", 4096)
     monkeypatch.setattr(arena, "TABLE_ROWS", 2)
     _run(tmp_path / "device-path", "stats")
-    assert all(batch.seals > 5 and batch.host_syncs == batch.seals for batch in forced)
+    assert all(batch.seals > 5 and batch.host_syncs == batch.seals for batch in device_path)
     _assert_same_records(tmp_path / "host-path", tmp_path / "device-path", "stats")
 
 
-def test_the_writer_seals_what_it_needs_before_the_step_ends(tmp_path, forced):
+def test_the_writer_seals_what_it_needs_before_the_step_ends(tmp_path, device_path):
     """A byte budget of a few small tensors: producers wait for the writer, which writes the
     records so far, sealing their arena; the values are the host path's."""
     _run(tmp_path / "host-path", "tensors")
-    forced.on()
+    device_path.on()
     _run(tmp_path / "device-path", "tensors", max_bytes_in_flight=4096)
-    assert all(batch.seals > 3 for batch in forced)
+    assert all(batch.seals > 3 for batch in device_path)
     _assert_same_records(tmp_path / "host-path", tmp_path / "device-path", "tensors")
 
 
-def test_nan_and_inf_are_counted_on_the_device_path(tmp_path, forced):
-    forced.on()
+@pytest.mark.parametrize("path", ["device", "host"])
+def test_nan_and_inf_are_counted_on_both_paths(tmp_path, device_path, path):
+    if path == "device":
+        device_path.on()
     model = nn.Linear(4, 4)
     dumper = HookerAndDumper(tmp_path, mode="stats", kinds=["input"])
     x = torch.tensor([[1.0, math.nan, -math.inf, 0.0]] * 3)
