@@ -74,7 +74,10 @@ WRAPPED_ATTRIBUTES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
 
 def _is_wrapper(module: nn.Module) -> bool:
-    return any(isinstance(getattr(module, a, None), nn.Module) for a in WRAPPED_ATTRIBUTES)
+    if not runs_hooks(module):  # TorchScript: its submodules are no wrappers
+        return False
+    children = module._modules  # a submodule's attribute lives here: no __getattr__ fallback
+    return any(children.get(a) is not None for a in WRAPPED_ATTRIBUTES)
 
 
 def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -87,9 +90,12 @@ def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield ".".join(p for p in path.split(".") if p not in WRAPPED_ATTRIBUTES), module
 
 
-def compiled_regions(model: nn.Module) -> list[str]:
-    """Paths of the outermost modules of ``model`` compiled in place."""
-    paths = [path for path, m in named_modules(model) if compiled_in_place(m)]
+Modules = list[tuple[str, nn.Module]]  # a model's (path, module) pairs, from named_modules
+
+
+def compiled_regions(modules: Modules) -> list[str]:
+    """Paths of the outermost modules compiled in place among a model's ``modules``."""
+    paths = [path for path, m in modules if compiled_in_place(m)]
     return [p for p in paths if not any(p.startswith(q + ".") or not q for q in paths if q != p)]
 
 
@@ -110,9 +116,9 @@ def hookable_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     return ((path, m) for path, m in named_modules(model) if runs_hooks(m))
 
 
-def unhookable_roots(model: nn.Module) -> list[str]:
-    """Paths of the outermost submodules that do not :func:`runs_hooks`."""
-    paths = [path for path, m in named_modules(model) if not runs_hooks(m)]
+def unhookable_roots(modules: Modules) -> list[str]:
+    """Paths of the outermost of a model's ``modules`` that do not :func:`runs_hooks`."""
+    paths = [path for path, m in modules if not runs_hooks(m)]
     return [p for p in paths if not any(p.startswith(q + ".") for q in paths)]
 
 

@@ -18,8 +18,8 @@ from torch.utils.hooks import RemovableHandle
 
 from compare import format as fmt
 
-from .calls import (CallHooks, CallTracker, MicroBatches, compiled_in_place, eager,
-                    hookable_modules, in_backward)
+from .calls import (CallHooks, CallTracker, Modules, MicroBatches, compiled_in_place, eager,
+                    in_backward, runs_hooks)
 from .flatten import call_leaves, leaves, map_tensors
 from .grads import GradInputCollector, current_sequence_nr, gradient_edge
 from . import ops
@@ -68,13 +68,14 @@ class _OpenCall:
 
 
 class StepCapture:
-    """Hooks ``model`` for one step and sends a :class:`Record` per captured leaf to ``sink``.
+    """Hooks a model (its ``modules``, :func:`~dumper.calls.named_modules`) for one step and
+    sends a :class:`Record` per captured leaf to ``sink``.
 
     With ``inject`` (a localizing re-run, :mod:`dumper.injection`), each hooked call records
     what arrives (inputs, its own parameters, incoming gradients), flagged ``injected`` where
     the reference has a value for it, then runs on the reference's value instead."""
 
-    def __init__(self, model: nn.Module, sink: Sink, maker: RecordMaker, selection: Selection,
+    def __init__(self, modules: Modules, sink: Sink, maker: RecordMaker, selection: Selection,
                  params: bool, inject: Optional[StepReference] = None):
         self._sink = sink
         self._inject = inject
@@ -97,7 +98,7 @@ class StepCapture:
         # injected gradients: (id of the node, slot) -> (weak reference to it, what arrived)
         self._replaced_grads: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
         self.handles: list[RemovableHandle] = []
-        modules = list(hookable_modules(model))
+        modules = [(path, m) for path, m in modules if runs_hooks(m)]
         # op-level capture (dumper.ops), if any is selected
         self._ops: Optional[OpMode] = OpMode(self._run_op, selection.skip_ops) if any(
             selection.wants_ops(path, m) for path, m in modules

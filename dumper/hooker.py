@@ -18,7 +18,8 @@ from compare import format as fmt
 from compare.dump import Dump
 
 from .arena import StepBatch
-from .calls import compiled_regions, hook_target, named_modules, runs_hooks, unhookable_roots
+from .calls import (Modules, compiled_regions, hook_target, named_modules, runs_hooks,
+                    unhookable_roots)
 from .capture import StepCapture
 from .claim import PublishedFiles, StepClaim, StepConflictError
 from .consumers import Consumer, Consumers
@@ -199,9 +200,10 @@ class HookerAndDumper:
             self._start_sentinel(model)
             return False
         model = hook_target(model)
-        _warn_if_scripted_inside(model)
-        compiled = compiled_regions(model)
-        _warn_if_compiled_inside(model, compiled)
+        modules = list(named_modules(model))
+        _warn_if_scripted_inside(modules)
+        compiled = compiled_regions(modules)
+        _warn_if_compiled_inside(modules, compiled)
         rank, _ = distributed_rank()
         try:
             self._reference = self.injector.step(epoch, step, rank) if self.injector else None
@@ -227,7 +229,7 @@ class HookerAndDumper:
                                   self._consumers.for_step(epoch, step))
         self._budget.on_pressure = self._writer.flush
         self._maker.batch = StepBatch(self._pool)
-        self._capture = StepCapture(model, self._writer.submit, self._maker, self.selection,
+        self._capture = StepCapture(modules, self._writer.submit, self._maker, self.selection,
                                     self.params, self._reference)
         self._start_sentinel(model)  # after the capture: a failing call's tensors are recorded
         return True
@@ -449,18 +451,18 @@ def _why_incomplete(open_calls: int) -> str:
     return "; ".join(reasons)
 
 
-def _warn_if_scripted_inside(model: nn.Module) -> None:
-    outermost = unhookable_roots(model)
+def _warn_if_scripted_inside(modules: Modules) -> None:
+    outermost = unhookable_roots(modules)
     if outermost:
         more = f" and {len(outermost) - 3} more" if len(outermost) > 3 else ""
         warnings.warn(f"h5cmp: TorchScript submodules run no Python hooks and are not recorded: "
                       f"{', '.join(outermost[:3])}{more}", RuntimeWarning, stacklevel=3)
 
 
-def _warn_if_compiled_inside(model: nn.Module, compiled: list[str]) -> None:
+def _warn_if_compiled_inside(modules: Modules, compiled: list[str]) -> None:
     """Regional compilation: the compiled modules are recorded at their boundaries (their hooks
     run eagerly), the modules inside them run as compiled code and are not recorded."""
-    inside = [p for p, _ in named_modules(model)
+    inside = [p for p, _ in modules
               if any(fmt.contains(c, p) and p != c for c in compiled)]
     if inside:
         names = ", ".join(c or fmt.ROOT_NAME for c in compiled[:3])
