@@ -101,19 +101,31 @@ class _Open:
         self._pooled: list[tuple] = []             # (host buffer, pinned) to give back
         self._pending = 0                         # records not yet released
         self.error: Optional[Exception] = None    # why its seal failed, if it did
+        self._reduced: Optional[dict[str, torch.Tensor]] = None  # reduced, not yet sent
 
     def note_stream(self) -> None:
         if self.device.type == "cuda":
             self._streams.add(torch.cuda.current_stream(self.device))
 
-    def send(self) -> None:
-        """Copy :meth:`device_side` to the host (non-blocking from CUDA, into pinned buffers),
-        once the sealing stream is ordered after every stream that wrote into it."""
+    holds_values = False  # whether a record wants values from it (not only numbers)
+
+    def reduce(self) -> None:
+        """Launch the reductions now (the sealing stream ordered after every stream that
+        wrote into it); :meth:`send` copies their results later."""
         if self.device.type == "cuda":
             current = torch.cuda.current_stream(self.device)
             for stream in self._streams - {current}:
                 current.wait_stream(stream)
-        for name, t in self.device_side().items():
+            self._streams = {current}
+        self._reduced = self.device_side()
+
+    def send(self) -> None:
+        """Copy :meth:`device_side` (reduced now, unless :meth:`reduce` ran) to the host,
+        non-blocking from CUDA, into pinned buffers."""
+        if self._reduced is None:
+            self.reduce()
+        reduced, self._reduced = self._reduced, None
+        for name, t in reduced.items():
             if self.device.type == "cpu":
                 self.host[name] = t
             elif self.device.type == "cuda":
@@ -182,6 +194,10 @@ class _Arena(_Open):
         self.stats |= stats
         self.digests |= digest
         return slot
+
+    @property
+    def holds_values(self) -> bool:
+        return self.values
 
     @staticmethod
     def view(buffer: torch.Tensor, slot: _Slot) -> torch.Tensor:
@@ -315,6 +331,7 @@ class StepBatch:
     def __init__(self, pool: SnapshotPool):
         self._pool = pool
         self._open: dict[tuple, _Open] = {}
+        self._full: list[_Open] = []  # reduced on their device, sent with the next seal
         self._lock = threading.RLock()
         self.seals = 0       # seals so far
         self.host_syncs = 0  # seals waited for on the host (a device sync each, by the writer)
@@ -339,19 +356,32 @@ class StepBatch:
                                                         digest)
             if slot is None:
                 if where is not None:
-                    self._seal_now([where])
+                    self._full_one(key, where)
                 where = self._open[key] = (_Arena(t.device, t.dtype, self._pool) if small
                                            else _Table(t.device, self._pool))
                 slot = where.add(t, nbytes, values, stats, sketch, digest)
             return {what: Pending(self, where, slot, what)
                     for what, wanted in zip(WANTS, (values, stats, sketch, digest)) if wanted}
 
+    def _full_one(self, key: tuple, where: _Open) -> None:
+        """``where`` is full: values go to the host now (a seal); numbers only are reduced
+        now and sent with the next seal (one sync per step for statistics and digests)."""
+        if where.holds_values:
+            self._seal_now([where])
+            return
+        del self._open[key]
+        try:
+            where.reduce()
+        except Exception as exc:  # as in _seal_now
+            where.error = exc
+        self._full.append(where)
+
     def seal(self, where: Optional[_Open] = None) -> None:
         """Send to the host what was taken (all of it, or what ``where`` holds if it is still
         open): when the step ends, when the writer needs it, when the byte budget needs room."""
         with self._lock:
             if where is None:
-                self._seal_now(list(self._open.values()))
+                self._seal_now(list(self._open.values()) + self._full)
             elif where.seal is None:
                 self._seal_now([where])
 
@@ -364,6 +394,11 @@ class StepBatch:
             for key, value in list(self._open.items()):
                 if value is where:
                     del self._open[key]
+            if where in self._full:
+                self._full.remove(where)
+            if where.error is not None:  # its reduction failed already
+                where.seal = seal
+                continue
             try:
                 where.send()
             except Exception as exc:  # a tensor type nobody foresaw must not stop training:

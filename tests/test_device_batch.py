@@ -122,14 +122,21 @@ def _assert_same_records(host_dir, device_dir, mode: str) -> None:
                                    equal_nan=True, err_msg=column)
 
 
-def test_full_arenas_and_tables_are_sealed_as_they_fill(tmp_path, device_path, monkeypatch):
+def test_full_arenas_and_tables_keep_one_sync_for_numbers_and_seal_values(tmp_path, device_path, monkeypatch):
     _run(tmp_path / "host-path", "stats")
+    _run(tmp_path / "host-path-tensors", "tensors")
     device_path.on()
     monkeypatch.setattr(arena, "ARENA_BYTES", 4096)
     monkeypatch.setattr(arena, "TABLE_ROWS", 2)
     _run(tmp_path / "device-path", "stats")
-    assert all(batch.seals > 5 and batch.host_syncs == batch.seals for batch in device_path)
+    # numbers only: full arenas and tables are reduced at once and sent with the step's seal
+    assert all((batch.seals, batch.host_syncs) == (1, 1) for batch in device_path)
     _assert_same_records(tmp_path / "host-path", tmp_path / "device-path", "stats")
+    _run(tmp_path / "device-path-tensors", "tensors")  # values: a full arena is sealed
+    assert all(batch.seals > 2 and batch.host_syncs == batch.seals
+               for batch in device_path[2:]), [b.seals for b in device_path]
+    _assert_same_records(tmp_path / "host-path-tensors", tmp_path / "device-path-tensors",
+                         "tensors")
 
 
 def test_the_writer_seals_what_it_needs_before_the_step_ends(tmp_path, device_path):
