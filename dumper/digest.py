@@ -9,6 +9,7 @@ with integer sums only (a few kernels, no host sync on an accelerator).
 from __future__ import annotations
 
 import sys
+
 import torch
 
 from compare import format as fmt

@@ -307,17 +307,18 @@ class HookerAndDumper:
             self._publishing.append(writer)
             _waited_at_exit.add(self)
             return writer.final_path
-        return self._published_by(writer, stacklevel=4)
+        return self._published_by(writer)
 
-    def _published_by(self, writer: StepWriter, stacklevel: int) -> Optional[Path]:
+    def _published_by(self, writer: StepWriter) -> Optional[Path]:
         """Wait for ``writer`` to publish its step; its path, or None after a write error
-        that ``on_error="warn"`` turned into a warning."""
+        that ``on_error="warn"`` turned into a warning (pointing at the caller's caller: the
+        user's call of remove_hooks, register_hooks or wait)."""
         try:
             path = writer.wait()
         except DumpWriteError as exc:
             if self.on_error == "raise":
                 raise
-            warnings.warn(str(exc), RuntimeWarning, stacklevel=stacklevel)
+            warnings.warn(str(exc), RuntimeWarning, stacklevel=4)
             return None
         self._published.published(path)
         self.written_files.append(path)
@@ -330,7 +331,7 @@ class HookerAndDumper:
         error: Optional[DumpWriteError] = None
         while self._publishing and (block or self._publishing[0].done):
             try:
-                self._published_by(self._publishing.popleft(), stacklevel=4)
+                self._published_by(self._publishing.popleft())
             except DumpWriteError as exc:
                 error = error or exc
         if error is not None:
@@ -342,7 +343,7 @@ class HookerAndDumper:
         while self._publishing and (len(self._publishing) >= BACKGROUND_STEPS or any(
                 w.final_path == path for w in self._publishing)):
             writer = self._publishing.popleft()
-            self._published_by(writer, stacklevel=4)
+            self._published_by(writer)
 
     def wait(self) -> list[Path]:
         """Wait until every step handed to the writer is published; returns ``written_files``.
