@@ -320,8 +320,11 @@ def compiled_modules(attrs: dict) -> list[str]:
 
 # Root attributes that decide which kernels a step ran. Two steps that agree on them (the device
 # by type), on the CPU or with deterministic algorithms on both sides, compute tensors of equal
-# dtypes bit-identically from equal inputs.
-KERNEL_ATTRS = ("torch_version", "device", "tf32_matmul", "tf32_cudnn", "float32_matmul_precision")
+# dtypes bit-identically from equal inputs. The world size is one of them: collectives (a
+# data-parallel all-reduce of gradients, FSDP's reduce-scatter) add up in another order, and
+# sharded parameters are computed on as views of other buffers, over another number of ranks.
+KERNEL_ATTRS = ("torch_version", "device", "tf32_matmul", "tf32_cudnn", "float32_matmul_precision",
+                "world_size")
 
 
 def same_kernels(attrs_a: dict, attrs_b: dict) -> bool:

@@ -4,7 +4,9 @@ usage: RANK=r WORLD_SIZE=n MASTER_ADDR=... MASTER_PORT=... sharded_child.py LAYO
 LAYOUT: ``fsdp2`` (``fully_shard`` per block of a small transformer), ``fsdp1``
 (``FullyShardedDataParallel``), ``tp`` (``ColwiseParallel``/``RowwiseParallel`` on an MLP
 block; ``tp-planted``: rank 1's shard of its first layer's output is 1 % off), ``ddp``, or
-``ddp-broken`` (DDP whose gradients are not all-reduced). Trains three SGD steps without a dumper, then once per dumper mode, and
+``ddp-broken`` (DDP whose gradients are not all-reduced). A data-parallel layout with the
+suffix ``-one-batch`` (``fsdp2-one-batch``) feeds every rank the same batch, as tensor
+parallel does: then it computes what one process computes on that batch. Trains three SGD steps without a dumper, then once per dumper mode, and
 prints one JSON line: per mode, whether losses, outputs and gradients are bit-identical to
 the plain run, and the step files written.
 """
@@ -68,19 +70,29 @@ class Transformer(nn.Module):
         return self.head(x)
 
 
-def build(layout: str) -> nn.Module:
+ONE_BATCH = "-one-batch"
+
+
+def unsharded(layout: str) -> nn.Module:
+    """The model of ``layout`` as one process has it, its weights those every rank starts from."""
     torch.manual_seed(0)
+    if layout.startswith("tp"):
+        return nn.Sequential(nn.Linear(8, 16), MLP(16), nn.Linear(16, 4))
+    return Transformer()
+
+
+def build(layout: str) -> nn.Module:
+    layout = layout.removesuffix(ONE_BATCH)
+    model = unsharded(layout)
     if layout.startswith("tp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                        parallelize_module)
-        model = nn.Sequential(nn.Linear(8, 16), MLP(16), nn.Linear(16, 4))
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         parallelize_module(model, mesh, {"1.up": ColwiseParallel(), "1.down": RowwiseParallel()})
         if layout == "tp-planted" and dist.get_rank() == 1:  # a wrong kernel on one rank
             model[1].up.register_forward_hook(lambda module, args, out: out * 1.01)
         return model
-    model = Transformer()
     if layout == "fsdp2":
         from torch.distributed.fsdp import fully_shard
         for block in model.blocks:
@@ -113,16 +125,22 @@ def _full(t: torch.Tensor | None) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def train(layout: str, dumper: HookerAndDumper | None) -> list[torch.Tensor]:
-    """Losses, outputs, gradients and final weights of ``STEPS`` steps, as whole tensors."""
-    model = build(layout)
-    if dumper is not None and layout.startswith("tp"):  # ColwiseParallel returns a plain
+def train(layout: str, dumper: HookerAndDumper | None,
+          model: nn.Module | None = None) -> list[torch.Tensor]:
+    """Losses, outputs, gradients and final weights of ``STEPS`` steps, as whole tensors.
+    ``model``: the one to train in this process alone (``unsharded(layout)``, on rank 0's
+    batches) instead of ``build(layout)`` on this rank."""
+    distributed = model is None
+    model = build(layout) if distributed else model
+    if dumper is not None and distributed and layout.startswith("tp"):  # ColwiseParallel returns a plain
         # local shard, which the activation computes on
         dumper.mark_sharded("1.up", ["output", "grad_output"], dim=-1)
         dumper.mark_sharded("1.act", ["input", "output", "grad_input", "grad_output"], dim=-1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     # data parallel: a batch per rank; tensor parallel: every rank computes on the same batch
-    data = torch.Generator().manual_seed(0 if layout.startswith("tp") else dist.get_rank())
+    one_batch = layout.startswith("tp") or layout.endswith(ONE_BATCH)
+    data = torch.Generator().manual_seed(
+        dist.get_rank() if distributed and not one_batch else 0)
     seen = []
     for step in range(STEPS):
         x = torch.randn(2, 5, 8, generator=data)

@@ -81,7 +81,8 @@ def test_sharded_training_is_bit_identical_with_the_dumper(layout, tmp_path):
         _check_plain_names(tmp_path / "default")
     if layout == "tp":
         _check_tensor_parallel_shards(tmp_path / "params")
-        _check_against_one_process(tmp_path)
+        marked = {("1.up", "output"), ("1.down", "input"), ("1.act", "output")}
+        _check_against_one_process("tp", tmp_path, {"default": marked, "params": marked})
     if layout == "fsdp2":
         _check_fsdp2_gradient_shards(tmp_path / "params")
 
@@ -165,41 +166,47 @@ def test_comparing_ranks_needs_a_distributed_dump(tmp_path):
         in result.output
 
 
-def _tensor_parallel_in_one_process(directory: Path, **options) -> None:
-    """The tensor-parallel child's model, data and steps in this process, unsharded."""
+def _in_one_process(layout: str, directory: Path, **options) -> None:
+    """The child's model, data and steps of ``layout`` in this process, unsharded."""
     import sharded_child
     from dumper import HookerAndDumper
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), sharded_child.MLP(16),
-                                torch.nn.Linear(16, 4))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = torch.Generator().manual_seed(0)
-    dumper = HookerAndDumper(directory, steps=[0, 2], **options)
-    for step in range(sharded_child.STEPS):
-        x = torch.randn(2, 5, 8, generator=data)
-        with dumper.hooks(model, 0, step):
-            model(x).pow(2).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    sharded_child.train(layout, HookerAndDumper(directory, steps=[0, 2], **options),
+                        model=sharded_child.unsharded(layout))
 
 
-def _check_against_one_process(tmp_path: Path) -> None:
-    """TP=2 against the same model in one process: every sharded tensor (DTensor or marked) is
-    put together from the two ranks' shards, and the healthy pair agrees within rounding, in
-    values (params) and with statistics for the weights (default)."""
+def _check_against_one_process(layout: str, tmp_path: Path,
+                               assembled: dict[str, set[tuple[str, str]]]) -> None:
+    """``layout``'s dump against the same model trained in one process: every sharded tensor
+    (DTensor or marked) is put together from the ranks' shards (at least the
+    ``assembled[mode]`` (module, kind) records), and the healthy pair agrees within rounding,
+    in values (params) and with statistics for the weights (default)."""
     for mode, options in (("default", {}), ("params", {"params": True})):
         single = tmp_path / f"single-{mode}"
-        _tensor_parallel_in_one_process(single, **options)
+        _in_one_process(layout, single, **options)
         result = compare_dumps(tmp_path / mode, single)
         failing = result[result["status"].isin(FAILING)]  # weights drifted apart: inherited
         assert failing.empty, failing[["module", "kind", "index", "status", "shape_a"]]
         assert (result[result["step"] == 0]["status"].isin(["equal", "close"])).all()
-        assembled = result[result["shard_rank"].notna()]
-        assert {("1.up", "output"), ("1.down", "input"), ("1.act", "output")} <= set(
-            zip(assembled["module"], assembled["kind"]))
+        put_together = result[result["shard_rank"].notna()]
+        assert assembled[mode] <= set(zip(put_together["module"], put_together["kind"])), mode
         cli = CliRunner().invoke(h5cmp, [str(tmp_path / mode), str(single)])
         assert cli.exit_code == 0, cli.output
-        assert "A's sharded tensors are put together from the ranks' shards" in cli.output
+        assert "first divergence" not in cli.output, cli.output
+        assert ("A's sharded tensors are put together from the ranks' shards" in cli.output
+                ) == bool(assembled[mode]), cli.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp2-one-batch", "ddp-one-batch"])
+def test_data_parallel_on_one_batch_agrees_with_one_process(layout, tmp_path):
+    """FSDP2 and DDP with every rank on the same batch compute what one process computes:
+    against it, the healthy pair has no first divergence, though the weights drift apart by
+    rounding (the gradients' reduction adds up otherwise); FSDP2's sharded gradients are put
+    together (its parameters are whole while the module runs)."""
+    launch(layout, tmp_path)
+    grads = {("blocks.0.mlp.up", "param_grad"), ("head", "param_grad")}
+    _check_against_one_process(layout, tmp_path, {"default": set(), "params": (
+        grads if layout.startswith("fsdp2") else set())})
 
 
 @pytest.mark.slow
@@ -208,7 +215,7 @@ def test_a_planted_error_in_one_ranks_shard_is_found_and_attributed(tmp_path):
     divergence is that output, and its largest error is in rank 1's shard."""
     launch("tp-planted", tmp_path)
     single = tmp_path / "single"
-    _tensor_parallel_in_one_process(single)
+    _in_one_process("tp", single)
     cli = CliRunner().invoke(h5cmp, [str(tmp_path / "default"), str(single)])
     assert cli.exit_code == 1, cli.output
     assert "first at step 0:0 rank 0 forward in 1.up (output[0])" in cli.output, cli.output
@@ -224,7 +231,7 @@ def test_tensor_parallel_layouts_compare_with_each_other(tmp_path):
     both sides is put together, and the healthy pairs agree within rounding."""
     launch("tp", tmp_path / "tp2")
     launch("tp", tmp_path / "tp4", world=4)
-    _tensor_parallel_in_one_process(tmp_path / "single")
+    _in_one_process("tp", tmp_path / "single")
     index = load_dump(tmp_path / "tp4" / "default").index
     assert set(index["rank"]) == {0, 1, 2, 3}
     assert set(index[index["module"] == "1.down"]["placements"]) >= {"S(2)", "S(1)", "R"}
