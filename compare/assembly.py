@@ -31,6 +31,7 @@ from .pairing import KEY, tensor_rows
 from .prefetch import prefetched
 from .statistics import stats_from_sums
 from .tolerance import Tolerance
+from .validation import hard_link
 
 _PLACEMENT = re.compile(r"S\(\d+\)|R|P\(sum\)")  # what can be put together
 _RECORD = [k for k in KEY if k != "rank"]
@@ -184,6 +185,7 @@ class PartReader:
     def __init__(self, max_elements: int) -> None:
         self._max = max_elements
         self._files: dict[str, h5py.File] = {}
+        self._groups: dict[tuple[str, str], tuple[Path, h5py.Group]] = {}  # open step groups
         self._sums: dict[Part, fmt.DataChecksum] = {}
         self._kept: collections.OrderedDict[Part, np.ndarray] = collections.OrderedDict()
 
@@ -213,11 +215,17 @@ class PartReader:
         return values
 
     def _dataset(self, part: Part) -> h5py.Dataset:
-        f = self._files.get(part.path)
-        if f is None:
-            f = self._files[part.path] = open_h5(Path(part.path))
-        return dataset_of(Path(part.path), f[part.step_group], part.group, part.dataset,
-                          part.dtype, part.encoding, part.shape)
+        opened = self._groups.get((part.path, part.step_group))
+        if opened is None:
+            f = self._files.get(part.path)
+            if f is None:
+                f = self._files[part.path] = open_h5(Path(part.path))
+            opened = self._groups[part.path, part.step_group] = (
+                Path(part.path), hard_link(Path(part.path), f, part.step_group, "step group",
+                                           h5py.Group))
+        path, step_group = opened
+        return dataset_of(path, step_group, part.group, part.dataset, part.dtype,
+                          part.encoding, part.shape)
 
     def _check(self, part: Part, ds: h5py.Dataset, lo: tuple, hi: tuple,
                raw: np.ndarray) -> None:
@@ -237,6 +245,7 @@ class PartReader:
             check_checksum(ds, part.checksum, self._sums.pop(part).value)
 
     def close(self) -> None:
+        self._groups.clear()
         for f in self._files.values():
             f.close()
         self._files.clear()
@@ -267,19 +276,55 @@ def _slabs(lo: tuple, hi: tuple, max_elements: int) -> Iterator[tuple[tuple, tup
 def compare_parts(parts_a: tuple[Part, ...], parts_b: tuple[Part, ...], tol: Tolerance,
                   reader: PartReader, max_elements: int) -> dict:
     """Metrics of a pair of global tensors given as parts (a side stored whole is one part at
-    offset 0, :func:`whole_part`), read in slabs of at most ``max_elements`` elements (ahead,
-    by a background thread), and ``shard_rank``: the rank of the shard holding the largest
-    absolute error."""
+    offset 0, :func:`whole_part`), and ``shard_rank``: the rank of the shard holding the
+    largest absolute error (of A's shards where A is sharded). A tensor of at most
+    ``max_elements`` elements is put together whole on each side and compared at once; a
+    larger one is compared in slabs of at most ``max_elements`` elements, read ahead by a
+    background thread."""
+    sharded = parts_a if parts_a[0].rank >= 0 else parts_b
+    shape = tuple(max(p.offsets[d] + p.shape[d] for p in sharded)
+                  for d in range(len(sharded[0].shape)))
+    if math.prod(shape) <= max_elements:
+        a, b = (_whole_tensor(parts, shape, reader) for parts in (parts_a, parts_b))
+        acc = ErrorAccumulator(tol)
+        acc.update(a.reshape(-1), b.reshape(-1))
+        return {**acc.result(), "rtol": tol.rtol, "atol": tol.atol,
+                "shard_rank": _rank_of_largest_error(a, b, sharded)}
     acc, worst_rank = ErrorAccumulator(tol), math.nan
-    pairs = _slab_pairs(parts_a, parts_b, reader, max_elements)
-    if sum(math.prod(p.shape) for p in parts_a) > max_elements:  # more than one slab
-        pairs = prefetched(pairs)
-    for a, b, rank in pairs:
+    for a, b, rank in prefetched(_slab_pairs(parts_a, parts_b, reader, max_elements)):
         worst = acc.max_abs
         acc.update(a.reshape(-1), b.reshape(-1))
         if acc.max_abs > worst or math.isnan(worst_rank):  # the largest error so far is here
             worst_rank = rank
     return {**acc.result(), "rtol": tol.rtol, "atol": tol.atol, "shard_rank": worst_rank}
+
+
+def _whole_tensor(parts: tuple[Part, ...], shape: tuple, reader: PartReader) -> np.ndarray:
+    """A small tensor's values, its parts put in their places."""
+    regions = _regions(parts)
+    if len(regions) == 1:
+        return _block(next(iter(regions.values())), (0,) * len(shape), shape, reader)
+    whole = None
+    for (offsets, region), side in regions.items():
+        hi = tuple(o + s for o, s in zip(offsets, region))
+        block = _block(side, offsets, hi, reader)
+        if whole is None:
+            whole = np.empty(shape, block.dtype)
+        whole[tuple(map(slice, offsets, hi))] = block
+    return whole
+
+
+def _rank_of_largest_error(a: np.ndarray, b: np.ndarray, sharded: tuple[Part, ...]) -> int:
+    """The rank of the shard of ``sharded`` that holds the largest finite absolute difference
+    of ``a`` and ``b`` (the first shard's where none differ)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.abs(np.subtract(b, a, dtype=np.result_type(a, b, np.float64)))
+    diff[~np.isfinite(diff)] = 0
+    at = np.unravel_index(int(np.argmax(diff)), diff.shape) if diff.size else ()
+    if not diff.size or not diff[at]:
+        return sharded[0].rank
+    return next(p.rank for p in sharded
+                if all(o <= i < o + s for i, o, s in zip(at, p.offsets, p.shape)))
 
 
 def _slab_pairs(parts_a: tuple[Part, ...], parts_b: tuple[Part, ...], reader: PartReader,

@@ -28,12 +28,13 @@ def tol():
 
 
 @pytest.mark.parametrize("dim", [0, 1])
-@pytest.mark.parametrize("max_elements", [1, 7, 10_000])
-def test_shards_compare_as_the_whole_tensor(tmp_path, tol, dim, max_elements):
+@pytest.mark.parametrize("max_elements", [1, 7, 10_000])  # slabs of a row or less; whole
+@pytest.mark.parametrize("off_rank", [0, 1])
+def test_shards_compare_as_the_whole_tensor(tmp_path, tol, dim, max_elements, off_rank):
     rng = np.random.default_rng(dim)
     whole = rng.standard_normal((8, 6)).astype(np.float32)
     shards = np.split(whole, 2, axis=dim)
-    shards[1] = shards[1] * np.float32(1.01)  # rank 1's shard is off
+    shards[off_rank] = shards[off_rank] * np.float32(1.01)  # this rank's shard is off
     planted = np.concatenate(shards, axis=dim)
     parts = tuple(_store(tmp_path / f"r{r}.h5", shard, r,
                          [0, 0][:dim] + [r * shard.shape[dim]] + [0] * (1 - dim))
@@ -45,7 +46,7 @@ def test_shards_compare_as_the_whole_tensor(tmp_path, tol, dim, max_elements):
     finally:
         reader.close()
     diff = planted.astype(np.float64) - whole
-    assert result["numel"] == whole.size and result["shard_rank"] == 1
+    assert result["numel"] == whole.size and result["shard_rank"] == off_rank
     assert result["max_abs_err"] == pytest.approx(np.abs(diff).max())
     assert result["rel_l2_err"] == pytest.approx(np.linalg.norm(diff) / np.linalg.norm(planted))
 
