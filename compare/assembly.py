@@ -19,19 +19,19 @@ from pathlib import Path
 from typing import Iterator, NamedTuple
 
 import h5py
-from h5py import h5s
+from h5py import h5d, h5g, h5s
 import numpy as np
 import pandas as pd
 
 from . import format as fmt
 from .decoding import decode
-from .dump import Dump, check_checksum, dataset_of, open_h5
+from .dump import Dump, check_checksum, dataset_id_of, open_h5
 from .metrics import ErrorAccumulator
 from .pairing import KEY, tensor_rows
 from .prefetch import prefetched
 from .statistics import stats_from_sums
 from .tolerance import Tolerance
-from .validation import hard_link
+from .validation import linked_id
 
 _PLACEMENT = re.compile(r"S\(\d+\)|R|P\(sum\)")  # what can be put together
 _RECORD = [k for k in KEY if k != "rank"]
@@ -185,7 +185,7 @@ class PartReader:
     def __init__(self, max_elements: int) -> None:
         self._max = max_elements
         self._files: dict[str, h5py.File] = {}
-        self._groups: dict[tuple[str, str], tuple[Path, h5py.Group]] = {}  # open step groups
+        self._groups: dict[tuple[str, str], tuple[Path, h5g.GroupID]] = {}  # open step groups
         self._sums: dict[Part, fmt.DataChecksum] = {}
         self._kept: collections.OrderedDict[Part, np.ndarray] = collections.OrderedDict()
 
@@ -194,7 +194,7 @@ class PartReader:
         box = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, part.offsets))
         if math.prod(part.shape) <= self._max:
             return self._whole(part)[box]
-        ds = self._dataset(part)
+        ds = h5py.Dataset(self._dataset(part))
         raw = np.asarray(ds[box] if box else ds[()])
         self._check(part, ds, lo, hi, raw)
         return decode(raw, part.dtype, part.encoding)
@@ -203,9 +203,9 @@ class PartReader:
         values = self._kept.get(part)
         if values is None:
             ds = self._dataset(part)
-            raw = np.empty(part.shape, ds.id.dtype)
+            raw = np.empty(part.shape, ds.dtype)
             if raw.size:
-                ds.id.read(h5s.ALL, h5s.ALL, raw)
+                ds.read(h5s.ALL, h5s.ALL, raw)
             if part.checksum != fmt.NO_CHECKSUM:
                 check_checksum(ds, part.checksum, fmt.data_checksum(raw))
             values = self._kept[part] = decode(raw, part.dtype, part.encoding)
@@ -214,18 +214,18 @@ class PartReader:
         self._kept.move_to_end(part)
         return values
 
-    def _dataset(self, part: Part) -> h5py.Dataset:
+    def _dataset(self, part: Part) -> h5d.DatasetID:
         opened = self._groups.get((part.path, part.step_group))
         if opened is None:
             f = self._files.get(part.path)
             if f is None:
                 f = self._files[part.path] = open_h5(Path(part.path))
             opened = self._groups[part.path, part.step_group] = (
-                Path(part.path), hard_link(Path(part.path), f, part.step_group, "step group",
-                                           h5py.Group))
+                Path(part.path), linked_id(Path(part.path), f.id, part.step_group,
+                                           "step group", h5g.GroupID))
         path, step_group = opened
-        return dataset_of(path, step_group, part.group, part.dataset, part.dtype,
-                          part.encoding, part.shape)
+        return dataset_id_of(path, step_group, part.group, part.dataset, part.dtype,
+                             part.encoding, part.shape)
 
     def _check(self, part: Part, ds: h5py.Dataset, lo: tuple, hi: tuple,
                raw: np.ndarray) -> None:

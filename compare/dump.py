@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Union
 
 import h5py
-from h5py import h5s
+from h5py import h5d, h5g, h5s
 import numpy as np
 import pandas as pd
 
@@ -15,7 +15,7 @@ from . import format as fmt
 from .decoding import decode
 from .errors import DumpError
 from .validation import (check_dataset, check_index, check_index_type, check_run_attrs, damaged,
-                         hard_link, plain_attrs)
+                         hard_link, linked_id, plain_attrs)
 
 PathLike = Union[str, os.PathLike]
 
@@ -144,8 +144,14 @@ class StepReader:
 def dataset_of(path: Path, step_group: h5py.Group, group: str, name: str, dtype: str,
                encoding: str, shape: tuple) -> h5py.Dataset:
     """Dataset ``group/name`` of a step group, after checking it is what its index row says."""
-    call_group = hard_link(path, step_group, group, "call group", h5py.Group)
-    ds = hard_link(path, call_group, name, f"in call group {group!r}, dataset", h5py.Dataset)
+    return h5py.Dataset(dataset_id_of(path, step_group.id, group, name, dtype, encoding, shape))
+
+
+def dataset_id_of(path: Path, step_group: h5g.GroupID, group: str, name: str, dtype: str,
+                  encoding: str, shape: tuple) -> h5d.DatasetID:
+    """:func:`dataset_of` in h5py's low-level objects (a third cheaper per small tensor)."""
+    call_group = linked_id(path, step_group, group, "call group", h5g.GroupID)
+    ds = linked_id(path, call_group, name, f"in call group {group!r}, dataset", h5d.DatasetID)
     check_dataset(path, ds, group, name, dtype, encoding, shape)
     return ds
 
@@ -180,10 +186,12 @@ def _read_whole(ds: h5py.Dataset, shape: tuple) -> np.ndarray:
     return array
 
 
-def check_checksum(ds: h5py.Dataset, checksum: int, computed: int) -> None:
+def check_checksum(ds: Union[h5py.Dataset, h5d.DatasetID], checksum: int,
+                   computed: int) -> None:
     """Refuse a dataset whose bytes are not those the dumper wrote (``checksum`` from its
     index row; ``fmt.NO_CHECKSUM``: a file older than version 4, nothing to check)."""
     if checksum != fmt.NO_CHECKSUM and computed != checksum:
+        ds = ds if isinstance(ds, h5py.Dataset) else h5py.Dataset(ds)
         raise damaged(Path(ds.file.filename), f"dataset {ds.name.lstrip('/')} does not match "
                                               f"its checksum: its bytes were changed")
 

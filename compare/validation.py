@@ -79,36 +79,43 @@ def _is_a(value: object, kind: type) -> bool:
 
 _LINK_KINDS = {h5l.TYPE_SOFT: "SoftLink", h5l.TYPE_EXTERNAL: "ExternalLink"}
 _OBJECT_IDS = {h5py.Group: h5g.GroupID, h5py.Dataset: h5d.DatasetID}
+_ID_KINDS = {h5g.GroupID: "group", h5d.DatasetID: "dataset"}
 
 
 def hard_link(path: Path, group: h5py.Group, name: str, what: str, expected: type):
     """``group[name]``, an ``expected`` (``h5py.Group`` or ``h5py.Dataset``), refusing soft
-    and external links (loops, FIFOs, other files). ``what`` names it in messages. (Through
-    h5py's low-level calls: the high-level ones cost twice as much per tensor.)"""
-    where = f"{what} {name!r}"
+    and external links (see :func:`linked_id`)."""
+    return expected(linked_id(path, group.id, name, what, _OBJECT_IDS[expected]))
+
+
+def linked_id(path: Path, group: h5g.GroupID, name: str, what: str, expected: type):
+    """The object linked as ``name`` in ``group``, an ``expected`` (``h5g.GroupID`` or
+    ``h5d.DatasetID``), refusing soft and external links (loops, FIFOs, other files). ``what``
+    names it in messages. (Through h5py's low-level calls: the high-level ones cost twice as
+    much per tensor.)"""
     key = fmt.name_bytes(name)
     try:
-        info = group.id.links.get_info(key)
+        info = group.links.get_info(key)
     except (OSError, RuntimeError, KeyError, TypeError, ValueError) as exc:
         if not _exists(group, key):
-            raise damaged(path, f"{where} is missing") from exc
-        raise damaged(path, f"{where} cannot be read ({exc})") from exc
+            raise damaged(path, f"{what} {name!r} is missing") from exc
+        raise damaged(path, f"{what} {name!r} cannot be read ({exc})") from exc
     if info.type != h5l.TYPE_HARD:
         kind = _LINK_KINDS.get(info.type, "user-defined link")
-        raise damaged(path, f"{where} is a {kind}, which an h5cmp dump never holds (not "
-                            f"followed)")
+        raise damaged(path, f"{what} {name!r} is a {kind}, which an h5cmp dump never holds "
+                            f"(not followed)")
     try:
-        obj = h5o.open(group.id, key)
+        obj = h5o.open(group, key)
     except (OSError, RuntimeError, KeyError, ValueError) as exc:
-        raise damaged(path, f"{where} cannot be opened ({exc})") from exc
-    if not isinstance(obj, _OBJECT_IDS[expected]):
-        raise damaged(path, f"{where} is not a {expected.__name__.lower()}")
-    return expected(obj)
+        raise damaged(path, f"{what} {name!r} cannot be opened ({exc})") from exc
+    if not isinstance(obj, expected):
+        raise damaged(path, f"{what} {name!r} is not a {_ID_KINDS[expected]}")
+    return obj
 
 
-def _exists(group: h5py.Group, key: bytes) -> bool:
+def _exists(group: h5g.GroupID, key: bytes) -> bool:
     try:
-        return bool(group.id.links.exists(key))
+        return bool(group.links.exists(key))
     except (OSError, RuntimeError, KeyError, TypeError, ValueError):
         return True  # there, but unreadable
 
@@ -178,7 +185,7 @@ def stored_dtype(path: Path, where: str, dtype: str, encoding: str) -> np.dtype:
     raise damaged(path, f"{where}: dtype {dtype!r} cannot be stored as {encoding!r}")
 
 
-def check_dataset(path: Path, ds: h5py.Dataset, group: str, name: str, dtype: str,
+def check_dataset(path: Path, ds: h5d.DatasetID, group: str, name: str, dtype: str,
                   encoding: str, shape: tuple) -> None:
     """The dataset holds what its index row says: a dataset, of the stored dtype and the
     shape, with all its bytes (a file that claims 2**40 elements and holds none would make a
@@ -186,7 +193,7 @@ def check_dataset(path: Path, ds: h5py.Dataset, group: str, name: str, dtype: st
     where = f"dataset {group}/{name}"
     expected = stored_dtype(path, where, dtype, encoding)
     try:
-        stored, stored_shape, size = ds.id.dtype, ds.id.shape, ds.id.get_storage_size()
+        stored, stored_shape, size = ds.dtype, ds.shape, ds.get_storage_size()
     except (OSError, RuntimeError, TypeError, ValueError) as exc:
         raise damaged(path, f"{where} has unreadable metadata ({exc})") from exc
     if stored != expected:
