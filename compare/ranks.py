@@ -22,16 +22,19 @@ from .errors import DumpError
 from .status import CARRYING
 
 # what must agree across ranks, as reports say it
-REPLICAS = "parameters that are not sharded and replicated DTensors"
+REPLICAS = "parameters and their gradients that are not sharded, and replicated DTensors"
 BASE_RANK = "base_rank"  # result column: the rank each row's rank is compared against
 
 
 def must_agree(index: pd.DataFrame) -> pd.Series:
     """Rows of a step's index that every rank must hold alike: parameters that are not
-    sharded, and any record of a DTensor replicated over its whole mesh (placements all R)."""
+    sharded and their gradients (data-parallel replicas; the gradients as the step ends,
+    after the all-reduce), and any record of a DTensor replicated over its whole mesh
+    (placements all R)."""
     replicated = index["placements"].map(
         lambda text: bool(text) and set(fmt.parse_placements(text)) == {"R"})
-    return ((index["kind"] == fmt.PARAM) & (index["placements"] == "")) | replicated
+    return (index["kind"].isin([fmt.PARAM, fmt.PARAM_GRAD]) & (index["placements"] == "")
+            ) | replicated
 
 
 def compare_ranks(run: Union[PathLike, str, Dump], *, steps: Optional[Iterable[str]] = None,

@@ -9,7 +9,7 @@ import itertools
 import threading
 import weakref
 from collections import defaultdict
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -67,6 +67,16 @@ class _OpenCall:
         self.dropped: set[int] = set()    # inputs whose grad_input is not recorded
 
 
+class _AccumulatedGrad(NamedTuple):
+    """A parameter's gradient as recorded after its latest accumulation, and what tells
+    whether the gradient was changed in place since (a data-parallel all-reduce)."""
+
+    record: Record
+    param: torch.Tensor
+    grad: torch.Tensor
+    version: int
+
+
 class StepCapture:
     """Hooks a model (its ``modules``, :func:`~dumper.calls.named_modules`) for one step and
     sends a :class:`Record` per captured leaf to ``sink``.
@@ -89,7 +99,7 @@ class StepCapture:
         self._micro_batches = MicroBatches()
         self._collectors: list[GradInputCollector] = []
         self._first_call: dict[int, CallInfo] = {}
-        self._param_grads: dict[tuple[int, int], Record] = {}
+        self._param_grads: dict[tuple[int, int], _AccumulatedGrad] = {}
         self._occurrences: dict[tuple[int, str, int], int] = defaultdict(int)
         # dataflow: id(tensor) -> (weak reference, call that output it, tensor version then)
         self._producers: dict[int, tuple[weakref.ref, int, int]] = {}
@@ -187,8 +197,8 @@ class StepCapture:
         """Emit what only completes at step end (partial grad sums, final parameter grads)."""
         for collector in self._collectors:
             collector.flush()
-        for record in sorted(self._param_grads.values(), key=lambda r: r.seq):
-            self._sink(record)
+        for latest in sorted(self._param_grads.values(), key=lambda g: g.record.seq):
+            self._sink(self._final_grad(latest))
         self._param_grads.clear()
 
     def remove(self) -> None:
@@ -198,8 +208,8 @@ class StepCapture:
             handle.remove()
         self.handles.clear()
         self._collectors.clear()
-        for record in self._param_grads.values():  # a step discarded before finish()
-            self._maker.release(record)
+        for latest in self._param_grads.values():  # a step discarded before finish()
+            self._maker.release(latest.record)
         self._param_grads.clear()
         self._producers.clear()
         if self._ops is not None:
@@ -447,10 +457,24 @@ class StepCapture:
         def hook(p: torch.Tensor) -> None:
             call = self._first_call.get(module_id)
             if p.grad is not None and call is not None:
-                latest = self._maker.tensor(self._next_seq(), call, fmt.PARAM_GRAD, index, name,
+                record = self._maker.tensor(self._next_seq(), call, fmt.PARAM_GRAD, index, name,
                                             p.grad)
                 previous = self._param_grads.get((module_id, index))
-                self._param_grads[(module_id, index)] = latest
+                self._param_grads[(module_id, index)] = _AccumulatedGrad(
+                    record, p, p.grad, p.grad._version)
                 if previous is not None:
-                    self._maker.release(previous)
+                    self._maker.release(previous.record)
         return hook
+
+    def _final_grad(self, latest: _AccumulatedGrad) -> Record:
+        """The gradient the step ends with: as accumulated, unless it was changed in place
+        since (DDP all-reduces and averages gradients after their accumulation, at the end of
+        backward; so does anything the user does to them before ``remove_hooks``): then taken
+        again, under the same number. A gradient gone by then (zeroed to None) stays as
+        accumulated."""
+        grad = latest.param.grad
+        if grad is None or (grad is latest.grad and grad._version == latest.version):
+            return latest.record
+        old = latest.record
+        self._maker.release(old)
+        return self._maker.tensor(old.seq, old.call, fmt.PARAM_GRAD, old.index, old.path, grad)

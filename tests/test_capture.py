@@ -260,6 +260,29 @@ def test_params_and_param_grads(tmp_path):
     assert torch.equal(rec[("0", 0, "param_grad", 1)], model[0].bias.grad)
 
 
+def test_param_grads_are_those_the_step_ends_with(tmp_path):
+    """A gradient changed in place after its accumulation (clipped before remove_hooks, as
+    DDP's all-reduce averages it) is recorded as changed; one set to None before remove_hooks
+    as accumulated; the training's own values stay untouched."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    dumper = HookerAndDumper(tmp_path, params=True)
+    with dumper.hooks(model, 0, 0):
+        model(x).pow(2).sum().backward()
+        accumulated = model[2].weight.grad.clone()
+        unclipped = model[0].weight.grad.clone()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        clipped = [p.grad.clone() for p in model[0].parameters()]
+        model[2].weight.grad = None
+    rec = read_tensors(tmp_path)
+    assert torch.equal(rec[("0", 0, "param_grad", 0)], clipped[0])
+    assert torch.equal(rec[("0", 0, "param_grad", 1)], clipped[1])
+    assert not torch.equal(clipped[0], unclipped) and clipped[0].norm() < 1e-3
+    assert torch.equal(rec[("2", 0, "param_grad", 0)], accumulated)
+    assert model[2].weight.grad is None and torch.equal(model[0].weight.grad, clipped[0])
+
+
 def test_run_metadata(tmp_path):
     _dump_one_step(nn.Linear(2, 2), torch.randn(1, 2), tmp_path)
     step = load_dump(tmp_path).steps[0]

@@ -144,16 +144,27 @@ def _check_fsdp2_gradient_shards(dump_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_a_broken_all_reduce_is_found_by_comparing_ranks(tmp_path):
-    """DDP whose communication hook does not all-reduce: each rank steps with its own gradient,
-    so at the next dumped step (2) the replicas' weights differ; step 0 agrees."""
+    """DDP whose communication hook does not all-reduce: each rank steps with its own gradient.
+    Where gradients are dumped (params=True), they differ at step 0 already: they are recorded
+    as the step ends, after the all-reduce; else the replicas' weights differ at the next
+    dumped step (2)."""
     launch("ddp-broken", tmp_path)
-    for mode in ("default", "stats", "params"):
+    for mode in ("default", "stats", "params", "stats-params"):
         result = CliRunner().invoke(h5cmp, [str(tmp_path / mode), "--ranks"])
         assert result.exit_code == 1, (mode, result.output)
-        assert result.output.startswith("first disagreement: step 0:2, rank 1 differs from "
-                                        "rank 0 in embed.Linear#0 param[0] weight"), result.output
         frame = compare_ranks(tmp_path / mode)
-        assert (frame[frame["step"] == 0]["status"] == "equal").all()
+        first_step = frame[frame["step"] == 0]
+        if mode.endswith("params"):
+            assert result.output.startswith(
+                "first disagreement: step 0:0, rank 1 differs from rank 0 in "), result.output
+            assert "param_grad[" in result.output.splitlines()[0], result.output
+            grads = first_step["kind"] == "param_grad"
+            assert (first_step[grads]["status"] != "equal").all()
+            assert (first_step[~grads]["status"] == "equal").all()
+        else:
+            assert result.output.startswith("first disagreement: step 0:2, rank 1 differs from "
+                                            "rank 0 in embed.Linear#0 param[0] weight"), result.output
+            assert (first_step["status"] == "equal").all()
         assert (frame[frame["step"] == 2]["status"] != "equal").all()
 
 
