@@ -260,10 +260,15 @@ def test_params_and_param_grads(tmp_path):
     assert torch.equal(rec[("0", 0, "param_grad", 1)], model[0].bias.grad)
 
 
-def test_param_grads_are_those_the_step_ends_with(tmp_path):
+@pytest.mark.parametrize("device_path", [False, True])
+def test_param_grads_are_those_the_step_ends_with(tmp_path, monkeypatch, device_path):
     """A gradient changed in place after its accumulation (clipped before remove_hooks, as
     DDP's all-reduce averages it) is recorded as changed; one set to None before remove_hooks
-    as accumulated; the training's own values stay untouched."""
+    as accumulated; the training's own values stay untouched. Also on the accelerator path
+    (forced here: its per-step arenas)."""
+    if device_path:
+        import dumper.record
+        monkeypatch.setattr(dumper.record, "on_device", lambda t: True)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     x = torch.randn(5, 3)
