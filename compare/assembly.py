@@ -6,8 +6,9 @@ shape and its ``parts`` (each rank's shard: file, dataset, offsets); the chosen 
 rows stand as they are. :func:`compare_parts` then compares a pair region by region: for each
 overlap of a part of A with a part of B, the two blocks are read and fed to the error
 accumulator, so that memory is bounded by a shard, never by the whole tensor. Replicated
-shards are read once, the lowest rank's (``h5cmp RUN --ranks`` checks that the copies agree);
-partial ones (``P(sum)``) are added up, block by block, in float64. A record whose shards are
+shards are read once, the chosen rank's (else the lowest's); where another rank's copy has
+other bytes (checksums) or statistics, the row's ``differing_replica`` names the lowest such
+rank (``h5cmp RUN --ranks`` lists every disagreement); partial ones (``P(sum)``) are added up, block by block, in float64. A record whose shards are
 known by statistics only is given the statistics of the whole (without a sketch).
 """
 from __future__ import annotations
@@ -125,16 +126,39 @@ def _assembled(shards: list[_Shard], files: dict) -> dict:
         return {"status": fmt.ST_UNSUPPORTED, "value": f"shards not put together: {why}",
                 "dataset": "", "parts": (), **dict.fromkeys(fmt.STAT_COLUMNS, math.nan)}
     partial = any(p.startswith("P") for p in fmt.parse_placements(shards[0].placements))
+    replicas = {"differing_replica": -1 if partial else _differing_replica(shards)}
     if not partial:  # replicated shards: the first of each region
         shards = list({(s.offsets, s.shape): s for s in reversed(shards)}.values())[::-1]
     if all(s.dataset for s in shards):
-        return {"parts": tuple(
+        return {**replicas, "parts": tuple(
             Part(str(f.path), f.group_name, s.group, s.dataset, s.dtype, s.encoding, s.shape,
                  s.offsets, int(s.checksum), int(s.rank), partial)
             for s in shards for f in [files[s.rank]])}
     # statistics of each shard: those of the whole
-    return {"parts": (), "dataset": "", **dict(zip(fmt.STAT_COLUMNS, _whole_stats(shards))),
+    return {**replicas, "parts": (), "dataset": "",
+            **dict(zip(fmt.STAT_COLUMNS, _whole_stats(shards))),
             **dict.fromkeys(fmt.SKETCH_COLUMNS, math.nan)}
+
+
+def _differing_replica(shards: list[_Shard]) -> int:
+    """The lowest rank whose copy of a region differs from the first copy's (``shards``: the
+    base rank's first), by the checksum of its bytes, or its statistics where only those are
+    known; -1 where every copy agrees, or a copy was dumped without checksum."""
+    first: dict[tuple, _Shard] = {}
+    differing = []
+    for shard in shards:
+        kept = first.setdefault((shard.offsets, shard.shape), shard)
+        if kept is not shard and _copies_differ(kept, shard):
+            differing.append(shard.rank)
+    return min(differing, default=-1)
+
+
+def _copies_differ(a: _Shard, b: _Shard) -> bool:
+    if a.dataset and b.dataset:
+        return fmt.NO_CHECKSUM not in (a.checksum, b.checksum) and a.checksum != b.checksum
+    if a.dataset or b.dataset:
+        return False  # values against statistics: left to h5cmp --ranks
+    return not all(x == y or (x != x and y != y) for x, y in zip(a.stats, b.stats))
 
 
 def _why_not(shards: list[_Shard]) -> str:

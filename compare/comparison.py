@@ -28,7 +28,7 @@ from .pairing import (KEY, align_ranks, at_rank, outside_compiled_regions, pair_
                       recorded_on_both_sides, select, tensor_rows)
 from .statistics import compare_stats, sketch_of_chunks, stats_of_chunks
 from .status import (DROPPED, EQUAL, HASH_MISMATCH, MISSING_IN_A, MISSING_IN_B, OP_ONLY_IN_A,
-                     OP_ONLY_IN_B, SHAPE_MISMATCH, UNSUPPORTED)
+                     OP_ONLY_IN_B, REPLICA_MISMATCH, SHAPE_MISMATCH, UNSUPPORTED)
 from .tolerance import pair_tolerance
 from .validation import hard_link
 from .verdict import VERDICT_COLUMNS, judge
@@ -136,6 +136,8 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     tf32 = tuple(tuple(any(fmt.tf32_allowed(files[k].attrs)[i] for k in paired) for i in (0, 1))
                  for files in (files_a, files_b))
     judged = judge(_result_frame(pairs, metrics), rtol, atol, same_kernels=kernels, tf32=tf32)
+    judged["reason"] = _replica_reasons(pairs, judged["reason"].to_numpy(object),
+                                        {"A": base_a, "B": base_b})
     result = select(judged, modules, kinds)[RESULT_COLUMNS].reset_index(drop=True)
     result.attrs.update(judged.attrs)
     compared = {(e, s, -1 if r != r else r) for e, s, r in
@@ -416,6 +418,26 @@ def _pair_pieces(side_a: _Side, side_b: _Side, records: list[_PairRef], chunk_el
         yield r, None, None
 
 
+def _differing_replicas(pairs: pd.DataFrame) -> pd.DataFrame:
+    """Per pair and side ("A", "B"): the lowest rank whose copy of a replicated tensor put
+    together differs from the base rank's (:mod:`compare.assembly`), else -1."""
+    return pd.DataFrame({side: pairs[f"differing_replica_{side.lower()}"].fillna(-1).astype(int)
+                         for side in ("A", "B")})
+
+
+def _replica_reasons(pairs: pd.DataFrame, reasons: np.ndarray, base: dict[str, int]) -> list:
+    """``reasons`` (in the order of ``pairs``), with the why of each replica mismatch."""
+    reasons = list(reasons)
+    differing = _differing_replicas(pairs)
+    for i, ranks in enumerate(zip(differing["A"], differing["B"])):
+        side, rank = next(((side, r) for side, r in zip("AB", ranks) if r >= 0), ("", -1))
+        if side:
+            reasons[i] = (f"{side}'s ranks hold different copies of this replicated tensor: rank "
+                          f"{rank}'s differs from rank {base[side]}'s, which is compared here "
+                          f"(h5cmp {side} --ranks lists every disagreement)")
+    return reasons
+
+
 def _result_frame(pairs: pd.DataFrame, metrics: dict[int, dict]) -> pd.DataFrame:
     """Pairs plus their metrics; identity columns from side A, or B where A has no record."""
     frame = pairs.copy()
@@ -438,5 +460,6 @@ def _result_frame(pairs: pd.DataFrame, metrics: dict[int, dict]) -> pd.DataFrame
     for col in [*METRIC_COLUMNS, "rtol", "atol", "shard_rank"]:
         if col not in frame:
             frame[col] = np.nan
+    frame.loc[(_differing_replicas(frame) >= 0).any(axis=1).to_numpy(), "status"] = REPLICA_MISMATCH
     frame["rank"] = frame["rank"].where(frame["rank"] >= 0, None)
     return frame[PAIR_COLUMNS].reset_index(drop=True)

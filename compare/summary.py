@@ -81,6 +81,14 @@ class Divergence:
             figures = (f"the bits differ ({numel} elements, {r['dtype_a']} / {r['dtype_b']}); a "
                        f"hash record holds a digest, not values: dump this step with values or "
                        f"statistics to measure the error, status {r['status']}")
+        if r["status"] == st.REPLICA_MISMATCH:  # a fault of one side's run, whatever B holds
+            measured = (f"max_abs_err {r['max_abs_err']:.3g}" if pd.notna(r["max_abs_err"])
+                        else "statistics")
+            return "\n".join([
+                f"first divergence: {where}",
+                f"  a side's ranks disagree on this replicated tensor (its base rank's copy "
+                f"against the other side: {measured}, {numel} elements), status {r['status']}",
+                f"  why: {r['reason']}"])
         lines = [f"first divergence: {where}", f"  {figures}"]
         if pd.notna(r.get("shard_rank", np.nan)):  # a sharded tensor put together
             lines.append(f"  put together from the ranks' shards: the largest error is in rank "

@@ -3,7 +3,8 @@
 usage: RANK=r WORLD_SIZE=n MASTER_ADDR=... MASTER_PORT=... sharded_child.py LAYOUT DIR
 LAYOUT: ``fsdp2`` (``fully_shard`` per block of a small transformer), ``fsdp1``
 (``FullyShardedDataParallel``), ``tp`` (``ColwiseParallel``/``RowwiseParallel`` on an MLP
-block; ``tp-planted``: rank 1's shard of its first layer's output is 1 % off), ``ddp``, or
+block; ``tp-planted``: rank 1's shard of its first layer's output is 1 % off;
+``tp-replica``: rank 1's input of the block, replicated, is 1 % off), ``ddp``, or
 ``ddp-broken`` (DDP whose gradients are not all-reduced). A data-parallel layout with the
 suffix ``-one-batch`` (``fsdp2-one-batch``) feeds every rank the same batch, as tensor
 parallel does: then it computes what one process computes on that batch. Trains three SGD steps without a dumper, then once per dumper mode, and
@@ -92,6 +93,8 @@ def build(layout: str) -> nn.Module:
         parallelize_module(model, mesh, {"1.up": ColwiseParallel(), "1.down": RowwiseParallel()})
         if layout == "tp-planted" and dist.get_rank() == 1:  # a wrong kernel on one rank
             model[1].up.register_forward_hook(lambda module, args, out: out * 1.01)
+        if layout == "tp-replica" and dist.get_rank() == 1:  # another input on one rank
+            model[1].register_forward_pre_hook(lambda module, args: (args[0] * 1.01,))
         return model
     if layout == "fsdp2":
         from torch.distributed.fsdp import fully_shard

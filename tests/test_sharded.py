@@ -237,6 +237,32 @@ def test_a_planted_error_in_one_ranks_shard_is_found_and_attributed(tmp_path):
 
 
 @pytest.mark.slow
+def test_ranks_holding_different_copies_of_a_replicated_tensor_are_a_finding(tmp_path):
+    """Rank 1 feeds the tensor-parallel block another input (1 % off) than rank 0: its copy
+    of the block's replicated input differs. Against one process, with values or statistics,
+    that record is the first divergence, a replica mismatch naming rank 1; --ranks finds it."""
+    launch("tp-replica", tmp_path)
+    single = tmp_path / "single"
+    _in_one_process("tp", single)
+    for mode in ("default", "stats"):
+        cli = CliRunner().invoke(h5cmp, [str(tmp_path / mode), str(single)])
+        assert cli.exit_code == 1, cli.output
+        assert "first at step 0:0 rank 0 forward in 1.up (input[0])" in cli.output, cli.output
+        assert "status replica_mismatch" in cli.output, cli.output
+        assert ("A's ranks hold different copies of this replicated tensor: rank 1's differs "
+                "from rank 0's") in cli.output, cli.output
+        result = compare_dumps(tmp_path / mode, single)
+        failing = result[result["status"].isin(FAILING)]
+        assert (failing.iloc[0]["module"], failing.iloc[0]["kind"]) == ("1.up", "input")
+        mismatches = failing[failing["status"] == "replica_mismatch"]
+        assert list(zip(mismatches["step"], mismatches["module"], mismatches["kind"])) == [
+            (0, "1.up", "input"), (2, "1.up", "input")]  # each dumped step
+        ranks = CliRunner().invoke(h5cmp, [str(tmp_path / mode), "--ranks"])
+        assert ranks.exit_code == 1 and "rank 1 differs from rank 0 in 1.up.Linear#0 input[0]" \
+            in ranks.output, ranks.output
+
+
+@pytest.mark.slow
 def test_tensor_parallel_layouts_compare_with_each_other(tmp_path):
     """TP=4 (four processes) against TP=2 and against one process: every sharded tensor of
     both sides is put together, and the healthy pairs agree within rounding."""
