@@ -208,12 +208,13 @@ def _check_against_one_process(layout: str, tmp_path: Path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp2-one-batch", "ddp-one-batch"])
+@pytest.mark.parametrize("layout", ["fsdp2-one-batch", "fsdp1-one-batch", "ddp-one-batch"])
 def test_data_parallel_on_one_batch_agrees_with_one_process(layout, tmp_path):
-    """FSDP2 and DDP with every rank on the same batch compute what one process computes:
-    against it, the healthy pair has no first divergence, though the weights drift apart by
-    rounding (the gradients' reduction adds up otherwise); FSDP2's sharded gradients are put
-    together (its parameters are whole while the module runs)."""
+    """FSDP2, FSDP1 and DDP with every rank on the same batch compute what one process
+    computes: against it (FSDP1's wrapper left out of the names), the healthy pair has no
+    first divergence, though the weights drift apart by rounding (the gradients' reduction
+    adds up otherwise); FSDP2's sharded gradients are put together (its parameters are whole
+    while the module runs)."""
     launch(layout, tmp_path)
     grads = {("blocks.0.mlp.up", "param_grad"), ("head", "param_grad")}
     _check_against_one_process(layout, tmp_path, {"default": set(), "params": (
