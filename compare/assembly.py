@@ -6,10 +6,11 @@ shape and its ``parts`` (each rank's shard: file, dataset, offsets); the chosen 
 rows stand as they are. :func:`compare_parts` then compares a pair region by region: for each
 overlap of a part of A with a part of B, the two blocks are read and fed to the error
 accumulator, so that memory is bounded by a shard, never by the whole tensor. Replicated
-shards are read once, the chosen rank's (else the lowest's); where another rank's copy has
-other bytes (checksums) or statistics, the row's ``differing_replica`` names the lowest such
-rank (``h5cmp RUN --ranks`` lists every disagreement); partial ones (``P(sum)``) are added up, block by block, in float64. A record whose shards are
-known by statistics only is given the statistics of the whole (without a sketch).
+shards are read once, the base rank's (the chosen one, else the lowest); where another
+rank's copy of a region has other bytes (checksums) or statistics, the row's
+``replicas_differ`` says which (``h5cmp RUN --ranks`` lists every disagreement). Partial
+shards (``P(sum)``) are added up, block by block, in float64. A record whose shards are known
+by statistics only is given the statistics of the whole (without a sketch).
 """
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ def _assembled(shards: list[_Shard], files: dict) -> dict:
         return {"status": fmt.ST_UNSUPPORTED, "value": f"shards not put together: {why}",
                 "dataset": "", "parts": (), **dict.fromkeys(fmt.STAT_COLUMNS, math.nan)}
     partial = any(p.startswith("P") for p in fmt.parse_placements(shards[0].placements))
-    replicas = {"differing_replica": -1 if partial else _differing_replica(shards)}
+    replicas = {"replicas_differ": "" if partial else _replicas_differ(shards)}
     if not partial:  # replicated shards: the first of each region
         shards = list({(s.offsets, s.shape): s for s in reversed(shards)}.values())[::-1]
     if all(s.dataset for s in shards):
@@ -140,17 +141,17 @@ def _assembled(shards: list[_Shard], files: dict) -> dict:
             **dict.fromkeys(fmt.SKETCH_COLUMNS, math.nan)}
 
 
-def _differing_replica(shards: list[_Shard]) -> int:
-    """The lowest rank whose copy of a region differs from the first copy's (``shards``: the
-    base rank's first), by the checksum of its bytes, or its statistics where only those are
-    known; -1 where every copy agrees, or a copy was dumped without checksum."""
-    first: dict[tuple, _Shard] = {}
-    differing = []
+def _replicas_differ(shards: list[_Shard]) -> str:
+    """Which rank's copy of a region differs from the copy that is read (``shards``: the base
+    rank's first, then by rank), by the checksum of its bytes, or its statistics where only
+    those are known: "rank 3's copy differs from rank 1's", the lowest such rank; "" where
+    every copy agrees (or was dumped without checksum)."""
+    read: dict[tuple, _Shard] = {}
     for shard in shards:
-        kept = first.setdefault((shard.offsets, shard.shape), shard)
+        kept = read.setdefault((shard.offsets, shard.shape), shard)
         if kept is not shard and _copies_differ(kept, shard):
-            differing.append(shard.rank)
-    return min(differing, default=-1)
+            return f"rank {shard.rank}'s copy differs from rank {kept.rank}'s"
+    return ""
 
 
 def _copies_differ(a: _Shard, b: _Shard) -> bool:
@@ -184,7 +185,27 @@ def _why_not(shards: list[_Shard]) -> str:
     covered = sum(math.prod(shape) for _, shape in regions)
     if covered != math.prod(first.global_shape) or (partial and len(set(regions.values())) > 1):
         return f"shards are missing (ranks {', '.join(str(s.rank) for s in shards)} held)"
+    if not _tile(list(regions), first.global_shape):
+        return ("shards overlap or do not form a grid (their offsets, or a mark_sharded "
+                "dimension, are wrong)")
     return ""
+
+
+def _tile(regions: list[tuple[tuple, tuple]], shape: tuple) -> bool:
+    """Whether ``(offsets, shape)`` regions that hold as many elements as ``shape`` cover it
+    without overlapping: they form a grid (a mesh's shards do) whose intervals along each
+    dimension follow each other from 0."""
+    regions = [r for r in regions if math.prod(r[1])]
+    if not math.prod(shape):
+        return True
+    cells = 1
+    for dim, size in enumerate(shape):
+        intervals = sorted({(offsets[dim], extent[dim]) for offsets, extent in regions})
+        ends = [start + length for start, length in intervals]
+        if [start for start, _ in intervals] != [0, *ends[:-1]] or ends[-1:] != [size]:
+            return False
+        cells *= len(intervals)
+    return cells == len(regions)
 
 
 def _whole_stats(shards: list[_Shard]) -> tuple:
@@ -344,9 +365,15 @@ def _rank_of_largest_error(a: np.ndarray, b: np.ndarray, sharded: tuple[Part, ..
     with np.errstate(invalid="ignore", over="ignore"):
         diff = np.abs(np.subtract(b, a, dtype=np.result_type(a, b, np.float64)))
     diff[~np.isfinite(diff)] = 0
-    at = np.unravel_index(int(np.argmax(diff)), diff.shape) if diff.size else ()
-    if not diff.size or not diff[at]:
+    if not diff.size:
         return sharded[0].rank
+    at = np.unravel_index(int(np.argmax(diff)), diff.shape)
+    if not diff[at]:
+        integers = a.dtype.kind in "iu" and b.dtype.kind in "iu"  # beyond 2**53 a difference
+        differ = np.flatnonzero(a != b) if integers else ()      # can round to 0 in float64
+        if not len(differ):
+            return sharded[0].rank
+        at = np.unravel_index(int(differ[0]), a.shape)
     return next(p.rank for p in sharded
                 if all(o <= i < o + s for i, o, s in zip(at, p.offsets, p.shape)))
 

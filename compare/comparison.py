@@ -135,9 +135,8 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
         fmt.same_kernels(files_a[k].attrs, files_b[k].attrs) for k in paired)
     tf32 = tuple(tuple(any(fmt.tf32_allowed(files[k].attrs)[i] for k in paired) for i in (0, 1))
                  for files in (files_a, files_b))
-    judged = judge(_result_frame(pairs, metrics), rtol, atol, same_kernels=kernels, tf32=tf32)
-    judged["reason"] = _replica_reasons(pairs, judged["reason"].to_numpy(object),
-                                        {"A": base_a, "B": base_b})
+    judged = judge(_result_frame(pairs, metrics, {"a": base_a, "b": base_b}), rtol, atol,
+                   same_kernels=kernels, tf32=tf32)
     result = select(judged, modules, kinds)[RESULT_COLUMNS].reset_index(drop=True)
     result.attrs.update(judged.attrs)
     compared = {(e, s, -1 if r != r else r) for e, s, r in
@@ -418,28 +417,11 @@ def _pair_pieces(side_a: _Side, side_b: _Side, records: list[_PairRef], chunk_el
         yield r, None, None
 
 
-def _differing_replicas(pairs: pd.DataFrame) -> pd.DataFrame:
-    """Per pair and side ("A", "B"): the lowest rank whose copy of a replicated tensor put
-    together differs from the base rank's (:mod:`compare.assembly`), else -1."""
-    return pd.DataFrame({side: pairs[f"differing_replica_{side.lower()}"].fillna(-1).astype(int)
-                         for side in ("A", "B")})
-
-
-def _replica_reasons(pairs: pd.DataFrame, reasons: np.ndarray, base: dict[str, int]) -> list:
-    """``reasons`` (in the order of ``pairs``), with the why of each replica mismatch."""
-    reasons = list(reasons)
-    differing = _differing_replicas(pairs)
-    for i, ranks in enumerate(zip(differing["A"], differing["B"])):
-        side, rank = next(((side, r) for side, r in zip("AB", ranks) if r >= 0), ("", -1))
-        if side:
-            reasons[i] = (f"{side}'s ranks hold different copies of this replicated tensor: rank "
-                          f"{rank}'s differs from rank {base[side]}'s, which is compared here "
-                          f"(h5cmp {side} --ranks lists every disagreement)")
-    return reasons
-
-
-def _result_frame(pairs: pd.DataFrame, metrics: dict[int, dict]) -> pd.DataFrame:
-    """Pairs plus their metrics; identity columns from side A, or B where A has no record."""
+def _result_frame(pairs: pd.DataFrame, metrics: dict[int, dict], base: dict[str, int]
+                  ) -> pd.DataFrame:
+    """Pairs plus their metrics; identity columns from side A, or B where A has no record;
+    the ``reason`` of each pair whose side put together holds replicas that differ (``base``:
+    each side's base rank)."""
     frame = pairs.copy()
     for col in ("seq", "call", "producer", "cls", "path"):
         frame[col] = frame[f"{col}_a"].fillna(frame[f"{col}_b"])
@@ -460,6 +442,14 @@ def _result_frame(pairs: pd.DataFrame, metrics: dict[int, dict]) -> pd.DataFrame
     for col in [*METRIC_COLUMNS, "rtol", "atol", "shard_rank"]:
         if col not in frame:
             frame[col] = np.nan
-    frame.loc[(_differing_replicas(frame) >= 0).any(axis=1).to_numpy(), "status"] = REPLICA_MISMATCH
+    frame["reason"] = ""
+    for side in ("b", "a"):  # A's, where both sides' replicas differ
+        note = frame[f"replicas_differ_{side}"].fillna("")
+        mismatch = ((frame["side"] == "both") & (note != "")).to_numpy()
+        frame.loc[mismatch, "status"] = REPLICA_MISMATCH
+        frame.loc[mismatch, "reason"] = (
+            f"{side.upper()}'s ranks hold different copies of this replicated tensor: "
+            + note[mismatch] + f"; rank {base[side]}'s is compared (h5cmp {side.upper()} "
+            f"--ranks lists every disagreement)")
     frame["rank"] = frame["rank"].where(frame["rank"] >= 0, None)
-    return frame[PAIR_COLUMNS].reset_index(drop=True)
+    return frame[[*PAIR_COLUMNS, "reason"]].reset_index(drop=True)

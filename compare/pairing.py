@@ -15,7 +15,7 @@ STEP_KEY = ["epoch", "step", "rank"]
 KEY = [*STEP_KEY, "module", "call_idx", "kind", "index", "occurrence"]
 SIDE_COLUMNS = ["seq", "call", "cls", "micro_batch", "group", "path", "dtype", "shape", "encoding",
                 "dataset", "status", "checksum", "digest", "producer", "injected", "parts",
-                "differing_replica",
+                "replicas_differ",
                 *fmt.STAT_COLUMNS, *fmt.SKETCH_COLUMNS]
 
 
@@ -69,10 +69,10 @@ def tensor_rows(dump: Dump, steps: Optional[Iterable[str]] = None) -> pd.DataFra
         wanted = list(steps)
         rows = rows[[_step_matches(e, s, wanted) for e, s in zip(rows["epoch"], rows["step"])]]
     # parts: where a sharded tensor's values are (compare.assembly); none for a stored tensor.
-    # differing_replica: the lowest rank whose copy of a replicated tensor differs from the
-    # rank it is put together for (compare.assembly); -1: none
+    # replicas_differ: which rank's copy of a replicated tensor put together differs
+    # (compare.assembly); "" for none
     return rows.assign(rank=rows["rank"].fillna(-1).astype(int), parts=[()] * len(rows),
-                       differing_replica=-1)
+                       replicas_differ="")
 
 
 def select(rows: pd.DataFrame, modules: Optional[Iterable[str]] = None,

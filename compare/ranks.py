@@ -28,7 +28,7 @@ BASE_RANK = "base_rank"  # result column: the rank each row's rank is compared a
 
 def must_agree(index: pd.DataFrame) -> pd.Series:
     """Rows of a step's index that every rank must hold alike: parameters that are not
-    sharded and their gradients (data-parallel replicas; the gradients as the step ends,
+    sharded and their gradients (data-parallel replicas; the gradients the optimizer steps with,
     after the all-reduce), and any record of a DTensor replicated over its whole mesh
     (placements all R)."""
     replicated = index["placements"].map(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import zlib
 from pathlib import Path
+from typing import Union
 
 import h5py
 import numpy as np
@@ -79,7 +80,7 @@ def _is_a(value: object, kind: type) -> bool:
 
 _LINK_KINDS = {h5l.TYPE_SOFT: "SoftLink", h5l.TYPE_EXTERNAL: "ExternalLink"}
 _OBJECT_IDS = {h5py.Group: h5g.GroupID, h5py.Dataset: h5d.DatasetID}
-_ID_KINDS = {h5g.GroupID: "group", h5d.DatasetID: "dataset"}
+_ID_KINDS = {ids: kind.__name__.lower() for kind, ids in _OBJECT_IDS.items()}
 
 
 def hard_link(path: Path, group: h5py.Group, name: str, what: str, expected: type):
@@ -88,7 +89,8 @@ def hard_link(path: Path, group: h5py.Group, name: str, what: str, expected: typ
     return expected(linked_id(path, group.id, name, what, _OBJECT_IDS[expected]))
 
 
-def linked_id(path: Path, group: h5g.GroupID, name: str, what: str, expected: type):
+def linked_id(path: Path, group: h5g.GroupID, name: str, what: str,
+              expected: type) -> Union[h5g.GroupID, h5d.DatasetID]:
     """The object linked as ``name`` in ``group``, an ``expected`` (``h5g.GroupID`` or
     ``h5d.DatasetID``), refusing soft and external links (loops, FIFOs, other files). ``what``
     names it in messages. (Through h5py's low-level calls: the high-level ones cost twice as

@@ -289,7 +289,9 @@ class _Judgement:
         self.status = records.weight_status.copy()
         self.healthy = records.err.copy()  # the error a record would carry from healthy sources
         self.tainted = np.zeros(n, bool)     # carries an error from a failing or inherited source
-        self.reason = np.full(n, "", object)
+        # reasons given with the rows (a side's replicas that differ) stand
+        self.reason = (records.frame["reason"].fillna("").to_numpy(object, copy=True)
+                       if "reason" in records.frame else np.full(n, "", object))
         self.failed: set[tuple] = set()  # (rank, (epoch, step)) with a failing record
         self.hidden = np.zeros(n)  # the added error that inputs' error could hide
         self.source = np.full(n, "", object)

@@ -9,7 +9,7 @@ import itertools
 import threading
 import weakref
 from collections import defaultdict
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ from .grads import GradInputCollector, current_sequence_nr, gradient_edge
 from . import ops
 from .injection import StepReference, restore_parameters
 from .ops import OpMode
+from .param_grads import ParamGrads
 from .record import CallInfo, Record, RecordMaker, leaf_record
 from .selection import Selection
 
@@ -67,16 +68,6 @@ class _OpenCall:
         self.dropped: set[int] = set()    # inputs whose grad_input is not recorded
 
 
-class _AccumulatedGrad(NamedTuple):
-    """A parameter's gradient as recorded after its latest accumulation, and what tells
-    whether the gradient was changed in place since (a data-parallel all-reduce)."""
-
-    record: Record
-    param: torch.Tensor
-    grad: torch.Tensor
-    version: int
-
-
 class StepCapture:
     """Hooks a model (its ``modules``, :func:`~dumper.calls.named_modules`) for one step and
     sends a :class:`Record` per captured leaf to ``sink``.
@@ -99,7 +90,8 @@ class StepCapture:
         self._micro_batches = MicroBatches()
         self._collectors: list[GradInputCollector] = []
         self._first_call: dict[int, CallInfo] = {}
-        self._param_grads: dict[tuple[int, int], _AccumulatedGrad] = {}
+        self._param_grads = ParamGrads(maker, self._next_seq, self._first_call.get) if (
+            params and selection.wants_kind(fmt.PARAM_GRAD)) else None
         self._occurrences: dict[tuple[int, str, int], int] = defaultdict(int)
         # dataflow: id(tensor) -> (weak reference, call that output it, tensor version then)
         self._producers: dict[int, tuple[weakref.ref, int, int]] = {}
@@ -147,11 +139,8 @@ class StepCapture:
         if inject is not None and fmt.PARAM in inject.kinds:  # put them back, also on errors,
             self._add_hook(module, lambda m, args, out: self._restore_parameters(m),
                            always_call=True, prepend=True)  # before other forward hooks
-        if self._params and self._sel.wants_kind(fmt.PARAM_GRAD):
-            for i, (name, p) in enumerate(module.named_parameters(recurse=False)):
-                if p.requires_grad:
-                    self.handles.append(p.register_post_accumulate_grad_hook(
-                        self._param_grad_hook(id(module), i, name)))
+        if self._param_grads is not None:
+            self._param_grads.watch(module)
 
     def _add_hook(self, module: nn.Module, hook: Callable, pre: bool = False, **options) -> None:
         """Register a forward (``pre``: pre-) hook on ``module``, kept in ``handles``; eager
@@ -197,9 +186,9 @@ class StepCapture:
         """Emit what only completes at step end (partial grad sums, final parameter grads)."""
         for collector in self._collectors:
             collector.flush()
-        for latest in sorted(self._param_grads.values(), key=lambda g: g.record.seq):
-            self._sink(self._final_grad(latest))
-        self._param_grads.clear()
+        if self._param_grads is not None:
+            for record in self._param_grads.finish():
+                self._sink(record)
 
     def remove(self) -> None:
         """Remove every hook this capture registered (module, tensor, node and parameter hooks)."""
@@ -208,9 +197,8 @@ class StepCapture:
             handle.remove()
         self.handles.clear()
         self._collectors.clear()
-        for latest in self._param_grads.values():  # a step discarded before finish()
-            self._maker.release(latest.record)
-        self._param_grads.clear()
+        if self._param_grads is not None:  # all its records, if the step is discarded
+            self._param_grads.release()
         self._producers.clear()
         if self._ops is not None:
             self._ops.clear()
@@ -451,30 +439,3 @@ class StepCapture:
             record.occurrence = self._occurrences[key]
             self._occurrences[key] += 1
         self._sink(record)
-
-    def _param_grad_hook(self, module_id: int, index: int, name: str):
-        """Keeps the latest accumulated gradient; it is recorded under the module's first call."""
-        def hook(p: torch.Tensor) -> None:
-            call = self._first_call.get(module_id)
-            if p.grad is not None and call is not None:
-                record = self._maker.tensor(self._next_seq(), call, fmt.PARAM_GRAD, index, name,
-                                            p.grad)
-                previous = self._param_grads.get((module_id, index))
-                self._param_grads[(module_id, index)] = _AccumulatedGrad(
-                    record, p, p.grad, p.grad._version)
-                if previous is not None:
-                    self._maker.release(previous.record)
-        return hook
-
-    def _final_grad(self, latest: _AccumulatedGrad) -> Record:
-        """The gradient the step ends with: as accumulated, unless it was changed in place
-        since (DDP all-reduces and averages gradients after their accumulation, at the end of
-        backward; so does anything the user does to them before ``remove_hooks``): then taken
-        again, under the same number. A gradient gone by then (zeroed to None) stays as
-        accumulated."""
-        grad = latest.param.grad
-        if grad is None or (grad is latest.grad and grad._version == latest.version):
-            return latest.record
-        old = latest.record
-        self._maker.release(old)
-        return self._maker.tensor(old.seq, old.call, fmt.PARAM_GRAD, old.index, old.path, grad)

@@ -286,11 +286,11 @@ class HookerAndDumper:
         if capture is None:
             return None
         incomplete = _why_incomplete(capture.open_calls)
-        batch, self._maker.batch = self._maker.batch, None
         try:
-            capture.finish()
-            batch.seal()  # what the device holds goes to the host, for the writer
+            capture.finish()  # its last records (sums of gradients, parameter gradients) too
+            self._maker.batch.seal()  # go from the device to the host, for the writer
         finally:
+            self._maker.batch = None
             capture.remove()
             self._close_reference()
         if not capture.modules_run:

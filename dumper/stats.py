@@ -86,9 +86,6 @@ def _scratch_buffer(dtype: torch.dtype, n: int) -> torch.Tensor:
     return buffers[dtype][:n]
 
 
-# Below this magnitude float64 squares and their sums cannot overflow (1e280 times any
-# element count a tensor can have stays below float64's largest, 1.8e308)
-QUIET_MAGNITUDE = 1e140
 HEAP_COPY = 1 << 14  # float64 copies below 128 KiB come from malloc's heap, reused at once
 
 
@@ -116,13 +113,9 @@ def _small_cpu_stats(a: np.ndarray) -> tuple:
     if not finite:
         nan, inf = float(np.count_nonzero(np.isnan(a))), float(np.count_nonzero(np.isinf(a)))
     zero = float(a.size - np.count_nonzero(a))
-    if finite and max(-lo, hi) < QUIET_MAGNITUDE:  # nothing to warn about (numpy's errstate
-        total = float(_SUM(a))                       # costs a tenth of the statistics)
+    with np.errstate(all="ignore"):  # inf - inf is the NaN the counts explain; overflow: inf
+        total = float(_SUM(a))
         sumsq = float(_SUM(np.multiply(a, a, out=a)))
-    else:
-        with np.errstate(all="ignore"):  # inf - inf is the NaN the counts explain; overflow: inf
-            total = float(_SUM(a))
-            sumsq = float(_SUM(np.multiply(a, a, out=a)))
     return stats_from_sums(lo, hi, total, sumsq, a.size, nan, inf, zero)
 
 

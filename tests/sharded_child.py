@@ -135,8 +135,8 @@ def train(layout: str, dumper: HookerAndDumper | None,
     batches) instead of ``build(layout)`` on this rank."""
     distributed = model is None
     model = build(layout) if distributed else model
-    if dumper is not None and distributed and layout.startswith("tp"):  # ColwiseParallel returns a plain
-        # local shard, which the activation computes on
+    if dumper is not None and distributed and layout.startswith("tp"):
+        # ColwiseParallel returns a plain local shard, which the activation computes on
         dumper.mark_sharded("1.up", ["output", "grad_output"], dim=-1)
         dumper.mark_sharded("1.act", ["input", "output", "grad_input", "grad_output"], dim=-1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -144,6 +144,10 @@ def train(layout: str, dumper: HookerAndDumper | None,
     one_batch = layout.startswith("tp") or layout.endswith(ONE_BATCH)
     data = torch.Generator().manual_seed(
         dist.get_rank() if distributed and not one_batch else 0)
+    # DDP ends each hooked step as the README's loop does (step, zero_grad, then remove_hooks:
+    # the gradients are recorded as the optimizer step begins); the others remove the hooks
+    # right after backward
+    late_remove = layout in ("ddp", "ddp-broken")
     seen = []
     for step in range(STEPS):
         x = torch.randn(2, 5, 8, generator=data)
@@ -152,12 +156,14 @@ def train(layout: str, dumper: HookerAndDumper | None,
         out = model(x)
         loss = out.pow(2).mean()
         loss.backward()
-        if dumper is not None:
+        if dumper is not None and not late_remove:
             dumper.remove_hooks()
         seen += [loss.detach().clone(), _full(out.detach()).clone()]
         seen += [_full(p.grad).clone() for p in model.parameters()]
         optimizer.step()
         optimizer.zero_grad()
+        if dumper is not None and late_remove:
+            dumper.remove_hooks()
     return seen + [_full(p.detach()).clone() for p in model.parameters()]
 
 

@@ -75,3 +75,16 @@ def test_a_shard_whose_bytes_changed_is_refused(tmp_path, tol, max_elements):
         compare_parts((part,), (_store(tmp_path / "whole.h5", values),), tol, reader,
                       max_elements)
     reader.close()
+
+
+@pytest.mark.parametrize("regions, shape, tiles", [
+    ([((0,), (3,)), ((3,), (2,))], (5,), True),             # uneven shards
+    ([((0,), (3,)), ((2,), (3,))], (5,), False),            # overlapping: as many elements
+    ([((0, 0), (2, 2)), ((0, 2), (2, 2)), ((2, 0), (2, 2)), ((2, 2), (2, 2))], (4, 4), True),
+    ([((0,), (0,)), ((0,), (4,))], (4,), True),             # a rank's empty shard
+    ([((0,), (0,))], (0,), True),                           # an empty tensor
+    ([((), ())], (), True),                                 # a 0-d tensor
+])
+def test_shards_put_together_must_tile_the_tensor(regions, shape, tiles):
+    from compare.assembly import _tile
+    assert _tile(regions, shape) is tiles

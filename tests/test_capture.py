@@ -260,12 +260,36 @@ def test_params_and_param_grads(tmp_path):
     assert torch.equal(rec[("0", 0, "param_grad", 1)], model[0].bias.grad)
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_param_grads_are_those_the_optimizer_steps_with(tmp_path, set_to_none):
+    """The README's loop (step, zero_grad, then remove_hooks): the gradients recorded are
+    those the optimizer step began with (here clipped after backward), not the zeros or Nones
+    the step ends with; a parameter no optimizer steps keeps its gradient as accumulated."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model[0].parameters(), lr=0.1)  # model[2]: frozen by hand
+    dumper = HookerAndDumper(tmp_path, params=True)
+    dumper.register_hooks(model, 0, 0)
+    model(torch.randn(5, 3)).pow(2).sum().backward()
+    last = model[2].weight.grad.clone()
+    torch.nn.utils.clip_grad_norm_(model[0].parameters(), 1e-3)
+    stepped = [p.grad.clone() for p in model[0].parameters()]
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=set_to_none)
+    dumper.remove_hooks()
+    rec = read_tensors(tmp_path)
+    assert torch.equal(rec[("0", 0, "param_grad", 0)], stepped[0]) and stepped[0].norm() < 1e-3
+    assert torch.equal(rec[("0", 0, "param_grad", 1)], stepped[1])
+    assert torch.equal(rec[("2", 0, "param_grad", 0)], last)
+
+
 @pytest.mark.parametrize("device_path", [False, True])
 def test_param_grads_are_those_the_step_ends_with(tmp_path, monkeypatch, device_path):
-    """A gradient changed in place after its accumulation (clipped before remove_hooks, as
-    DDP's all-reduce averages it) is recorded as changed; one set to None before remove_hooks
-    as accumulated; the training's own values stay untouched. Also on the accelerator path
-    (forced here: its per-step arenas)."""
+    """No optimizer step before remove_hooks: a gradient changed in place after its
+    accumulation (clipped, as DDP's all-reduce averages it) is recorded as changed; one set
+    to None as accumulated; the training's own values stay untouched. Also on the
+    accelerator path (forced here: its per-step arenas, which the gradient taken again
+    joins)."""
     if device_path:
         import dumper.record
         monkeypatch.setattr(dumper.record, "on_device", lambda t: True)

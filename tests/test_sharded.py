@@ -162,8 +162,9 @@ def test_a_broken_all_reduce_is_found_by_comparing_ranks(tmp_path):
             assert (first_step[grads]["status"] != "equal").all()
             assert (first_step[~grads]["status"] == "equal").all()
         else:
-            assert result.output.startswith("first disagreement: step 0:2, rank 1 differs from "
-                                            "rank 0 in embed.Linear#0 param[0] weight"), result.output
+            assert result.output.startswith(
+                "first disagreement: step 0:2, rank 1 differs from rank 0 in embed.Linear#0 "
+                "param[0] weight"), result.output
             assert (first_step["status"] == "equal").all()
         assert (frame[frame["step"] == 2]["status"] != "equal").all()
 
@@ -250,8 +251,8 @@ def test_ranks_holding_different_copies_of_a_replicated_tensor_are_a_finding(tmp
         assert cli.exit_code == 1, cli.output
         assert "first at step 0:0 rank 0 forward in 1.up (input[0])" in cli.output, cli.output
         assert "status replica_mismatch" in cli.output, cli.output
-        assert ("A's ranks hold different copies of this replicated tensor: rank 1's differs "
-                "from rank 0's") in cli.output, cli.output
+        assert ("A's ranks hold different copies of this replicated tensor: rank 1's copy "
+                "differs from rank 0's; rank 0's is compared") in cli.output, cli.output
         result = compare_dumps(tmp_path / mode, single)
         failing = result[result["status"].isin(FAILING)]
         assert (failing.iloc[0]["module"], failing.iloc[0]["kind"]) == ("1.up", "input")

@@ -176,3 +176,12 @@ def test_wrong_weights_in_a_same_precision_pair_are_a_divergence(tmp_path, make,
     assert ("where both runs compute bit-identically: the runs did not start from the same "
             "weights, or diverged at an earlier step") in result.output
     assert "this module's weights differ before the step" in result.output
+
+
+def test_runs_on_other_numbers_of_processes_are_not_expected_bit_identical():
+    """Collectives add up in another order over another number of processes: the world size
+    is one of the attributes that decide whether two runs compute bit-identically."""
+    attrs = {"torch_version": "2.13.0", "device": "cpu", "tf32_matmul": False,
+             "tf32_cudnn": False, "float32_matmul_precision": "highest", "world_size": 1}
+    assert fmt.same_kernels(attrs, dict(attrs))
+    assert not fmt.same_kernels(attrs, {**attrs, "world_size": 2})
