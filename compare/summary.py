@@ -108,6 +108,9 @@ class Divergence:
             origin = f"{self.parent}'s own code" if self.parent else "the code calling the model"
             lines.append(f"  the difference is already in this {r['kind']}: it arose outside any "
                          f"hooked submodule (in {origin}, the loss, or the data)")
+            if op is None and self.parent not in ("", fmt.ROOT_NAME):
+                lines.append(f"  to see which of {self.parent}'s ops: dump both runs again with "
+                             f"HookerAndDumper(..., ops=[{self.parent!r}])")
             if self.producer is not None and len(self.producer):
                 p = self.producer.iloc[0]
                 state = ("which matched: the change happened between the two modules"

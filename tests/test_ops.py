@@ -143,6 +143,25 @@ def test_a_wrong_constant_inside_a_module_is_found_at_its_op(tmp_path):
                                                "scaled_dot_product_attention")
 
 
+def test_an_error_in_a_modules_own_code_points_to_its_ops(tmp_path):
+    """Module records alone: the first divergence is the input the attention's own code hands
+    to o_proj, and the text says how to see which op: dumped so, the op is named."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    _llama_step(a, ops=None)
+    _llama_step(b, ops=None, scaling=1.01)
+    result = _h5cmp(a, b)
+    assert result.exit_code == 1, result.output
+    assert (f"first divergence: step 0:0, forward, module {ATTN}.o_proj (Linear) call 0, "
+            f"input[0]") in result.output, result.output
+    assert (f"to see which of {ATTN}'s ops: dump both runs again with HookerAndDumper(..., "
+            f"ops=['{ATTN}'])") in result.output
+    _llama_step(tmp_path / "a-ops", ops=[ATTN])
+    _llama_step(tmp_path / "b-ops", ops=[ATTN], scaling=1.01)
+    first = summarize(compare_dumps(tmp_path / "a-ops", tmp_path / "b-ops")).first
+    assert first.row["module"] == f"{ATTN}/scaled_dot_product_attention#0"
+    assert "to see which" not in first.describe()
+
+
 def _h5cmp(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
