@@ -14,7 +14,10 @@ input          the outputs of the call that produced it (``producer``); if unkno
                children that ran before this call
 grad_output    the call's outputs (what the loss was computed from), the grad_inputs of the
                calls that consumed them, the parent's grad_output, and the grad_inputs of the
-               children of the parent that ran after the call
+               children of the parent that ran after the call; where no recorded call
+               consumed the outputs (the parent's own code did: attention, a gated
+               product), also what that code's backward uses: the parent's inputs and
+               parameters and the outputs of its children
 grad_input     the call's grad_output, inputs, outputs and parameters, and the grad_inputs of
                its direct child calls
 param_grad     grad_output (of every backward pass), inputs and outputs of every call of the
@@ -161,9 +164,15 @@ class _Step:
                 return self.of(fwd, fmt.OUTPUT)
             after = [c for c in self.siblings(call) if c > call]
             consumers = self.consumers.get(call, ())
-            return (self.of(fwd, fmt.OUTPUT)
-                    + self.of(sorted(set(after) | set(consumers)), fmt.GRAD_INPUT, occurrence)
-                    + self.of((parent,), fmt.GRAD_OUTPUT, occurrence))
+            sources = (self.of(fwd, fmt.OUTPUT)
+                       + self.of(sorted(set(after) | set(consumers)), fmt.GRAD_INPUT, occurrence)
+                       + self.of((parent,), fmt.GRAD_OUTPUT, occurrence))
+            if consumers:
+                return sources
+            # no recorded call consumed the outputs: the gradient comes back through the
+            # parent's own code, whose backward uses the values its forward did
+            return (sources + self.of((parent,), fmt.INPUT) + self.weights(parent)
+                    + self.of(self.siblings(call), fmt.OUTPUT))
         if kind == fmt.GRAD_INPUT:
             return (self.of(fwd, fmt.GRAD_OUTPUT, occurrence) + self.of(fwd, fmt.INPUT)
                     + self.of(fwd, fmt.OUTPUT) + self.weights(call)
