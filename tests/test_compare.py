@@ -232,3 +232,33 @@ def test_a_divergence_in_a_later_micro_batch_is_named_so(tmp_path):
     listing = CliRunner().invoke(main, [str(tmp_path / "a"), str(tmp_path / "b")])
     assert listing.exit_code == 1, listing.output
     assert "module 2 (Linear) call 1 (micro-batch 1), output[0]" in listing.output, listing.output
+
+
+class _Gated(torch.nn.Module):
+    """Its own code consumes its children's outputs (a gated product, a weight of its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.value, self.gate = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.scale = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return self.value(x) * torch.sigmoid(self.gate(x)) * self.scale
+
+
+def test_a_gradient_back_through_a_parents_own_code_has_what_that_code_used_as_sources(tmp_path):
+    """value's grad_output comes back through _Gated's own product: it depends on gate's output
+    and the parent's weight and input, not only on the gradient arriving at the parent."""
+    from compare.sources import record_sources
+    from dumper import HookerAndDumper
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _Gated())
+    with HookerAndDumper(tmp_path).hooks(model, 0, 0):
+        model(torch.randn(3, 4)).pow(2).sum().backward()
+    rows = load_dump(tmp_path).index.reset_index(drop=True)
+    label = [(m, k, i) for m, k, i in zip(rows["module"], rows["kind"], rows["index"])]
+    sources = record_sources(rows)
+    of_value = {label[j] for j in sources[label.index(("1.value", "grad_output", 0))]}
+    assert {("1", "grad_output", 0), ("1.gate", "output", 0), ("1", "param", 0),
+            ("1", "input", 0), ("1.value", "output", 0)} <= of_value
+    of_first = {label[j] for j in sources[label.index(("0", "grad_output", 0))]}
+    assert ("1", "param", 0) not in of_first  # consumed by a recorded call: its grad_input
