@@ -16,8 +16,9 @@ grad_output    the call's outputs (what the loss was computed from), the grad_in
                calls that consumed them, the parent's grad_output, and the grad_inputs of the
                children of the parent that ran after the call; where no recorded call
                consumed the outputs (the parent's own code did: attention, a gated
-               product), also what that code's backward uses: the parent's inputs and
-               parameters and the outputs of its children
+               product) and the parent is not the outermost call, also what that code's
+               backward uses: the parent's inputs and parameters and the outputs of its
+               children that no recorded call consumed
 grad_input     the call's grad_output, inputs, outputs and parameters, and the grad_inputs of
                its direct child calls
 param_grad     grad_output (of every backward pass), inputs and outputs of every call of the
@@ -167,12 +168,15 @@ class _Step:
             sources = (self.of(fwd, fmt.OUTPUT)
                        + self.of(sorted(set(after) | set(consumers)), fmt.GRAD_INPUT, occurrence)
                        + self.of((parent,), fmt.GRAD_OUTPUT, occurrence))
-            if consumers:
+            if consumers or self.parent[parent] is None:
                 return sources
             # no recorded call consumed the outputs: the gradient comes back through the
-            # parent's own code, whose backward uses the values its forward did
+            # parent's own code, whose backward uses the values its forward did: the parent's
+            # inputs and weights, and its children's outputs that no recorded call consumed
+            # either (the root's own code, with the loss beyond it, stays as it was)
+            used = [c for c in self.siblings(call) if not self.consumers.get(c)]
             return (sources + self.of((parent,), fmt.INPUT) + self.weights(parent)
-                    + self.of(self.siblings(call), fmt.OUTPUT))
+                    + self.of(used, fmt.OUTPUT))
         if kind == fmt.GRAD_INPUT:
             return (self.of(fwd, fmt.GRAD_OUTPUT, occurrence) + self.of(fwd, fmt.INPUT)
                     + self.of(fwd, fmt.OUTPUT) + self.weights(call)

@@ -11,7 +11,7 @@ import pandas as pd
 from . import format as fmt
 from . import status as st
 from .comparison import INCOMPLETE_STEPS
-from .sources import earlier_sources
+from .sources import earlier_sources, parent_calls
 from .precision import precision_of
 from .verdict import USER_TOLERANCE
 
@@ -51,6 +51,8 @@ class Divergence:
     upstream: pd.DataFrame
     producer: Optional[pd.DataFrame] = None  # output rows of the call that made this input
     aliases: pd.DataFrame = field(default_factory=pd.DataFrame)  # later records of the tensor
+    # (module, class) of the call whose code ran the record's call (None: the root's caller)
+    enclosing: Optional[tuple[str, str]] = None
 
     @property
     def direction(self) -> str:
@@ -58,13 +60,21 @@ class Divergence:
 
     @property
     def parent(self) -> str:
-        module = self.row["module"]
-        op = fmt.split_op(module)
+        """The module whose own code ran this record's call ("<root>": the model's own
+        forward; "": the code calling the model)."""
+        op = fmt.split_op(self.row["module"])
         if op is not None:  # an op: the module whose code ran it
-            return op[0] or "<root>"
-        if not module:
-            return ""  # the root: its parent is whatever code calls the model
-        return module.rsplit(".", 1)[0] if "." in module else "<root>"
+            return op[0] or fmt.ROOT_NAME
+        if self.enclosing is None:
+            return ""
+        return self.enclosing[0] or fmt.ROOT_NAME
+
+    def _ops_hint(self) -> Optional[str]:
+        """The ``ops=`` glob that records the ops of the code that ran this record's call."""
+        if fmt.split_op(self.row["module"]) is not None or self.enclosing is None:
+            return None
+        module, cls = self.enclosing
+        return module or cls  # the root by its class (its key)
 
     def describe(self) -> str:
         r = self.row
@@ -108,9 +118,10 @@ class Divergence:
             origin = f"{self.parent}'s own code" if self.parent else "the code calling the model"
             lines.append(f"  the difference is already in this {r['kind']}: it arose outside any "
                          f"hooked submodule (in {origin}, the loss, or the data)")
-            if op is None and self.parent not in ("", fmt.ROOT_NAME):
+            hint = self._ops_hint()
+            if hint is not None:
                 lines.append(f"  to see which of {self.parent}'s ops: dump both runs again with "
-                             f"HookerAndDumper(..., ops=[{self.parent!r}])")
+                             f"HookerAndDumper(..., ops=[{hint!r}])")
             if self.producer is not None and len(self.producer):
                 p = self.producer.iloc[0]
                 state = ("which matched: the change happened between the two modules"
@@ -266,6 +277,18 @@ def summarize(result: pd.DataFrame) -> Summary:
                    tuple(result.attrs.get(INCOMPLETE_STEPS, ())), undecided)
 
 
+def _enclosing(same_step: pd.DataFrame, row: pd.Series) -> Optional[tuple[str, str]]:
+    """(module, class) of the call that ran ``row``'s call (the enclosing call that ran, not
+    the path's prefix: a ``ModuleList`` never runs), None for the model's own call."""
+    modules = same_step[[fmt.split_op(m) is None for m in same_step["module"]]]
+    calls = modules.drop_duplicates("call")
+    parent = parent_calls(calls).get(int(row["call"]))
+    if parent is None:
+        return None
+    enclosing = calls[calls["call"] == parent].iloc[0]
+    return enclosing["module"], enclosing["cls"]
+
+
 def _diagnose(result: pd.DataFrame, row: pd.Series) -> Divergence:
     same_step = result[(result["epoch"] == row["epoch"]) & (result["step"] == row["step"])
                        & (result["rank"].fillna(-1) == (-1 if pd.isna(row["rank"]) else row["rank"]))]
@@ -279,5 +302,6 @@ def _diagnose(result: pd.DataFrame, row: pd.Series) -> Divergence:
         if row["kind"] == fmt.INPUT and row["producer"] >= 0:
             producer = same_step[(same_step["call"] == row["producer"])
                                  & (same_step["kind"] == fmt.OUTPUT)]
-        return Divergence(row, st.BETWEEN_MODULES, upstream, producer, aliases)
+        return Divergence(row, st.BETWEEN_MODULES, upstream, producer, aliases,
+                          _enclosing(same_step, row))
     return Divergence(row, st.ORIGIN, upstream, aliases=aliases)

@@ -122,7 +122,10 @@ class StepReference:
                              f"{self.injector.reference.path} step {self.label}: reference shape "
                              f"{tuple(ref.shape)} != run shape {tuple(like.shape)}; the runs must "
                              f"have the same model and batch")
-        return torch.empty_like(like).copy_(ref)  # like's dtype, device and strides
+        made = torch.empty_like(like).copy_(ref)  # like's dtype, device and strides
+        # and its class: hooks run with torch-function handling off (dumper.ops.quietly),
+        # where a subclass's own __torch_function__ does not make one of its kind
+        return made if type(made) is type(like) else made.as_subclass(type(like))
 
     def leaf_replacer(self, path: str, call_idx: int, kind: str,
                       made: Optional[dict] = None) -> Callable:

@@ -70,21 +70,16 @@ def op_name(func: Callable) -> str:
 OnOp = Callable[[Any, str, Callable, tuple, dict], Any]
 
 
-_quiet = threading.local()
-
-
 def quietly(fn: Callable) -> Callable:
-    """``fn`` run quietly: what it does on this thread is the dumper's own work (its hooks run
-    inside the forward of a module that records ops), never recorded as the model's ops. Its
-    torch calls bypass torch-function handling altogether: under a mode each torch call of a
-    hook would cost a Python round trip through it (2 us; a third of an op record's cost)."""
+    """``fn`` run quietly: what it does is the dumper's own work (its hooks run inside the
+    forward of a module that records ops), never recorded as the model's ops. Its torch calls
+    bypass torch-function handling altogether, modes and subclasses' ``__torch_function__``
+    alike: under a mode each torch call of a hook would cost a Python round trip through it
+    (2 us; a third of an op record's cost). Tensors it makes for the model keep their
+    subclass by hand (:meth:`dumper.injection.StepReference.tensor`)."""
     def run(*args, **kwargs):
-        _quiet.depth = getattr(_quiet, "depth", 0) + 1
-        try:
-            with torch._C.DisableTorchFunction():
-                return fn(*args, **kwargs)
-        finally:
-            _quiet.depth -= 1
+        with torch._C.DisableTorchFunction():
+            return fn(*args, **kwargs)
     return run
 
 
@@ -135,7 +130,7 @@ class OpMode(TorchFunctionMode):
         kwargs = kwargs or {}
         owners = self._owners()
         owner = owners[-1] if owners else None
-        if owner is None or getattr(_quiet, "depth", 0):
+        if owner is None:
             return func(*args, **kwargs)
         name = op_name(func)
         if not name or name in self._skip or not _has_tensor(args, kwargs):

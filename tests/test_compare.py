@@ -262,3 +262,5 @@ def test_a_gradient_back_through_a_parents_own_code_has_what_that_code_used_as_s
             ("1", "input", 0), ("1.value", "output", 0)} <= of_value
     of_first = {label[j] for j in sources[label.index(("0", "grad_output", 0))]}
     assert ("1", "param", 0) not in of_first  # consumed by a recorded call: its grad_input
+    of_last = {label[j] for j in sources[label.index(("1", "grad_output", 0))]}
+    assert ("", "input", 0) not in of_last  # the root's own code, the loss beyond: as before

@@ -162,6 +162,38 @@ def test_an_error_in_a_modules_own_code_points_to_its_ops(tmp_path):
     assert "to see which" not in first.describe()
 
 
+class _Stack(torch.nn.Module):
+    """Layers in a ModuleList (which never runs itself), a constant in the root's own loop."""
+
+    def __init__(self, factor: float = 1.0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+        self.factor = factor
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            x = x * (self.factor if i == 1 else 1.0)
+        return x
+
+
+def test_the_ops_hint_names_the_code_that_ran_not_a_module_list(tmp_path):
+    """The error is in the root's loop, between layers.1 and layers.2: the hint selects the
+    root (by its class), not ``layers``; dumped so, the op is named."""
+    for name, factor, ops in (("a", 1.0, None), ("b", 1.01, None), ("a-ops", 1.0, ["_Stack"]),
+                              ("b-ops", 1.01, ["_Stack"])):
+        model = _Stack(factor)
+        with HookerAndDumper(tmp_path / name, ops=ops).hooks(model, 0, 0):
+            loss_of(model(torch.ones(2, 4))).backward()
+    result = _h5cmp(tmp_path / "a", tmp_path / "b")
+    assert "module layers.2 (Linear) call 0, input[0]" in result.output, result.output
+    assert ("to see which of <root>'s ops: dump both runs again with HookerAndDumper(..., "
+            "ops=['_Stack'])") in result.output, result.output
+    first = summarize(compare_dumps(tmp_path / "a-ops", tmp_path / "b-ops")).first
+    assert first.row["module"] == "/mul#1", first.row["module"]
+
+
 def _h5cmp(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
