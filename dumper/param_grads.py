@@ -71,6 +71,7 @@ class ParamGrads:
         self._taken.clear()
 
     def remove_hooks(self) -> None:
+        """Remove the accumulation hooks and the optimizer step pre-hook (idempotent)."""
         for handle in self.handles:
             handle.remove()
         self.handles.clear()

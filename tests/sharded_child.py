@@ -7,9 +7,11 @@ block; ``tp-planted``: rank 1's shard of its first layer's output is 1 % off;
 ``tp-replica``: rank 1's input of the block, replicated, is 1 % off), ``ddp``, or
 ``ddp-broken`` (DDP whose gradients are not all-reduced). A data-parallel layout with the
 suffix ``-one-batch`` (``fsdp2-one-batch``) feeds every rank the same batch, as tensor
-parallel does: then it computes what one process computes on that batch. Trains three SGD steps without a dumper, then once per dumper mode, and
-prints one JSON line: per mode, whether losses, outputs and gradients are bit-identical to
-the plain run, and the step files written.
+parallel does: then it computes what one process computes on that batch.
+
+Trains three SGD steps without a dumper, then once per dumper mode, and prints one JSON line:
+per mode, whether losses, outputs and gradients are bit-identical to the plain run, and the
+step files written.
 """
 from __future__ import annotations
 
