@@ -28,7 +28,9 @@ LAST, CHANNEL, POSITION = "last", "channel", "position"
 
 def normalized_sizes(pairs: pd.DataFrame) -> np.ndarray:
     """Per row of ``pairs`` (columns ``module, kind, index, shape_a``): the parameter length
-    ``C`` of the normalization the row is the first input of, else 0. A normalization is a
+    ``C`` of the normalization the row is the first input or the first incoming gradient of,
+    else 0 (backward, a normalization removes each group's mean of the gradient, and its
+    projection on the normalized input). A normalization is a
     module whose parameters (one row each in the dump) are all of one dimension and one
     length: LayerNorm, RMSNorm, BatchNorm, GroupNorm (not a Linear: its weight has two)."""
     params = pairs[pairs["kind"] == fmt.PARAM]
@@ -37,8 +39,8 @@ def normalized_sizes(pairs: pd.DataFrame) -> np.ndarray:
         known = [s for s in shapes if isinstance(s, tuple)]
         if known and all(len(s) == 1 for s in known) and len({s[0] for s in known}) == 1:
             sizes[module] = known[0][0]
-    first_inputs = (pairs["kind"] == fmt.INPUT) & (pairs["index"] == 0)
-    return np.where(first_inputs, pairs["module"].map(sizes).fillna(0), 0).astype(np.int64)
+    first = pairs["kind"].isin([fmt.INPUT, fmt.GRAD_OUTPUT]) & (pairs["index"] == 0)
+    return np.where(first, pairs["module"].map(sizes).fillna(0), 0).astype(np.int64)
 
 
 def groupings(shape: tuple[int, ...], size: int) -> tuple[str, ...]:

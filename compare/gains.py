@@ -1,9 +1,9 @@
-"""How much a module's weight matrix amplifies an error it receives, from the dump's figures.
+"""How much a module call amplifies an error it receives, from the dump's figures.
 
-A linear map ``y = W x`` (a Linear, a convolution of any groups, GPT-2's Conv1D) sends an
-input error ``d`` of independent elements to ``W d`` with ``E ||W d||² = P ||W||_F² rms(d)²``
-over ``P = numel(y) / n_out`` output positions, while ``||y||² = P n_out rms(y)²``. So the
-relative error grows by
+**Weight matrices.** A linear map ``y = W x`` (a Linear, a convolution of any groups, GPT-2's
+Conv1D) sends an input error ``d`` of independent elements to ``W d`` with
+``E ||W d||² = P ||W||_F² rms(d)²`` over ``P = numel(y) / n_out`` output positions, while
+``||y||² = P n_out rms(y)²``. So the relative error grows by
 
     forward:   ||W||_F rms(x)  / (sqrt(n_out) rms(y))
     backward:  ||W||_F rms(gy) / (sqrt(n_in) rms(gx)),  n_in = numel(x) n_out / numel(y)
@@ -13,15 +13,33 @@ input's amplified this way is no news, however few records of its class calibrat
 (a classifier head is one of a kind). Figures: A's root mean squares (``rms_a``) of the call's
 first input and output (their gradients backward) and A's weight norm (``rms_a`` times the
 square root of its element count, values or statistics).
+
+**Any call with one input, backward from forward.** A call's backward multiplies the gradient
+by the transpose of the Jacobian ``J`` its forward has at that input, and ``||J^T||_F =
+||J||_F``. An input error ``dx`` of independent elements becomes ``J dx`` with ``||J dx|| ≈
+||J||_F ||dx|| / sqrt(numel(x))``; a gradient error ``dgy`` becomes ``J^T dgy`` with
+``||J^T dgy|| ≈ ||J||_F ||dgy|| / sqrt(numel(y))``. So the forward pass of the same call
+measures the backward's gain: with ``||dy||`` the output's error that its input's explains,
+
+    backward:  (||dy|| / ||dx||) · rms(gy) / rms(gx)
+
+A normalization fed few elements per group cancels most of its gradient (``g`` less its mean
+and its projection on the normalized input), and this gain is then large where its class's is
+not. ``||dy||`` is the output's error less the rounding comparable outputs add (``level``), in
+quadrature; where the call's weights differ between the runs they explain part of it too, and
+no gain is taken. The input's error must be measured (values or statistics) and not zero.
 """
 from __future__ import annotations
 
 import math
+from typing import Iterator
 
 import numpy as np
 import pandas as pd
 
 from . import format as fmt
+
+_FIRST = {(fmt.INPUT, 0), (fmt.OUTPUT, 0), (fmt.GRAD_INPUT, 0), (fmt.GRAD_OUTPUT, 0)}
 
 
 def _weight(params: pd.DataFrame) -> tuple[float, tuple] | None:
@@ -42,22 +60,32 @@ def _outputs(weight_shape: tuple, out_shape: tuple) -> int:
     return second if out_shape and out_shape[-1] == second else 0
 
 
+def _calls(rows: pd.DataFrame) -> Iterator[tuple[str, pd.DataFrame, dict]]:
+    """Per module call: its module, its rows, and its first input, output and gradients by
+    ``(kind, index)``."""
+    for (_, _, _, module, _), call in rows.groupby(
+            ["epoch", "step", "rank", "module", "call_idx"], sort=False):
+        yield module, call, {(k, i): r for k, i, r in zip(call["kind"], call["index"],
+                                                          call.itertuples()) if (k, i) in _FIRST}
+
+
+def _positioned(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame.assign(pos=np.arange(len(frame)), rank=frame["rank"].fillna(-1))
+
+
 def linear_gains(frame: pd.DataFrame) -> np.ndarray:
-    """Per row, the amplification above for the output (forward) and the grad_input of a call
-    of a module owning a weight of two or more dimensions; NaN elsewhere."""
+    """Per row, the weight-matrix amplification above for the output (forward) and the
+    grad_input of a call of a module owning a weight of two or more dimensions; NaN
+    elsewhere."""
     out = np.full(len(frame), np.nan)
-    rows = frame.assign(pos=np.arange(len(frame)), rank=frame["rank"].fillna(-1))
+    rows = _positioned(frame)
     params = rows[rows["kind"] == fmt.PARAM]
     weights = {m: _weight(p) for m, p in params.groupby("module", sort=False)}
-    first = {(fmt.INPUT, 0), (fmt.OUTPUT, 0), (fmt.GRAD_INPUT, 0), (fmt.GRAD_OUTPUT, 0)}
-    for (_, _, _, module, call_idx), call in rows.groupby(
-            ["epoch", "step", "rank", "module", "call_idx"], sort=False):
+    for module, _, by_kind in _calls(rows):
         weight = weights.get(module)
         if weight is None:
             continue
         norm, shape = weight
-        by_kind = {(k, i): r for k, i, r in zip(call["kind"], call["index"],
-                                                 call.itertuples()) if (k, i) in first}
         x, y = by_kind.get((fmt.INPUT, 0)), by_kind.get((fmt.OUTPUT, 0))
         if x is None or y is None or not isinstance(y.shape_a, tuple):
             continue
@@ -69,4 +97,27 @@ def linear_gains(frame: pd.DataFrame) -> np.ndarray:
         if gy is not None and gx is not None and gx.rms_a > 0 and y.numel > 0:
             n_in = x.numel * n_out / y.numel
             out[gx.pos] = norm * gy.rms_a / (math.sqrt(n_in) * gx.rms_a)
+    return out
+
+
+def adjoint_gains(frame: pd.DataFrame, err: np.ndarray, level: np.ndarray,
+                  drifted: np.ndarray) -> np.ndarray:
+    """Per row, the backward gain above for the grad_input[0] of a call with one input record
+    and an output, from its forward's errors (``err``: each row's relative error; ``level``:
+    the added error expected of it; ``drifted``: weights that differ between the runs); NaN
+    elsewhere."""
+    out = np.full(len(frame), np.nan)
+    rows = _positioned(frame)
+    moved = set(rows["module"][drifted & (rows["kind"] == fmt.PARAM).to_numpy()])
+    for module, call, by_kind in _calls(rows):
+        x, y = by_kind.get((fmt.INPUT, 0)), by_kind.get((fmt.OUTPUT, 0))
+        gy, gx = by_kind.get((fmt.GRAD_OUTPUT, 0)), by_kind.get((fmt.GRAD_INPUT, 0))
+        if (x is None or y is None or gy is None or gx is None or module in moved
+                or int((call["kind"] == fmt.INPUT).sum()) != 1):
+            continue
+        dx = err[x.pos] * x.rms_a * math.sqrt(x.numel)
+        dy = math.sqrt(max(err[y.pos] ** 2 - level[y.pos] ** 2, 0.0)) * y.rms_a * math.sqrt(
+            y.numel)
+        if dx > 0 and math.isfinite(dx) and math.isfinite(dy) and gx.rms_a > 0:
+            out[gx.pos] = dy / dx * gy.rms_a / gx.rms_a
     return out

@@ -5,10 +5,12 @@ known by their statistics, an estimate from them). Its *input error* combines th
 records it is computed from (:mod:`compare.sources`, earlier in execution order): the largest
 of the data it receives and ``WEIGHT_GAIN`` times the largest of its weights, in quadrature
 (independent errors: weights drifted in earlier steps, data in this one; several sources of
-data often carry one upstream error, which counts once), and for a gradient sent back, what decisions on its call's
-inputs explain (``sqrt`` of four times the share of an input positive on one side only: a ReLU
-passes those gradients in one run only). Its *added error* is what it carries beyond that,
-``sqrt(max(rel_error² - input_error², 0))``.
+data often carry one upstream error, which counts once), and for a gradient sent back, what
+decisions on its call's inputs explain (``sqrt`` of four times the share of an input positive
+on one side only: a ReLU passes those gradients in one run only). A normalization's input,
+and its incoming gradient, count with their error after centering (:mod:`compare.centering`);
+a sum that cancels, with its terms' absolute errors (:mod:`compare.sums`). Its *added error*
+is what it carries beyond that, ``sqrt(max(rel_error² - input_error², 0))``.
 
 The *expected* added error of a record is calibrated from the dump (:mod:`compare.calibration`):
 what comparable records typically add, at least one rounding of the lower precision involved
@@ -18,9 +20,11 @@ A record is
 
 - ``DIFF`` when ``rel_error > sqrt((gain * input_error)² + (SPREAD * expected)²)``: more than
   its inputs' error, amplified as comparable records amplify theirs (``gain``: calibrated
-  between ``GAIN`` and ``MAX_GAIN``; at least ``EXACT_GAIN`` where no added error is expected,
-  and downstream of a failing record, whose consequences are only news when they more than
-  double; ``STATS_GAIN`` times more for records judged from statistics);
+  between ``GAIN`` and ``MAX_GAIN``, or what the call's weight matrix or its own forward pass
+  shows, :mod:`compare.gains`, if more; at least ``EXACT_GAIN`` where no added error is
+  expected, and downstream of a failing record, whose consequences are only news when they
+  more than double; ``STATS_GAIN`` times more for records judged from statistics; with room
+  for errors spread over few elements, ``SAMPLING_SPREADS``);
 - ``inherited`` when not, but it carries an error from a failing (or inherited) source beyond
   what it would carry from healthy sources;
 - ``close`` otherwise, ``equal`` when bit-identical.
@@ -51,12 +55,13 @@ import pandas as pd
 
 from . import format as fmt
 from . import status as st
-from .calibration import EXACT_GAIN, EXACT_LABEL, Expectation, calibrate
+from .calibration import EXACT_GAIN, EXACT_LABEL, GAIN, Expectation, calibrate
 from .precision import precision_of, rounding_of
-from .gains import linear_gains
+from .gains import adjoint_gains, linear_gains
 from .scale import added_scale, scale_noise
 from .scale import describe as describe_scale
 from .sources import STEP_KEY, earlier_sources
+from .sums import CallRows, cancelled
 
 # Errors estimated from statistics (min, max: single elements) scatter around the true one by
 # a few times: records judged from them get this much more room.
@@ -65,8 +70,15 @@ SPREAD = 6.0    # how far above the typical added error of comparable records on
 LAST_BITS = 4.0  # units of rounding that differ in the last bits where no error is expected
 # (x - mean) / std: an error d moves x - mean by |d_c| and std by at most as much, relatively
 NORMALIZATION_GAIN = 2.0
+# its backward, gx = (w / std) (g - mean(g) - x_hat mean(g x_hat)), depends on the input
+# through the spread once and through the normalized values twice
+BACKWARD_NORMALIZATION_GAIN = 3.0
 LINEAR_MARGIN = 1.3  # the random-error gain of a weight matrix is met within 15 % (tuning set)
-CANCELLATION = 100.0  # a gradient this much smaller than the sum of its terms' scale cancels
+# A relative error is a norm over the elements that carry it: where few do, what a record
+# passes on of its inputs' error is a ratio of a few random numbers. The norm of n independent
+# errors spreads by 1/sqrt(2 n) of itself; gains get this many such spreads more room, with n
+# the elements the record's error is spread over, at least ||d||² / max|d|².
+SAMPLING_SPREADS = 3.0
 DECIDING_SHARE = 0.25  # least share of an input a ReLU-like decision passes gradients for
 # Weights drift in training along the data (a gradient is an outer product of the data), so the
 # error a drift makes in a module's output can exceed the drift's share of the weights: up to
@@ -175,14 +187,16 @@ class _Records:
         self.given = np.where(self.replaced, cast, np.where(
             self.params, err * WEIGHT_GAIN * np.where(self.from_stats, STATS_GAIN, 1), data))
         self.err_in = np.array([self.combined(self.given, s) for s in self.sources])
-        self.err_in = np.fmax(np.hypot(self.err_in, self._decided(frame)),
-                              self._cancelled(frame))
+        self.err_in = np.fmax.reduce([np.hypot(self.err_in, self._decided(frame)),
+                                      self._normalized_backward(frame),
+                                      cancelled(frame, self.sources, self.first, self.given)])
         with np.errstate(invalid="ignore"):  # inf - inf: a non-finite record, judged apart
             self.added = np.sqrt(np.clip(err ** 2 - self.err_in ** 2, 0.0, None))
         self.added[np.isnan(self.added)] = np.inf
         self.linear_gain = linear_gains(frame)
         self.scale_added = added_scale(frame, self.sources, self.replaced)
         self.scale_noise = scale_noise(frame, self.sources, err, self.err_in)
+        self.sampling = self._sampling(frame)
         self.weight_status = self._weight_statuses()
         self.unbounded = self._unbounded()
 
@@ -210,23 +224,27 @@ class _Records:
             out[i] = math.sqrt(flips[s].max() / DECIDING_SHARE) if len(s) else 0.0
         return out
 
-    def _cancelled(self, frame: pd.DataFrame) -> np.ndarray:
-        """For a gradient summed from a far larger incoming one (a convolution's bias before a
-        BatchNorm, zero but for rounding): the incoming gradient's error at its own scale,
-        ``err_j · rms_j · sqrt(n_j / n) / rms``, where that scale is ``CANCELLATION`` times
-        the record's or more: a sum that cancels keeps its terms' absolute error."""
-        rms = frame["rms_a"].to_numpy(float)
-        numel = frame["numel"].to_numpy(float)
-        incoming = (frame["kind"] == fmt.GRAD_OUTPUT).to_numpy()
+    def _sampling(self, frame: pd.DataFrame) -> np.ndarray:
+        """Per row, the room a gain gets for the few elements its error may be spread over:
+        ``1 + SAMPLING_SPREADS / sqrt(2 n)``, ``n = ||d||² / max|d|²`` (1 where not known)."""
+        spread = self.err * frame["rms_a"].to_numpy(float) * np.sqrt(
+            frame["numel"].to_numpy(float))
+        peak = frame["max_abs_err"].to_numpy(float)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            elements = (spread / peak) ** 2
+        room = 1.0 + SAMPLING_SPREADS / np.sqrt(2.0 * elements)
+        return np.where(np.isfinite(room) & (elements >= 1.0), room, 1.0)
+
+    def _normalized_backward(self, frame: pd.DataFrame) -> np.ndarray:
+        """For a normalization's grad_input, ``BACKWARD_NORMALIZATION_GAIN`` times the centered
+        error of the call's input (where the dump gives it)."""
+        centered = np.nan_to_num(frame["centered_rel_err"].to_numpy(float), nan=0.0)
+        rows = CallRows(frame)
         out = np.zeros(self.n)
-        for i in np.flatnonzero(frame["kind"].isin([fmt.GRAD_INPUT, fmt.PARAM_GRAD]).to_numpy()):
-            s = self.sources[i][incoming[self.sources[i]]]
-            if not len(s) or not rms[i] > 0 or not numel[i] > 0:
-                continue
-            ratio = rms[s] * np.sqrt(numel[s] / numel[i]) / rms[i]
-            big = ratio >= CANCELLATION
-            if big.any():
-                out[i] = float(np.max(ratio[big] * self.given[s][big]))
+        for i in np.flatnonzero((frame["kind"] == fmt.GRAD_INPUT).to_numpy()):
+            x = rows.of_call(i, fmt.INPUT)
+            if x is not None:
+                out[i] = BACKWARD_NORMALIZATION_GAIN * centered[x]
         return out
 
     def combined(self, errors: np.ndarray, rows: np.ndarray) -> float:
@@ -286,6 +304,8 @@ class _Judgement:
     def __init__(self, records: _Records, expected: Expectation):
         self.r, self.expected = records, expected
         n = records.n
+        self.adjoint_gain = adjoint_gains(records.frame, records.err, expected.level,
+                                          records.weight_status == st.INHERITED)
         self.status = records.weight_status.copy()
         self.healthy = records.err.copy()  # the error a record would carry from healthy sources
         self.tainted = np.zeros(n, bool)     # carries an error from a failing or inherited source
@@ -375,11 +395,14 @@ class _Judgement:
         return st.INHERITED if self.tainted[i] and r.err[i] > envelope else st.CLOSE
 
     def gain(self, i: int) -> float:
-        """The calibrated gain, or what the module's weight matrix gives a random error
-        (:mod:`compare.gains`), with ``LINEAR_MARGIN``, if that is more."""
-        linear = self.r.linear_gain[i]
-        calibrated = self.expected.gain[i]
-        return max(calibrated, LINEAR_MARGIN * linear) if math.isfinite(linear) else calibrated
+        """The calibrated gain, or what the module's weight matrix gives a random error, with
+        ``LINEAR_MARGIN``, or what its forward pass shows its backward gives one, with a
+        calibrated gain's margin (:mod:`compare.gains`), if either is more; with the room
+        for an error spread over few elements (``_Records._sampling``)."""
+        linear, adjoint = self.r.linear_gain[i], self.adjoint_gain[i]
+        return self.r.sampling[i] * max(self.expected.gain[i],
+                                        LINEAR_MARGIN * linear if math.isfinite(linear) else 0.0,
+                                        GAIN * adjoint if math.isfinite(adjoint) else 0.0)
 
     def _scale_moves(self, i: int, level: float) -> bool:
         """The scale test (:mod:`compare.scale`): backward records only, where the sources'

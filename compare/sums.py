@@ -1,0 +1,102 @@
+"""Sums that cancel: a record made by adding up terms keeps their absolute errors.
+
+A sum much smaller than its terms (a residual block whose branch nearly undoes its input, a
+convolution's bias gradient before a BatchNorm, zero but for rounding) carries the terms'
+errors at the terms' scale, which is many times its own relative error: a term of relative
+error ``err_j`` and scale ``rms_j`` (over ``n_j`` elements) gives a record of scale ``rms``
+(over ``n``) the relative error ``err_j · rms_j · sqrt(n_j / n) / rms``. Taken as sums:
+
+- a gradient with an incoming one ``CANCELLATION`` times its scale or more (the largest such
+  term counts);
+- what a module call's own code adds up, where a child's result is among the terms and all
+  are of the record's size (independent errors, in quadrature): forward, the call's output
+  from its inputs and the outputs of its children that no recorded call consumed (``x +
+  mlp(x)``); backward, the grad_input of an input that children take too, from the call's
+  incoming gradient and each such child's grad_input.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from . import format as fmt
+from .sources import STEP_KEY
+
+CANCELLATION = 100.0  # a gradient this much smaller than the sum of its terms' scale cancels
+
+
+class CallRows:
+    """The rows of a comparison by ``(epoch, step, rank, call, kind, index)`` (rank -1 when
+    not distributed): which record of which call each row is."""
+
+    def __init__(self, frame: pd.DataFrame):
+        columns = [frame[c] for c in STEP_KEY[:2]]
+        self.keys = list(zip(*columns, frame["rank"].fillna(-1), frame["call"], frame["kind"],
+                             frame["index"]))
+        self._row = {k: i for i, k in enumerate(self.keys)}
+
+    def of_call(self, i: int, kind: str) -> int | None:
+        """The row of kind ``kind`` (same index) of row ``i``'s call, if recorded."""
+        return self._row.get((*self.keys[i][:4], kind, self.keys[i][5]))
+
+
+def cancelled(frame: pd.DataFrame, sources: list[np.ndarray], same: np.ndarray,
+              given: np.ndarray) -> np.ndarray:
+    """Per row, the relative error its terms' errors ``given`` give it where it is a sum of
+    them (see the module docstring), else 0. ``sources``: each row's source rows; ``same``:
+    each row's first row of the same tensor."""
+    rms = frame["rms_a"].to_numpy(float)
+    numel = frame["numel"].to_numpy(float)
+    kind = frame["kind"].to_numpy(object)
+    incoming = kind == fmt.GRAD_OUTPUT
+    out = np.zeros(len(frame))
+    for i in np.flatnonzero(np.isin(kind, [fmt.GRAD_INPUT, fmt.PARAM_GRAD])):
+        s = sources[i][incoming[sources[i]]]
+        if not len(s) or not rms[i] > 0 or not numel[i] > 0:
+            continue
+        at_scale = rms[s] * np.sqrt(numel[s] / numel[i]) / rms[i]
+        big = at_scale >= CANCELLATION
+        if big.any():
+            out[i] = float(np.max(at_scale[big] * given[s][big]))
+    for i, terms in summed_terms(frame, sources, same).items():
+        if rms[i] > 0:
+            out[i] = max(out[i], float(np.hypot.reduce(rms[terms] * given[terms])) / rms[i])
+    return out
+
+
+def summed_terms(frame: pd.DataFrame, sources: list[np.ndarray], same: np.ndarray
+                 ) -> dict[int, np.ndarray]:
+    """Per output or grad_input that a call's own code may add up, its terms (the module
+    docstring's second case)."""
+    rows = CallRows(frame)
+    key = rows.keys
+    module = frame["module"].to_numpy(object)
+    numel = frame["numel"].to_numpy(float)
+    consumed = {(*k[:3], p) for k, p in zip(key, frame["producer"]) if k[4] == fmt.INPUT}
+
+    def child(j: int, i: int) -> bool:
+        return module[j] != module[i] and module[j].startswith(
+            f"{module[i]}." if module[i] else "")
+
+    def took(j: int, x: int) -> bool:  # j's call took the tensor of input row x
+        own_input = rows.of_call(j, fmt.INPUT)
+        return own_input is not None and same[own_input] == same[x]
+
+    out = {}
+    for i in np.flatnonzero(frame["kind"].isin([fmt.OUTPUT, fmt.GRAD_INPUT]).to_numpy()):
+        s = sources[i][numel[sources[i]] == numel[i]]
+        call = key[i][3]
+        if key[i][4] == fmt.OUTPUT:
+            own = [j for j in s if key[j][4] == fmt.INPUT and key[j][3] == call]
+            children = [j for j in s if key[j][4] == fmt.OUTPUT and child(j, i)
+                        and key[j][:4] not in consumed]
+        else:
+            x = rows.of_call(i, fmt.INPUT)
+            if x is None:
+                continue
+            own = [j for j in s if key[j][4] == fmt.GRAD_OUTPUT and key[j][3] == call]
+            children = [j for j in s if key[j][4] == fmt.GRAD_INPUT and child(j, i)
+                        and took(j, x)]
+        if children and len(own) + len(children) >= 2:
+            out[i] = np.array(own + children)
+    return out
