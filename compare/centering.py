@@ -5,7 +5,9 @@ group's mean before it divides by the spread, so an input error that is small ag
 input's values can be large against what is left after centering: a residual stream of mean
 30 and spread 1 amplifies a relative error 30 times. What a normalization passes on is the
 *centered* relative error ``||d_c|| / ||a_c||`` (``d = b - a``, ``_c``: each group's mean
-removed), which the dump's values give exactly, without running the module.
+removed), which the dump's values give exactly, without running the module; or, where more,
+the root mean square of each group's own: every group is divided by its own spread, so one
+of little spread passes on its error as much as any other.
 
 Which elements form a group follows from the module's parameter length ``C`` and its input's
 shape: over the last dimension when it is ``C`` (LayerNorm, RMSNorm, which does not center
@@ -70,6 +72,8 @@ class _Grouping:
         self.size = numel // max(groups, 1)  # elements per group
         self.sum_a = np.zeros(groups)
         self.sum_d = np.zeros(groups)
+        self.squares_a = np.zeros(groups)
+        self.squares_d = np.zeros(groups)
 
     def ids(self, offset: int, n: int) -> np.ndarray:
         i = np.arange(offset, offset + n, dtype=np.int64)
@@ -83,17 +87,26 @@ class _Grouping:
         ids = self.ids(offset, a.size)
         groups = self.sum_a.size
         self.sum_a += np.bincount(ids, weights=a, minlength=groups)
+        self.squares_a += np.bincount(ids, weights=a * a, minlength=groups)
         if d is not None:
             self.sum_d += np.bincount(ids, weights=d, minlength=groups)
+            self.squares_d += np.bincount(ids, weights=d * d, minlength=groups)
 
     def centered_rel_error(self, ssa: float, ssd: float) -> float:
+        """The centered error over all groups, or the root mean square of each group's where
+        that is more (a normalization divides each group by its own spread: a group of little
+        spread weighs as much as any in what it passes on)."""
         if self.size == 0 or self.sum_a.size == 0:  # an empty input: nothing to normalize
             return 0.0
         spread = ssa - float(np.dot(self.sum_a, self.sum_a)) / self.size
         error = max(ssd - float(np.dot(self.sum_d, self.sum_d)) / self.size, 0.0)
         if spread <= ssa * 1e-15:  # constant within its groups: nothing left to normalize
             return 0.0 if error == 0 else math.inf
-        return math.sqrt(error / spread)
+        spreads = self.squares_a - self.sum_a ** 2 / self.size
+        errors = np.maximum(self.squares_d - self.sum_d ** 2 / self.size, 0.0)
+        varied = spreads > self.squares_a * 1e-12  # groups that are not constant
+        per_group = float(np.mean(errors[varied] / spreads[varied])) if varied.any() else 0.0
+        return math.sqrt(max(error / spread, per_group))
 
 
 class Centering:

@@ -8,7 +8,15 @@ Conv1D) sends an input error ``d`` of independent elements to ``W d`` with
     forward:   ||W||_F rms(x)  / (sqrt(n_out) rms(y))
     backward:  ||W||_F rms(gy) / (sqrt(n_in) rms(gx)),  n_in = numel(x) n_out / numel(y)
 
-(``gx = W^T gy``). Rounding errors are close to independent; a record whose error is its
+(``gx = W^T gy``). The weight's gradient ``dW = sum_p gy_p x_p^T`` over the positions
+takes an error of independent elements in ``gy`` to ``E ||dgy^T X||² = n_out rms(dgy)²
+||X||_F²``, and one in ``x`` likewise, so
+
+    weight gradient:  rms(gy) rms(x) sqrt(P) / rms(dW)
+    bias gradient:    rms(gy) sqrt(P) / rms(db)      (db = sum_p gy_p)
+
+which are large where the positions' contributions cancel (a batch of two whose gradients
+are opposite; a bias before a BatchNorm, whose gradient is zero but for rounding). Rounding errors are close to independent; a record whose error is its
 input's amplified this way is no news, however few records of its class calibrate a gain
 (a classifier head is one of a kind). Figures: A's root mean squares (``rms_a``) of the call's
 first input and output (their gradients backward) and A's weight norm (``rms_a`` times the
@@ -39,15 +47,17 @@ import pandas as pd
 
 from . import format as fmt
 
+_CALL = ["epoch", "step", "rank"]
 _FIRST = {(fmt.INPUT, 0), (fmt.OUTPUT, 0), (fmt.GRAD_INPUT, 0), (fmt.GRAD_OUTPUT, 0)}
 
 
-def _weight(params: pd.DataFrame) -> tuple[float, tuple] | None:
-    """Norm and shape of a call's first parameter of two or more dimensions."""
+def _weight(params: pd.DataFrame) -> tuple[float, tuple, int] | None:
+    """Norm, shape and parameter index of a call's first parameter of two or more
+    dimensions."""
     for r in params.itertuples():
         shape = r.shape_a if isinstance(r.shape_a, tuple) else r.shape_b
         if isinstance(shape, tuple) and len(shape) >= 2 and r.rms_a == r.rms_a:
-            return float(r.rms_a) * math.sqrt(math.prod(shape)), shape
+            return float(r.rms_a) * math.sqrt(math.prod(shape)), shape, int(r.index)
     return None
 
 
@@ -60,13 +70,13 @@ def _outputs(weight_shape: tuple, out_shape: tuple) -> int:
     return second if out_shape and out_shape[-1] == second else 0
 
 
-def _calls(rows: pd.DataFrame) -> Iterator[tuple[str, pd.DataFrame, dict]]:
-    """Per module call: its module, its rows, and its first input, output and gradients by
-    ``(kind, index)``."""
-    for (_, _, _, module, _), call in rows.groupby(
-            ["epoch", "step", "rank", "module", "call_idx"], sort=False):
-        yield module, call, {(k, i): r for k, i, r in zip(call["kind"], call["index"],
-                                                          call.itertuples()) if (k, i) in _FIRST}
+def _calls(rows: pd.DataFrame) -> Iterator[tuple[tuple, str, pd.DataFrame, dict]]:
+    """Per module call: its step key ``(epoch, step, rank)``, its module, its rows, and its
+    first input, output and gradients by ``(kind, index)``."""
+    for (*step, module, _), call in rows.groupby([*_CALL, "module", "call_idx"], sort=False):
+        yield tuple(step), module, call, {
+            (k, i): r for k, i, r in zip(call["kind"], call["index"], call.itertuples())
+            if (k, i) in _FIRST}
 
 
 def _positioned(frame: pd.DataFrame) -> pd.DataFrame:
@@ -74,18 +84,26 @@ def _positioned(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def linear_gains(frame: pd.DataFrame) -> np.ndarray:
-    """Per row, the weight-matrix amplification above for the output (forward) and the
-    grad_input of a call of a module owning a weight of two or more dimensions; NaN
-    elsewhere."""
+    """Per row, the weight-matrix amplification above for the output (forward), the
+    grad_input and the weight's and bias's gradients of a call of a module owning a weight of
+    two or more dimensions; NaN elsewhere."""
     out = np.full(len(frame), np.nan)
     rows = _positioned(frame)
     params = rows[rows["kind"] == fmt.PARAM]
     weights = {m: _weight(p) for m, p in params.groupby("module", sort=False)}
-    for module, _, by_kind in _calls(rows):
+    shapes = {m: dict(zip(p["index"], p["shape_a"])) for m, p in params.groupby("module")}
+    rms = frame["rms_a"].to_numpy(float)
+    # per step: how many calls each module made, and the rows of its parameters' gradients
+    calls = rows.drop_duplicates([*_CALL, "module", "call_idx"]).groupby(
+        [*_CALL, "module"]).size().to_dict()
+    grads = {tuple(k): pos for *k, pos in rows.loc[
+        rows["kind"] == fmt.PARAM_GRAD, [*_CALL, "module", "index", "pos"]].itertuples(
+            index=False)}
+    for step, module, _, by_kind in _calls(rows):
         weight = weights.get(module)
         if weight is None:
             continue
-        norm, shape = weight
+        norm, shape, index = weight
         x, y = by_kind.get((fmt.INPUT, 0)), by_kind.get((fmt.OUTPUT, 0))
         if x is None or y is None or not isinstance(y.shape_a, tuple):
             continue
@@ -97,6 +115,15 @@ def linear_gains(frame: pd.DataFrame) -> np.ndarray:
         if gy is not None and gx is not None and gx.rms_a > 0 and y.numel > 0:
             n_in = x.numel * n_out / y.numel
             out[gx.pos] = norm * gy.rms_a / (math.sqrt(n_in) * gx.rms_a)
+        if gy is None or calls[(*step, module)] != 1:  # several calls' gradients add up
+            continue
+        positions = gy.numel / n_out
+        for i, param_shape in shapes[module].items():
+            dw = grads.get((*step, module, i))
+            is_weight, is_bias = i == index, param_shape == (n_out,)
+            if dw is not None and rms[dw] > 0 and (is_weight or is_bias):
+                out[dw] = (gy.rms_a * (x.rms_a if is_weight else 1.0) * math.sqrt(positions)
+                           / rms[dw])
     return out
 
 
@@ -109,7 +136,7 @@ def adjoint_gains(frame: pd.DataFrame, err: np.ndarray, level: np.ndarray,
     out = np.full(len(frame), np.nan)
     rows = _positioned(frame)
     moved = set(rows["module"][drifted & (rows["kind"] == fmt.PARAM).to_numpy()])
-    for module, call, by_kind in _calls(rows):
+    for _, module, call, by_kind in _calls(rows):
         x, y = by_kind.get((fmt.INPUT, 0)), by_kind.get((fmt.OUTPUT, 0))
         gy, gx = by_kind.get((fmt.GRAD_OUTPUT, 0)), by_kind.get((fmt.GRAD_INPUT, 0))
         if (x is None or y is None or gy is None or gx is None or module in moved
