@@ -146,7 +146,8 @@ class ErrorAccumulator:
             if n == 0:
                 return
             sums = (_dot(wa, wa), _dot(wb, wb), _dot(wb, wa))
-        self._add_finite(wa, wb, ws, n, sums, offset)
+        with np.errstate(over="ignore"):  # values near float64's limit (masks filled with its
+            self._add_finite(wa, wb, ws, n, sums, offset)  # minimum) sum to infinity
 
     def _add_exact_integers(self, a: np.ndarray, b: np.ndarray) -> None:
         """Integers float64 cannot hold exactly (beyond 2**53): the differences in Python

@@ -227,10 +227,10 @@ class _Records:
     def _sampling(self, frame: pd.DataFrame) -> np.ndarray:
         """Per row, the room a gain gets for the few elements its error may be spread over:
         ``1 + SAMPLING_SPREADS / sqrt(2 n)``, ``n = ||d||² / max|d|²`` (1 where not known)."""
-        spread = self.err * frame["rms_a"].to_numpy(float) * np.sqrt(
-            frame["numel"].to_numpy(float))
         peak = frame["max_abs_err"].to_numpy(float)
-        with np.errstate(divide="ignore", invalid="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            spread = self.err * frame["rms_a"].to_numpy(float) * np.sqrt(
+                frame["numel"].to_numpy(float))
             elements = (spread / peak) ** 2
         room = 1.0 + SAMPLING_SPREADS / np.sqrt(2.0 * elements)
         return np.where(np.isfinite(room) & (elements >= 1.0), room, 1.0)

@@ -6,7 +6,9 @@ the replacement helpers put them in place:
 
 - ``input``: a module call's tensor arguments are replaced before the module runs (exactly the
   reference's values after the cast to the run's dtype; the gradient passes through to the
-  tensor that arrived, unchanged);
+  tensor that arrived, unchanged). A finite value beyond the run's dtype's range becomes its
+  largest finite value of that sign, not an infinity: an attention mask filled with
+  float64's minimum becomes one filled with float32's, as the run fills its own;
 - ``param``: the module's own parameters are the reference's values for the call (the
   reference must have been dumped with ``params=True``), restored when the call returns; their
   gradients still accumulate into the run's parameters;
@@ -58,6 +60,16 @@ class _StraightThrough(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+def _within_range_of(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``ref`` with its finite values clamped to ``dtype``'s finite range where ``dtype`` is a
+    floating dtype narrower than ``ref``'s (infinities and NaN stay)."""
+    if not (ref.is_floating_point() and dtype.is_floating_point) or \
+            torch.finfo(dtype).max >= torch.finfo(ref.dtype).max:
+        return ref
+    limit = torch.finfo(dtype).max
+    return torch.where(torch.isfinite(ref), ref.clamp(-limit, limit), ref)
 
 
 def replaced(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -122,7 +134,8 @@ class StepReference:
                              f"{self.injector.reference.path} step {self.label}: reference shape "
                              f"{tuple(ref.shape)} != run shape {tuple(like.shape)}; the runs must "
                              f"have the same model and batch")
-        made = torch.empty_like(like).copy_(ref)  # like's dtype, device and strides
+        made = torch.empty_like(like).copy_(_within_range_of(ref, like.dtype))
+        # (like's dtype, device and strides)
         # and its class: hooks run with torch-function handling off (dumper.ops.quietly),
         # where a subclass's own __torch_function__ does not make one of its kind
         return made if type(made) is type(like) else made.as_subclass(type(like))

@@ -199,3 +199,53 @@ def test_a_dumper_refuses_kinds_it_cannot_record_first(tmp_path):
     run_step("mlp", "float32", tmp_path / "a", dumper_options={"params": True})
     with pytest.raises(ValueError, match="is for Injector.register, without a dumper"):
         HookerAndDumper(tmp_path / "b", inject=Injector(tmp_path / "a", kinds=["output"]))
+
+
+class MaskedScores(nn.Module):
+    """Scores plus an additive mask filled, as Hugging Face models fill theirs, with the
+    minimum of the dtype the model runs in."""
+
+    def forward(self, scores, mask):
+        return torch.softmax(scores + mask, dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.attend = MaskedScores()
+
+    def forward(self, x, mask):
+        return self.attend(self.proj(x), mask)
+
+
+class WithMask(nn.Module):
+    """The mask is made once and handed down through a block, as in a decoder."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, x):
+        mask = torch.zeros(x.shape[0], 8, dtype=x.dtype).masked_fill(
+            torch.ones(x.shape[0], 8, dtype=torch.bool).triu(1), torch.finfo(x.dtype).min)
+        return self.block(x, mask)
+
+
+def test_an_injected_value_beyond_the_runs_range_saturates(tmp_path):
+    """float64's minimum, cast to float32, overflows to -inf: injected as is, the mask made
+    the re-run differ from A in its NaN/Inf pattern and the masked module a false origin (a
+    Bloom attention in float64 against float32). Saturated at float32's minimum, the mask is
+    what the run makes itself, and the healthy re-run names no origin."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+
+    def run(name, dtype, **options):
+        torch.manual_seed(0)
+        model = WithMask().to(dtype)
+        with HookerAndDumper(tmp_path / name, **options).hooks(model, 0, 0):
+            model(x.to(dtype)).pow(2).sum().backward()
+        return tmp_path / name
+
+    a = run("a", torch.float64, params=True)
+    injected = run("injected", torch.float32, inject=a)
+    assert _origins(localize(a, run("free", torch.float32), injected)) == set()
