@@ -10,9 +10,11 @@ error ``err_j`` and scale ``rms_j`` (over ``n_j`` elements) gives a record of sc
   term counts);
 - what a module call's own code adds up, where a child's result is among the terms and all
   are of the record's size (independent errors, in quadrature): forward, the call's output
-  from its inputs and the outputs of its children that no recorded call consumed (``x +
-  mlp(x)``); backward, the grad_input of an input that children take too, from the call's
-  incoming gradient and each such child's grad_input.
+  from its inputs and the outputs of its last child, unless a recorded call consumed them
+  (``x + mlp(x)``); backward, the grad_input of an input that children take too, from the
+  call's incoming gradient and each such child's grad_input. Terms that cannot add up to the
+  record (one larger than the record and the others together: an attention's output is not
+  its input plus anything) are no sum; without the call's own, its children's may be.
 """
 from __future__ import annotations
 
@@ -82,6 +84,12 @@ def summed_terms(frame: pd.DataFrame, sources: list[np.ndarray], same: np.ndarra
         own_input = rows.of_call(j, fmt.INPUT)
         return own_input is not None and same[own_input] == same[x]
 
+    rms = frame["rms_a"].to_numpy(float)
+
+    def adds_up(terms: list[int], i: int) -> bool:  # the triangle inequality, norms alike
+        norms = np.sort(rms[terms])
+        return bool(norms[-1] <= (rms[i] + norms[:-1].sum()) * (1 + 1e-6))
+
     out = {}
     for i in np.flatnonzero(frame["kind"].isin([fmt.OUTPUT, fmt.GRAD_INPUT]).to_numpy()):
         s = sources[i][numel[sources[i]] == numel[i]]
@@ -90,6 +98,8 @@ def summed_terms(frame: pd.DataFrame, sources: list[np.ndarray], same: np.ndarra
             own = [j for j in s if key[j][4] == fmt.INPUT and key[j][3] == call]
             children = [j for j in s if key[j][4] == fmt.OUTPUT and child(j, i)
                         and key[j][:4] not in consumed]
+            last = max((key[j][3] for j in children), default=None)
+            children = [j for j in children if key[j][3] == last]
         else:
             x = rows.of_call(i, fmt.INPUT)
             if x is None:
@@ -97,6 +107,8 @@ def summed_terms(frame: pd.DataFrame, sources: list[np.ndarray], same: np.ndarra
             own = [j for j in s if key[j][4] == fmt.GRAD_OUTPUT and key[j][3] == call]
             children = [j for j in s if key[j][4] == fmt.GRAD_INPUT and child(j, i)
                         and took(j, x)]
-        if children and len(own) + len(children) >= 2:
-            out[i] = np.array(own + children)
+        for terms in (own + children, children):
+            if children and len(terms) >= 2 and adds_up(terms, i):
+                out[i] = np.array(terms)
+                break
     return out

@@ -322,6 +322,20 @@ def test_a_residual_that_cancels_is_judged_by_its_terms_errors(tmp_path, seed):
     assert first.direction == "backward"
 
 
+def test_an_attention_is_not_the_sum_of_its_input_and_children(tmp_path):
+    """A ViT attention's output is its output projection's; its input (rms 1) is 200 times
+    larger and cannot be one of its terms. A 3 % error planted in the attention's output
+    (float16 autocast, which leaves 3e-4 in the input) is found there, not passed off as the
+    input's error at the sum's scale (before the triangle test, the first divergence was a
+    record of the next layer)."""
+    require_runnable("vit", "float16")
+    plant = {"include": ["vit.layers.0.attention"], "where": "output", "scale": 1.03}
+    run_step("vit", "float32", tmp_path / "a", seed=3, dumper_options={"params": True})
+    run_step("vit", "float16", tmp_path / "b", seed=3, plant=plant)
+    first = summarize(compare_dumps(tmp_path / "a", tmp_path / "b")).first
+    assert first is not None and first.row["module"] == "vit.layers.0.attention", first
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_parameter_gradients_that_cancel_over_the_batch(tmp_path, seed):
     """After a BatchNorm over a batch of four, the gradients of the four samples nearly
