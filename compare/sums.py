@@ -22,7 +22,6 @@ import numpy as np
 import pandas as pd
 
 from . import format as fmt
-from .sources import STEP_KEY
 
 CANCELLATION = 100.0  # a gradient this much smaller than the sum of its terms' scale cancels
 
@@ -32,9 +31,8 @@ class CallRows:
     not distributed): which record of which call each row is."""
 
     def __init__(self, frame: pd.DataFrame):
-        columns = [frame[c] for c in STEP_KEY[:2]]
-        self.keys = list(zip(*columns, frame["rank"].fillna(-1), frame["call"], frame["kind"],
-                             frame["index"]))
+        self.keys = list(zip(frame["epoch"], frame["step"], frame["rank"].fillna(-1),
+                             frame["call"], frame["kind"], frame["index"]))
         self._row = {k: i for i, k in enumerate(self.keys)}
 
     def of_call(self, i: int, kind: str) -> int | None:
