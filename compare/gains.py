@@ -40,6 +40,7 @@ no gain is taken. The input's error must be measured (values or statistics) and 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Iterator
 
 import numpy as np
@@ -47,7 +48,6 @@ import pandas as pd
 
 from . import format as fmt
 
-_CALL = ["epoch", "step", "rank"]
 _FIRST = {(fmt.INPUT, 0), (fmt.OUTPUT, 0), (fmt.GRAD_INPUT, 0), (fmt.GRAD_OUTPUT, 0)}
 
 
@@ -70,17 +70,30 @@ def _outputs(weight_shape: tuple, out_shape: tuple) -> int:
     return second if out_shape and out_shape[-1] == second else 0
 
 
-def _calls(rows: pd.DataFrame) -> Iterator[tuple[tuple, str, pd.DataFrame, dict]]:
-    """Per module call: its step key ``(epoch, step, rank)``, its module, its rows, and its
-    first input, output and gradients by ``(kind, index)``."""
-    for (*step, module, _), call in rows.groupby([*_CALL, "module", "call_idx"], sort=False):
-        yield tuple(step), module, call, {
-            (k, i): r for k, i, r in zip(call["kind"], call["index"], call.itertuples())
-            if (k, i) in _FIRST}
+class _Calls:
+    """The module calls of a comparison, walked without pandas groups (a dump may hold
+    thousands): per call, its first input, output and gradients (row positions by ``(kind,
+    index)``), and how many input records it has; the rows' figures as arrays."""
 
+    def __init__(self, frame: pd.DataFrame):
+        kind, index = frame["kind"].to_numpy(object), frame["index"].to_numpy()
+        keys = zip(frame["epoch"], frame["step"], frame["rank"].fillna(-1), frame["module"],
+                   frame["call_idx"])
+        self.first: dict[tuple, dict[tuple, int]] = {}
+        self.inputs: dict[tuple, int] = {}
+        for pos, (key, k, i) in enumerate(zip(keys, kind, index)):
+            if k == fmt.INPUT:
+                self.inputs[key] = self.inputs.get(key, 0) + 1
+            if (k, i) in _FIRST:
+                self.first.setdefault(key, {})[(k, i)] = pos
+        self.rms = frame["rms_a"].to_numpy(float)
+        self.numel = frame["numel"].to_numpy(float)
+        self.shape = frame["shape_a"].to_numpy(object)
 
-def _positioned(frame: pd.DataFrame) -> pd.DataFrame:
-    return frame.assign(pos=np.arange(len(frame)), rank=frame["rank"].fillna(-1))
+    def __iter__(self) -> Iterator[tuple[tuple, str, dict[tuple, int]]]:
+        """``(epoch, step, rank, module, call_idx), module, first records`` per call."""
+        for key, first in self.first.items():
+            yield key, key[3], first
 
 
 def linear_gains(frame: pd.DataFrame) -> np.ndarray:
@@ -88,41 +101,41 @@ def linear_gains(frame: pd.DataFrame) -> np.ndarray:
     grad_input and the weight's and bias's gradients of a call of a module owning a weight of
     two or more dimensions; NaN elsewhere."""
     out = np.full(len(frame), np.nan)
-    rows = _positioned(frame)
-    params = rows[rows["kind"] == fmt.PARAM]
+    params = frame[frame["kind"] == fmt.PARAM]
     weights = {m: _weight(p) for m, p in params.groupby("module", sort=False)}
     shapes = {m: dict(zip(p["index"], p["shape_a"])) for m, p in params.groupby("module")}
-    rms = frame["rms_a"].to_numpy(float)
+    calls = _Calls(frame)
+    rms, numel = calls.rms, calls.numel
     # per step: how many calls each module made, and the rows of its parameters' gradients
-    calls = rows.drop_duplicates([*_CALL, "module", "call_idx"]).groupby(
-        [*_CALL, "module"]).size().to_dict()
-    grads = {tuple(k): pos for *k, pos in rows.loc[
-        rows["kind"] == fmt.PARAM_GRAD, [*_CALL, "module", "index", "pos"]].itertuples(
-            index=False)}
-    for step, module, _, by_kind in _calls(rows):
+    made = Counter(key[:4] for key, _, _ in calls)
+    grad = frame["kind"] == fmt.PARAM_GRAD
+    grads = {k: pos for k, pos in zip(
+        zip(frame["epoch"][grad], frame["step"][grad], frame["rank"][grad].fillna(-1),
+            frame["module"][grad], frame["index"][grad]), np.flatnonzero(grad.to_numpy()))}
+    for key, module, first in calls:
         weight = weights.get(module)
         if weight is None:
             continue
         norm, shape, index = weight
-        x, y = by_kind.get((fmt.INPUT, 0)), by_kind.get((fmt.OUTPUT, 0))
-        if x is None or y is None or not isinstance(y.shape_a, tuple):
+        x, y = first.get((fmt.INPUT, 0)), first.get((fmt.OUTPUT, 0))
+        if x is None or y is None or not isinstance(calls.shape[y], tuple):
             continue
-        n_out = _outputs(shape, y.shape_a)
-        if not n_out or not y.rms_a > 0:
+        n_out = _outputs(shape, calls.shape[y])
+        if not n_out or not rms[y] > 0:
             continue
-        out[y.pos] = norm * x.rms_a / (math.sqrt(n_out) * y.rms_a)
-        gy, gx = by_kind.get((fmt.GRAD_OUTPUT, 0)), by_kind.get((fmt.GRAD_INPUT, 0))
-        if gy is not None and gx is not None and gx.rms_a > 0 and y.numel > 0:
-            n_in = x.numel * n_out / y.numel
-            out[gx.pos] = norm * gy.rms_a / (math.sqrt(n_in) * gx.rms_a)
-        if gy is None or calls[(*step, module)] != 1:  # several calls' gradients add up
+        out[y] = norm * rms[x] / (math.sqrt(n_out) * rms[y])
+        gy, gx = first.get((fmt.GRAD_OUTPUT, 0)), first.get((fmt.GRAD_INPUT, 0))
+        if gy is not None and gx is not None and rms[gx] > 0 and numel[y] > 0:
+            n_in = numel[x] * n_out / numel[y]
+            out[gx] = norm * rms[gy] / (math.sqrt(n_in) * rms[gx])
+        if gy is None or made[key[:4]] != 1:  # several calls' gradients add up
             continue
-        positions = gy.numel / n_out
+        positions = numel[gy] / n_out
         for i, param_shape in shapes[module].items():
-            dw = grads.get((*step, module, i))
+            dw = grads.get((*key[:4], i))
             is_weight, is_bias = i == index, param_shape == (n_out,)
             if dw is not None and rms[dw] > 0 and (is_weight or is_bias):
-                out[dw] = (gy.rms_a * (x.rms_a if is_weight else 1.0) * math.sqrt(positions)
+                out[dw] = (rms[gy] * (rms[x] if is_weight else 1.0) * math.sqrt(positions)
                            / rms[dw])
     return out
 
@@ -134,17 +147,17 @@ def adjoint_gains(frame: pd.DataFrame, err: np.ndarray, level: np.ndarray,
     the added error expected of it; ``drifted``: weights that differ between the runs); NaN
     elsewhere."""
     out = np.full(len(frame), np.nan)
-    rows = _positioned(frame)
-    moved = set(rows["module"][drifted & (rows["kind"] == fmt.PARAM).to_numpy()])
-    for _, module, call, by_kind in _calls(rows):
-        x, y = by_kind.get((fmt.INPUT, 0)), by_kind.get((fmt.OUTPUT, 0))
-        gy, gx = by_kind.get((fmt.GRAD_OUTPUT, 0)), by_kind.get((fmt.GRAD_INPUT, 0))
+    moved = set(frame["module"][drifted & (frame["kind"] == fmt.PARAM).to_numpy()])
+    calls = _Calls(frame)
+    rms, numel = calls.rms, calls.numel
+    for key, module, first in calls:
+        x, y = first.get((fmt.INPUT, 0)), first.get((fmt.OUTPUT, 0))
+        gy, gx = first.get((fmt.GRAD_OUTPUT, 0)), first.get((fmt.GRAD_INPUT, 0))
         if (x is None or y is None or gy is None or gx is None or module in moved
-                or int((call["kind"] == fmt.INPUT).sum()) != 1):
+                or calls.inputs.get(key) != 1):
             continue
-        dx = err[x.pos] * x.rms_a * math.sqrt(x.numel)
-        dy = math.sqrt(max(err[y.pos] ** 2 - level[y.pos] ** 2, 0.0)) * y.rms_a * math.sqrt(
-            y.numel)
-        if dx > 0 and math.isfinite(dx) and math.isfinite(dy) and gx.rms_a > 0:
-            out[gx.pos] = dy / dx * gy.rms_a / gx.rms_a
+        dx = err[x] * rms[x] * math.sqrt(numel[x])
+        dy = math.sqrt(max(err[y] ** 2 - level[y] ** 2, 0.0)) * rms[y] * math.sqrt(numel[y])
+        if dx > 0 and math.isfinite(dx) and math.isfinite(dy) and rms[gx] > 0:
+            out[gx] = dy / dx * rms[gy] / rms[gx]
     return out
