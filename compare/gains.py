@@ -16,9 +16,10 @@ takes an error of independent elements in ``gy`` to ``E ||dgy^T X||² = n_out rm
     bias gradient:    rms(gy) sqrt(P) / rms(db)      (db = sum_p gy_p)
 
 which are large where the positions' contributions cancel (a batch of two whose gradients
-are opposite; a bias before a BatchNorm, whose gradient is zero but for rounding). Rounding errors are close to independent; a record whose error is its
-input's amplified this way is no news, however few records of its class calibrate a gain
-(a classifier head is one of a kind). Figures: A's root mean squares (``rms_a``) of the call's
+are opposite; a bias before a BatchNorm, whose gradient is zero but for rounding). Rounding
+errors are close to independent; a record whose error is its input's amplified this way is
+no news, however few records of its class calibrate a gain (a classifier head is one of a
+kind). Figures: A's root mean squares (``rms_a``) of the call's
 first input and output (their gradients backward) and A's weight norm (``rms_a`` times the
 square root of its element count, values or statistics).
 
@@ -144,17 +145,20 @@ def adjoint_gains(frame: pd.DataFrame, err: np.ndarray, level: np.ndarray,
                   drifted: np.ndarray) -> np.ndarray:
     """Per row, the backward gain above for the grad_input[0] of a call with one input record
     and an output, from its forward's errors (``err``: each row's relative error; ``level``:
-    the added error expected of it; ``drifted``: weights that differ between the runs); NaN
-    elsewhere."""
+    the added error expected of it; ``drifted``: weights that differ between the runs, which
+    explain part of the output's error in their module and the modules around it); NaN
+    elsewhere, and where B ran on A's input instead (a localizing re-run)."""
     out = np.full(len(frame), np.nan)
     moved = set(frame["module"][drifted & (frame["kind"] == fmt.PARAM).to_numpy()])
+    replaced = (frame["injected"] == 1).to_numpy()
     calls = _Calls(frame)
     rms, numel = calls.rms, calls.numel
     for key, module, first in calls:
         x, y = first.get((fmt.INPUT, 0)), first.get((fmt.OUTPUT, 0))
         gy, gx = first.get((fmt.GRAD_OUTPUT, 0)), first.get((fmt.GRAD_INPUT, 0))
-        if (x is None or y is None or gy is None or gx is None or module in moved
-                or calls.inputs.get(key) != 1):
+        if (x is None or y is None or gy is None or gx is None or replaced[x]
+                or calls.inputs.get(key) != 1
+                or any(fmt.contains(module, m) for m in moved)):
             continue
         dx = err[x] * rms[x] * math.sqrt(numel[x])
         dy = math.sqrt(max(err[y] ** 2 - level[y] ** 2, 0.0)) * rms[y] * math.sqrt(numel[y])

@@ -9,7 +9,9 @@ error ``err_j`` and scale ``rms_j`` (over ``n_j`` elements) gives a record of sc
 - a gradient with an incoming one ``CANCELLATION`` times its scale or more (the largest such
   term counts);
 - what a module call's own code adds up, where a child's result is among the terms and all
-  are of the record's size (independent errors, in quadrature): forward, the call's output
+  are of the record's size (in quadrature, as independent rounding errors add; errors that
+  one upstream error put in several terms may add in the same direction, which this
+  understates): forward, the call's output
   from its inputs and the outputs of its last child, unless a recorded call consumed them
   (``x + mlp(x)``); backward, the grad_input of an input that children take too, from the
   call's incoming gradient and each such child's grad_input. Terms that cannot add up to the
@@ -94,10 +96,10 @@ def summed_terms(frame: pd.DataFrame, sources: list[np.ndarray], same: np.ndarra
         call = key[i][3]
         if key[i][4] == fmt.OUTPUT:
             own = [j for j in s if key[j][4] == fmt.INPUT and key[j][3] == call]
-            children = [j for j in s if key[j][4] == fmt.OUTPUT and child(j, i)
-                        and key[j][:4] not in consumed]
-            last = max((key[j][3] for j in children), default=None)
-            children = [j for j in children if key[j][3] == last]
+            outputs = [j for j in sources[i] if key[j][4] == fmt.OUTPUT and child(j, i)]
+            last = max((key[j][3] for j in outputs), default=None)
+            children = [j for j in s if key[j][4] == fmt.OUTPUT and key[j][3] == last
+                        and child(j, i) and key[j][:4] not in consumed]
         else:
             x = rows.of_call(i, fmt.INPUT)
             if x is None:

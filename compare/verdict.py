@@ -183,7 +183,8 @@ class _Records:
                          for a, b in self.dtypes]) * amplified
         # as a source, weights count WEIGHT_GAIN times their error (times STATS_GAIN more when
         # it is estimated from their sketch, which may be low)
-        data = np.where(np.isnan(centered), err, np.fmax(err, centered))
+        forward = (frame["kind"] == fmt.INPUT).to_numpy()  # (a gradient's: its grad_input's)
+        data = np.where(np.isnan(centered) | ~forward, err, np.fmax(err, centered))
         self.given = np.where(self.replaced, cast, np.where(
             self.params, err * WEIGHT_GAIN * np.where(self.from_stats, STATS_GAIN, 1), data))
         self.err_in = np.array([self.combined(self.given, s) for s in self.sources])
@@ -226,25 +227,41 @@ class _Records:
 
     def _sampling(self, frame: pd.DataFrame) -> np.ndarray:
         """Per row, the room a gain gets for the few elements its error may be spread over:
-        ``1 + SAMPLING_SPREADS / sqrt(2 n)``, ``n = ||d||² / max|d|²`` (1 where not known)."""
+        ``1 + SAMPLING_SPREADS / sqrt(2 n)``, ``n = ||d||² / max|d|²``, the larger of the
+        record's and its largest source's (1 where not known)."""
         peak = frame["max_abs_err"].to_numpy(float)
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             spread = self.err * frame["rms_a"].to_numpy(float) * np.sqrt(
                 frame["numel"].to_numpy(float))
             elements = (spread / peak) ** 2
-        room = 1.0 + SAMPLING_SPREADS / np.sqrt(2.0 * elements)
-        return np.where(np.isfinite(room) & (elements >= 1.0), room, 1.0)
+        elements = np.where(np.isfinite(elements), elements, 0.0)
+        # an error of the record's own in few elements (a bug in one) gets no more room than
+        # the error it receives is spread over
+        widest = np.array([max(elements[i], elements[s[np.argmax(self.given[s])]])
+                           if len(s) else elements[i] for i, s in enumerate(self.sources)])
+        with np.errstate(divide="ignore"):
+            room = 1.0 + SAMPLING_SPREADS / np.sqrt(2.0 * widest)
+        return np.where(widest >= 1.0, room, 1.0)
 
     def _normalized_backward(self, frame: pd.DataFrame) -> np.ndarray:
-        """For a normalization's grad_input, ``BACKWARD_NORMALIZATION_GAIN`` times the centered
-        error of the call's input (where the dump gives it)."""
+        """For the grad_input and the weight's gradient (index 0, the same as the first input's
+        and incoming gradient's) of a call whose input or incoming gradient has a centered
+        error (a normalization's, :func:`compare.centering.normalized_sizes`):
+        ``NORMALIZATION_GAIN`` times the incoming gradient's and ``BACKWARD_NORMALIZATION_GAIN``
+        times the input's (an input B ran on A's value instead gives what ``given`` says), in
+        quadrature. Both are projections of the gradient on what centering leaves; the bias's
+        gradient, its sum, is not."""
         centered = np.nan_to_num(frame["centered_rel_err"].to_numpy(float), nan=0.0)
         rows = CallRows(frame)
         out = np.zeros(self.n)
-        for i in np.flatnonzero((frame["kind"] == fmt.GRAD_INPUT).to_numpy()):
-            x = rows.of_call(i, fmt.INPUT)
-            if x is not None:
-                out[i] = BACKWARD_NORMALIZATION_GAIN * centered[x]
+        for i in np.flatnonzero(frame["kind"].isin([fmt.GRAD_INPUT, fmt.PARAM_GRAD]).to_numpy()):
+            x, gy = rows.of_call(i, fmt.INPUT), rows.of_call(i, fmt.GRAD_OUTPUT)
+            from_x = 0.0 if x is None else (
+                self.given[x] if self.replaced[x] else BACKWARD_NORMALIZATION_GAIN * centered[x])
+            from_gy = 0.0 if gy is None or self.replaced[gy] else \
+                NORMALIZATION_GAIN * centered[gy]
+            if (x is not None and centered[x]) or (gy is not None and centered[gy]):
+                out[i] = math.hypot(from_x, from_gy)
         return out
 
     def combined(self, errors: np.ndarray, rows: np.ndarray) -> float:

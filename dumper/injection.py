@@ -6,15 +6,18 @@ the replacement helpers put them in place:
 
 - ``input``: a module call's tensor arguments are replaced before the module runs (exactly the
   reference's values after the cast to the run's dtype; the gradient passes through to the
-  tensor that arrived, unchanged). A finite value beyond the run's dtype's range becomes its
-  largest finite value of that sign, not an infinity: an attention mask filled with
-  float64's minimum becomes one filled with float32's, as the run fills its own;
+  tensor that arrived, unchanged);
 - ``param``: the module's own parameters are the reference's values for the call (the
   reference must have been dumped with ``params=True``), restored when the call returns; their
   gradients still accumulate into the run's parameters;
 - ``grad_output``: the gradient arriving at a module call's output is replaced before the
   module's backward runs;
 - ``output``: a module call's result is replaced (repairs everything downstream).
+
+In every kind, the extremes of the reference's dtype (``±finfo.max``) become the run's, not
+infinities: an attention mask filled with float64's minimum becomes one filled with
+float32's, as the run fills its own (other values beyond the run's range overflow as they
+would in the run).
 
 With all of ``input``, ``param`` and ``grad_output`` (:data:`LOCALIZING`), every module computes
 from the reference's values in both directions, so what differs in its results is its own
@@ -63,13 +66,14 @@ class _StraightThrough(torch.autograd.Function):
 
 
 def _within_range_of(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``ref`` with its finite values clamped to ``dtype``'s finite range where ``dtype`` is a
-    floating dtype narrower than ``ref``'s (infinities and NaN stay)."""
+    """``ref`` with the extremes of its dtype (``±finfo.max``: what masks are filled with)
+    made ``dtype``'s where ``dtype`` is a floating dtype of narrower range; other values
+    beyond that range still overflow, as they would in the run."""
     if not (ref.is_floating_point() and dtype.is_floating_point) or \
             torch.finfo(dtype).max >= torch.finfo(ref.dtype).max:
         return ref
-    limit = torch.finfo(dtype).max
-    return torch.where(torch.isfinite(ref), ref.clamp(-limit, limit), ref)
+    high, limit = torch.finfo(ref.dtype).max, torch.finfo(dtype).max
+    return torch.where(ref == high, limit, torch.where(ref == -high, -limit, ref))
 
 
 def replaced(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
