@@ -22,7 +22,8 @@ buffers); statistics hooks (computing the dumper's statistics of each tensor); c
 batched statistics (snapshots, then statistics reduced group-wise after the step); the HDF5
 floor (a plain step, then the same datasets written with the dumper's own dataset code and
 nothing else; the line shows the writing part); the step file (one file with the step's index
-and no datasets, written by the dumper's writer). A last table sets issue 4's targets against them.
+and no datasets, written by the dumper's writer). A last table sets issue 4's targets (on a
+CUDA device issue 23's too) against them.
 
 Hash mode (issue 21): ``mode="hash"``, a digest per tensor, against plain (targets <= 1.15x
 on MLP and CNN, <= 15 us per tensor on the deep model).
@@ -341,6 +342,7 @@ def bench_model(name: str, factory, repeat: int, device: str, tmp: Path,
         real use; replacing an existing one makes ext4 flush it (auto_da_alloc), which a
         benchmark reusing names would measure instead of the dumper."""
         for d in dumpers.values():
+            d.wait()  # a step published in the background must not overlap the next timed run
             for path in d.written_files:
                 path.unlink(missing_ok=True)
             d.written_files.clear()
@@ -534,7 +536,7 @@ def publishing_lines(name: str, factory, device: str, tmp: Path, steps: int = 10
             f"background {med['background'] / med[None]:.2f}x plain"]
 
 
-def target_lines(rows: list[dict]) -> list[str]:
+def target_lines(rows: list[dict], device: str) -> list[str]:
     """Issue 4's targets with this run's figures, the floor each has on this machine and the
     verdict. A floor adds up, from the same run, the work any dumper must do here to keep its
     promises (see docs/benchmarks.md): hooks on every call, snapshots taken at hook time
@@ -582,6 +584,15 @@ def target_lines(rows: list[dict]) -> list[str]:
                 (full_floor - plain) / n_tensors * 1e3, 60, " us")
             add(model, "statistics", row[(model, "statistics")]["us_per_tensor"],
                 (stats_floor - plain) / n_stats * 1e3, 30, " us")
+        if device.startswith("cuda"):  # issue 23's accelerator targets
+            add(model, "GPU: full / copies floor", ms["full tensors"] / ms["copying hooks"],
+                1.0, 1.3, "x")
+            if model == "deep":
+                add(model, "GPU: statistics", row[(model, "statistics")]["us_per_tensor"],
+                    (stats_floor - plain) / n_stats * 1e3, 20, " us")
+            elif model in ("mlp", "cnn", "transformer"):
+                add(model, "GPU: statistics", ms["statistics"] / plain, stats_floor / plain,
+                    1.3, "x")
     return lines
 
 
@@ -685,7 +696,7 @@ def main() -> None:
           "scripts/bench_dump_ab.py); floor: the least this machine allows, from this run's floor rows "
           "(for 'full vs naive': the best speed-up it allows)")
     print(f"{'model':<12} {'target':<25} {'measured':>12} {'target':>12} {'floor':>12}  verdict")
-    print("\n".join(target_lines(all_rows)))
+    print("\n".join(target_lines(all_rows, args.device)))
     print(f"\nNaN/Inf sentinel on every step (issue 12; target <= 1.1x plain on mlp, cnn), "
           f"paired rounds (plain, other, other, plain) x {args.paired_rounds}: median "
           f"(quartiles) of the rounds' ratios; no-op hooks: what any hooks cost")

@@ -3,6 +3,7 @@ localizing re-run, and stay quiet on healthy pairs? Not a timed test.
 
     python scripts/bench_localize.py [--archs ...|--set held-out] [--variants same,fp64,...]
                                      [--steps 1,4] [--seeds 1,2,3] [--plants 4] [--jobs 2]
+                                     [--keep DIR]
 
 Architectures (``tests/architectures.py``): the *tuning* set the verdict's constants were
 tuned on, and a *held-out* set chosen before its results were looked at, reported apart.
@@ -40,12 +41,14 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import random
+import shutil
 import statistics
 import sys
 import tempfile
 import warnings
 import zlib
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
@@ -126,8 +129,11 @@ def _first_origin(table) -> list[str]:
     return [] if origins.empty else [origins.iloc[0]["module"]]
 
 
-def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: Path) -> dict:
-    """Healthy pairs and ``plants`` plants per size of one (architecture, variant, steps, seed)."""
+def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: Path,
+             keep: Optional[Path] = None) -> dict:
+    """Healthy pairs and ``plants`` plants per size of one (architecture, variant, steps, seed);
+    with ``keep``, the dumps of a case with a false alarm, a false origin or a missed visible
+    plant are copied there (to study a run of a machine that is gone, e.g. a lent GPU)."""
     _quiet()
     torch.set_num_threads(1)
     v = VARIANTS[variant]
@@ -188,7 +194,15 @@ def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: P
                 injected=_named(_first_origin(table), module),
                 origins=sorted(set(table[table["verdict"] == ORIGIN]["module"]))[:4],
                 failing=int(result["status"].isin(FAILING).sum())))
+    if keep is not None and _worth_keeping(out):
+        shutil.copytree(root, keep / root.name)
     return out
+
+
+def _worth_keeping(case: dict) -> bool:
+    return (any(not h["ok"] or h["origins"] for h in case["healthy"])
+            or any(p["visibility"] == "visible" and not (p["two_dump"] and p["injected"])
+                   for p in case["plants"]))
 
 
 def rerun_equal(arch: str, steps: int, tmp: Path) -> bool:
@@ -279,7 +293,11 @@ def main() -> None:
     parser.add_argument("--plants", type=int, default=4,
                         help="plants per architecture, variant, plant size, steps and seed")
     parser.add_argument("--jobs", type=int, default=2, help="cases run in this many processes")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="copy the dumps of cases with a false alarm or a miss here")
     args = parser.parse_args()
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
     archs = (args.archs.split(",") if args.archs else
              [a for a in ARCHITECTURES if args.set == "all" or _set_of(a) == args.set])
     steps = [int(s) for s in args.steps.split(",")]
@@ -288,7 +306,7 @@ def main() -> None:
     outcome = {"plants": [], "healthy": [], "unsupported": [], "reruns": []}
     with tempfile.TemporaryDirectory(prefix="bench_localize_") as tmp, \
             cf.ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(run_case, *case, args.plants, Path(tmp)): case for case in cases}
+        futures = {pool.submit(run_case, *case, args.plants, Path(tmp), args.keep): case for case in cases}
         reruns = {pool.submit(rerun_equal, arch, n, Path(tmp)): arch
                   for arch in archs for n in steps}
         for future in cf.as_completed(futures):

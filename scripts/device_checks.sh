@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA device, as one command for a lent GPU machine whose python3 has
+# torch, h5py, pandas, click, pytest and transformers (h5cmp itself runs from this checkout):
+# the CUDA tests, scripts/bench_dump.py and the GPU variants of scripts/bench_localize.py.
+# Each part has its own time limit and prints as it goes, so a part cut short still reports.
+# Logs, and the dumps of the localization cases that went wrong, go to $OUT (or device-out/).
+#
+#     bash scripts/device_checks.sh [tests,dump,localize] [LOCALIZE STEPS, default 1]
+#
+# Limits in seconds: H5CMP_TESTS_S (90), H5CMP_DUMP_S (180), H5CMP_LOCALIZE_S (180).
+set -u
+cd "$(dirname "$0")/.."
+parts="${1:-tests,dump,localize}"
+steps="${2:-1}"
+out="${OUT:-device-out}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py="${PYTHON:-python3}"
+jobs=$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))
+
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    "$py" -c "import torch, transformers, h5py, pandas, numpy; print('torch', torch.__version__,
+'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'h5py', h5py.__version__,
+'pandas', pandas.__version__, 'numpy', numpy.__version__)"
+    nproc
+} 2>&1
+
+if [[ ",$parts," == *,tests,* ]]; then
+    echo "== CUDA tests"
+    timeout "${H5CMP_TESTS_S:-90}" "$py" -m pytest -q -m cuda -p no:cacheprovider \
+        tests/test_fast_capture.py tests/test_sentinel.py tests/test_numerics.py \
+        2>&1 | tee "$out/tests.log" | tail -25
+fi
+if [[ ",$parts," == *,dump,* ]]; then
+    echo "== bench_dump"
+    timeout "${H5CMP_DUMP_S:-180}" "$py" scripts/bench_dump.py --device cuda --repeat 5 \
+        --memory-steps 0 --paired-rounds 8 2>&1 | tee "$out/bench_dump.log"
+fi
+if [[ ",$parts," == *,localize,* ]]; then
+    # one seed at a time, so that the seeds done before the time limit are reported
+    deadline=$(( SECONDS + ${H5CMP_LOCALIZE_S:-180} ))
+    keep=$(mktemp -d)
+    for seed in 1 2 3; do
+        left=$(( deadline - SECONDS ))
+        [ "$left" -gt 20 ] || break
+        echo "== bench_localize seed $seed (gpu, tf32, gpu-bf16; steps $steps; $jobs jobs)"
+        timeout "$left" "$py" scripts/bench_localize.py --variants gpu,tf32,gpu-bf16 \
+            --steps "$steps" --seeds "$seed" --jobs "$jobs" --keep "$keep/kept" \
+            >"$out/localize-$seed.log" 2>"$out/localize.err"
+        echo "exit $?"
+        cat "$out/localize-$seed.log"
+        grep -v " done$" "$out/localize.err" | tail -5
+    done
+    if [ -d "$keep/kept" ]; then
+        tar czf "$keep/kept.tgz" -C "$keep" kept
+        split -b 15M -d "$keep/kept.tgz" "$out/kept.tgz.part"
+        ls -l "$out"/kept.tgz.part*
+    fi
+fi
