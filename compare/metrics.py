@@ -15,6 +15,9 @@ Definitions (a = reference side A, b = side B; sums over elements finite on both
   sign_flips    elements positive on one side only (what a ReLU or a max decides differs)
   centered_rel_err  ||d_c|| / ||a_c||, each normalization group's mean removed: the error a
                 normalization fed this tensor sees (:mod:`compare.centering`; NaN unless asked)
+  sorted_rel_err  ||sort(b) - sort(a)|| / ||a||: the error if B's elements were A's in another
+                order (sorting pairs them as closely as any order can); NaN unless rel_l2_err
+                is at least REORDERED_FROM and the tensor at most SORTED_ELEMENTS, all finite
 Non-finite elements (NaN, ±Inf) are counted per side and matched by position.
 """
 from __future__ import annotations
@@ -32,7 +35,14 @@ from .tolerance import Tolerance
 METRIC_COLUMNS = ("numel", "rms_a", "max_abs_err", "mean_abs_err", "max_rel_err", "rel_l2_err", "cosine",
                   "scale_err", "rmse", "mismatches", "mismatch_frac", "max_tol_ratio", "nan_a", "nan_b",
                   "inf_a", "inf_b", "sign_flips", "stat_rel_diff", "norm_rel_diff",
-                  "rel_err_from_stats", "sketched", "centered_rel_err")
+                  "rel_err_from_stats", "sketched", "centered_rel_err", "sorted_rel_err")
+# a tensor this far off elementwise is also compared as sorted values (code that orders rows
+# otherwise, e.g. tokens grouped by expert with an unstable sort), if it has at most
+# SORTED_ELEMENTS elements (both sides are then held in memory and sorted)
+REORDERED_FROM = 0.1
+SORTED_ELEMENTS = 1 << 22
+# an error this many times smaller once both sides are sorted: the same values, reordered
+REORDERED_MARGIN = 10.0
 
 
 BLOCK = 1 << 15  # elements per computation block: a block's float64 buffers (5 x 256 KiB) stay
@@ -110,11 +120,18 @@ class ErrorAccumulator:
     sign_flips: int = 0
     all_equal: bool = True
     counts: dict = field(default_factory=lambda: dict(nan_a=0, nan_b=0, inf_a=0, inf_b=0))
+    # both sides of a tensor that came in one chunk and is far off elementwise (sorted_rel_err)
+    whole: Optional[tuple[np.ndarray, np.ndarray]] = None
 
     def update(self, a: np.ndarray, b: np.ndarray) -> None:
         """Add aligned flat chunks ``a`` and ``b`` (any numeric dtypes, same size)."""
+        first = self.numel == 0
         for start in range(0, a.size, BLOCK):
             self._update_block(a[start:start + BLOCK], b[start:start + BLOCK])
+        far_off = self.ssd >= REORDERED_FROM ** 2 * self.ssa > 0
+        self.whole = ((a.copy(), b.copy()) if first and far_off and a.size <= SORTED_ELEMENTS
+                      and a.dtype.kind in "iuf" and b.dtype.kind in "iuf"
+                      and self.n_finite == self.numel else None)
 
     def _update_block(self, a: np.ndarray, b: np.ndarray) -> None:
         n, offset = a.size, self.numel
@@ -247,7 +264,7 @@ class ErrorAccumulator:
                     else self.centering.centered_rel_error(self.ssa, self.ssd))
         out = dict(
             stat_rel_diff=math.nan, norm_rel_diff=math.nan, rel_err_from_stats=math.nan,
-            sketched=math.nan, centered_rel_err=centered,
+            sketched=math.nan, centered_rel_err=centered, sorted_rel_err=self._sorted_rel_err(),
             numel=self.numel,
             max_abs_err=self.max_abs,
             mean_abs_err=self.sum_abs / n if n else 0.0,
@@ -273,6 +290,14 @@ class ErrorAccumulator:
             status = DIFF
         out["status"] = status
         return out
+
+
+    def _sorted_rel_err(self) -> float:
+        if self.whole is None:
+            return math.nan
+        a, b = (np.sort(x.astype(np.float64)) for x in self.whole)
+        d = b - a
+        return math.sqrt(_dot(d, d)) / math.sqrt(self.ssa)
 
 
 def compare_chunks(pairs: Iterable[tuple[np.ndarray, np.ndarray]], tol: Tolerance) -> dict:

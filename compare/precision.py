@@ -29,14 +29,13 @@ ROUNDING.update({"complex128": ROUNDING["float64"], "complex64": ROUNDING["float
                  "complex32": ROUNDING["float16"],
                  # float32 matmuls and convolutions on CUDA with TF32 allowed: 10-bit mantissas
                  "tensorfloat32": Rounding(2.0 ** -11, 2.0 ** -150)})
-# Modules whose float32 computation TF32 may touch: those owning a weight matrix (matmuls) or a
-# weight of more dimensions (convolutions; batched experts), and cuDNN's RNNs.
+# Modules whose float32 computation TF32 may touch: cuBLAS's, under the matmul flag, those
+# owning a weight matrix or a batch of them (experts' grouped matmuls); cuDNN's, under its
+# flag, convolutions and RNNs.
 RNN_CLASSES = r"LSTM|GRU|RNN"
+CONV_CLASSES = r"Conv"
 EXACT_DTYPE = Rounding(0.0, 0.0)  # integers, bool
 AUTOCAST_DTYPES = ("bfloat16", "float16")
-# what enclosing code may compute a gradient in, below its tensors' dtype (an enclosing
-# module's float32 output, e.g. rotary tables in a float64 model, says nothing of its matmuls)
-LOWERED_BY_CODE = (*AUTOCAST_DTYPES, "tensorfloat32")
 
 
 
@@ -53,16 +52,28 @@ def lowest(dtypes) -> str:
     return max(dtypes, key=lambda d: rounding_of(d).unit)
 
 
-def weighted(frame: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
-    """Per row, whether its module owns a parameter of 2 dimensions (a matmul's weight; cuDNN
-    RNNs count as convolutions) or of more (a convolution's, or batched experts')."""
+class Weighted(NamedTuple):
+    """Per row, whether its module computes with batched weights (``batched``: a weight of
+    more than two dimensions, a convolution's or experts', or an RNN's), and which library
+    does it on CUDA: ``cublas`` (weight matrices and batches of them) or ``cudnn``
+    (convolutions; RNNs)."""
+
+    batched: pd.Series
+    cublas: pd.Series
+    cudnn: pd.Series
+
+
+def weighted(frame: pd.DataFrame) -> Weighted:
     params = frame[frame["kind"] == fmt.PARAM]
     dims = params["shape_a"].where(params["shape_a"].notna(), params["shape_b"]).map(
         lambda s: len(s) if isinstance(s, tuple) else 0)
     most = dims.groupby(params["module"]).max()
     ndim = frame["module"].map(most).fillna(0)
-    rnn = frame["cls"].fillna("").str.contains(RNN_CLASSES, regex=True)
-    return (ndim == 2) & ~rnn, (ndim > 2) | (rnn & (ndim >= 2))
+    cls = frame["cls"].fillna("")
+    rnn = cls.str.contains(RNN_CLASSES, regex=True) & (ndim >= 2)
+    conv = cls.str.contains(CONV_CLASSES, regex=True) & (ndim > 2)
+    cudnn = rnn | conv
+    return Weighted((ndim > 2) | rnn, (ndim >= 2) & ~cudnn, cudnn)
 
 
 def autocast_dtype(frame: pd.DataFrame, dtypes: pd.Series) -> str:
@@ -85,19 +96,24 @@ def computed_in(frame: pd.DataFrame, tf32: tuple[tuple[bool, bool], tuple[bool, 
     weight of more than two dimensions (batched experts' matmuls; a grouped matmul may cast
     its result back to float32). A call's outputs and gradients are computed in its precision
     (autocast computes the gradient of a float32 input of a bfloat16 matmul in bfloat16, then
-    casts it); a gradient arriving at an output in its consumers', and in the autocast (or
-    TF32) precision of its enclosing calls (an enclosing module's own code may have used the
-    output: attention around a projection, a head fed what a pass-through dropout returned up
-    the chain); an input made by its parent's own code, in the parent's. Where ``tf32``
-    allows it, float32 matmul and convolution modules compute in ``tensorfloat32``."""
+    casts it); a gradient arriving at an output in its consumers', and in the autocast
+    precision of its enclosing calls, or TF32 where float32 matmuls may use it (an enclosing
+    module's own code may have used the output: attention around a projection, a head fed
+    what a pass-through dropout returned up the chain; a convolution's TF32 under cuDNN's flag
+    stays in its module); an input made by its parent's own code, in the parent's. Where
+    ``tf32`` allows it (:class:`Weighted`: cuBLAS's flag, cuDNN's), float32 modules with
+    weights compute in ``tensorfloat32``."""
     sides = [frame["dtype_a"].fillna(""), frame["dtype_b"].fillna("")]
     parents, consumers = call_links(frame)
     keys = list(zip(frame["epoch"], frame["step"], frame["rank"].fillna(-1), frame["call"]))
-    matmul, batched = weighted(frame)
+    weights = weighted(frame)
     for side, column in enumerate(("dtype_a", "dtype_b")):
         own = sides[side]
-        uses_tf32 = (matmul & tf32[side][0]) | (batched & tf32[side][1])
-        own = own.where(~(uses_tf32 & (own == "float32")), "tensorfloat32")
+        uses_tf32 = (weights.cublas & tf32[side][0]) | (weights.cudnn & tf32[side][1])
+        # an enclosing module's own code (attention's matmuls) uses TF32 under the matmul flag
+        code_lowers = (*AUTOCAST_DTYPES, *(("tensorfloat32",) if tf32[side][0] else ()))
+        own = own.where(~(uses_tf32 & (own == "float32") & (frame["kind"] != fmt.GRAD_OUTPUT)),
+                        "tensorfloat32")
         tf32_calls = {k for k, used in zip(keys, uses_tf32) if used}
         autocast = autocast_dtype(frame, sides[side])
         own_out = {}  # the precision of each call's own computation: its lowest output dtype
@@ -105,7 +121,7 @@ def computed_in(frame: pd.DataFrame, tf32: tuple[tuple[bool, bool], tuple[bool, 
             if out:
                 own_out[key] = lowest([out] + ([own_out[key]] if key in own_out else []))
         if autocast:
-            for key in {k for k, b in zip(keys, batched) if b}:
+            for key in {k for k, b in zip(keys, weights.batched) if b}:
                 own_out[key] = lowest([autocast] + ([own_out[key]] if key in own_out else []))
         inner: dict[tuple, str] = {}  # lowest output dtype of a call's descendants
         for key in sorted(parents, reverse=True):  # children before their parents
@@ -124,18 +140,20 @@ def computed_in(frame: pd.DataFrame, tf32: tuple[tuple[bool, bool], tuple[bool, 
 
         lowered = []
         for key, kind, producer, dtype in zip(keys, frame["kind"], frame["producer"], own):
-            candidates = [dtype, inner.get(key, "")]
+            candidates = [inner.get(key, "")]
             if kind in fmt.BACKWARD_KINDS or kind == fmt.OUTPUT:
                 candidates.append(own_out.get(key, ""))
             parent = parents.get(key)
             if kind == fmt.GRAD_OUTPUT:  # made by its consumers' backward, or enclosing code
+                # (the call's own TF32 kernels, and its children's, made none of it)
+                candidates = [d for d in candidates if d != "tensorfloat32"]
                 candidates += [d for c in consumers.get(key, []) for d in of_call(c)]
                 candidates += [d for c in ancestors(key) for d in of_call(c)
-                               if d in LOWERED_BY_CODE]
+                               if d in code_lowers]
             if kind == fmt.INPUT and producer < 0 and parent is not None:
                 candidates += of_call(parent)  # the parent's own matmuls too
                 if parent in tf32_calls and dtype == "float32":
                     candidates.append("tensorfloat32")
-            lowered.append(lowest([d for d in candidates if d]) if dtype else dtype)
+            lowered.append(lowest([dtype] + [d for d in candidates if d]) if dtype else dtype)
         sides[side] = pd.Series(lowered, frame.index)
     return sides[0], sides[1]

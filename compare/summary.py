@@ -2,6 +2,7 @@
 its reason, and the suspects ranked by added error."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -16,6 +17,8 @@ from .precision import precision_of
 from .verdict import USER_TOLERANCE
 
 SUSPECTS = 5  # suspects listed by the text summary
+# modules and ops whose results depend on random numbers, not only on their inputs
+RANDOM_CLASSES = re.compile(r"[Dd]ropout")
 # A passing record adding this many times the typical added error of comparable records
 # stands out: what its inputs' error could hide is then no agreement (verdict.SPREAD).
 OUTLIER = 6.0
@@ -111,6 +114,11 @@ class Divergence:
         if self.verdict == st.ORIGIN:
             lines.append(f"  the error starts in this {'op' if op is not None else 'module'} "
                          f"(its own computation)")
+            if RANDOM_CLASSES.search(str(r["cls"])) or (op is not None and
+                                                       RANDOM_CLASSES.search(op[1])):
+                lines.append("  it draws random numbers: if the runs draw different ones "
+                             "(another device, generator or seed), their masks differ; "
+                             "compare with dropout off (p=0) in both runs")
         elif self.verdict == st.WEIGHTS:
             lines.append("  this module's weights differ before the step: compare an earlier step "
                          "(or the checkpoints) to find where")

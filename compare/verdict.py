@@ -1,7 +1,9 @@
 """The verdict: each record's status from an error model of the two runs.
 
 Every compared record has a relative error ``rel_error`` (``||b - a|| / ||a||``; for records
-known by their statistics, an estimate from them). Its *input error* combines the errors of the
+known by their statistics, an estimate from them; where B's elements are A's in another order,
+``sorted_rel_err`` at least ``REORDERED_MARGIN`` times smaller, that one: code that orders rows
+otherwise is no error until a consumer's result differs). Its *input error* combines the errors of the
 records it is computed from (:mod:`compare.sources`, earlier in execution order): the largest
 of the data it receives and ``WEIGHT_GAIN`` times the largest of its weights, in quadrature
 (independent errors: weights drifted in earlier steps, data in this one; several sources of
@@ -58,6 +60,7 @@ from . import status as st
 from .calibration import EXACT_GAIN, EXACT_LABEL, GAIN, Expectation, calibrate
 from .precision import precision_of, rounding_of
 from .gains import adjoint_gains, linear_gains
+from .metrics import REORDERED_MARGIN
 from .scale import added_scale, scale_noise
 from .scale import describe as describe_scale
 from .sources import STEP_KEY, earlier_sources
@@ -153,6 +156,11 @@ class _Records:
         self.frame, self.n, self.user_tol = frame, len(frame), user_tol
         n = self.n
         self.err = err = _rel_error(frame)
+        # B's elements are A's in another order: judged by the error once both are sorted
+        with np.errstate(invalid="ignore"):
+            self.reordered = REORDERED_MARGIN * frame["sorted_rel_err"].to_numpy(float) < err
+        self.elementwise = err.copy()
+        err[self.reordered] = frame["sorted_rel_err"].to_numpy(float)[self.reordered]
         self.from_stats = frame["rel_l2_err"].isna().to_numpy() & \
             frame["rel_err_from_stats"].notna().to_numpy()
         self.measured = frame["status"].to_numpy(object)  # the metrics': equal, nan_mismatch...
@@ -216,13 +224,20 @@ class _Records:
         an input is positive on one side only (a fraction f of it), a ReLU, a max or a clamp
         passes the gradient in one run and not in the other: sqrt(f / active) of it,
         relatively, with ``active`` the share of the input that passes gradients (taken as at
-        least a quarter: a ReLU passes about half)."""
-        flips = (frame["sign_flips"] / frame["numel"]).fillna(0.0).to_numpy(float)
+        least a quarter: a ReLU passes about half). That error sits in the k flipped elements:
+        it gets the room of an error spread over k elements (``_sampling``), a few times
+        itself where k is 1 (a TF32 convolution's rounding tipping one element of a ReLU's
+        input)."""
+        flips = frame["sign_flips"].fillna(0.0).to_numpy(float)
+        share = flips / frame["numel"].to_numpy(float)
         inputs = (frame["kind"] == fmt.INPUT).to_numpy()
         out = np.zeros(self.n)
         for i in np.flatnonzero((frame["kind"] == fmt.GRAD_INPUT).to_numpy()):
             s = self.sources[i][inputs[self.sources[i]]]
-            out[i] = math.sqrt(flips[s].max() / DECIDING_SHARE) if len(s) else 0.0
+            if len(s) and flips[s].max() > 0:
+                k = s[np.argmax(share[s])]
+                out[i] = math.sqrt(share[k] / DECIDING_SHARE) * (
+                    1.0 + SAMPLING_SPREADS / math.sqrt(2.0 * flips[k]))
         return out
 
     def _sampling(self, frame: pd.DataFrame) -> np.ndarray:
@@ -372,6 +387,11 @@ class _Judgement:
         elif self.status[i] == st.INHERITED and len(carrying):
             worst = carrying[np.argmax(r.err[carrying])]
             self.reason[i] = f"carries the error of {r.label[worst]} ({r.err[worst]:.3g})"
+        if r.reordered[i]:
+            self.reason[i] = "; ".join(filter(None, [self.reason[i], (
+                f"B holds A's values in another order (rel error {r.elementwise[i]:.3g} element "
+                f"by element, {r.err[i]:.3g} once both are sorted): judged as sorted; its "
+                f"consumers show whether the order matters")]))
 
     def _repeat(self, i: int, first: int) -> None:
         """The same tensor as ``first``, judged already: the same judgement, but an error

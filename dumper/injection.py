@@ -42,6 +42,7 @@ from torch.utils.hooks import RemovableHandle
 
 from compare import format as fmt
 from compare.dump import Dump, StepFile, load_dump
+from compare.metrics import REORDERED_FROM, REORDERED_MARGIN, SORTED_ELEMENTS
 
 from .calls import CallHooks, hook_target, hookable_modules
 from .encoding import decode_to_tensor
@@ -76,6 +77,23 @@ def _within_range_of(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(ref == high, limit, torch.where(ref == -high, -limit, ref))
 
 
+def _reordered(ref: torch.Tensor, arrived: torch.Tensor) -> bool:
+    """Whether ``arrived`` holds ``ref``'s values in another order (the rule of
+    :mod:`compare.metrics`' ``sorted_rel_err``: ``REORDERED_FROM`` off element by element,
+    ``REORDERED_MARGIN`` times closer once both are sorted), e.g. tokens grouped by expert
+    with an unstable sort: injecting ``ref`` would put its values in the wrong places. Reads
+    one or two numbers back from the device."""
+    if not ref.is_floating_point() or ref.numel() > SORTED_ELEMENTS or ref.numel() < 2:
+        return False
+    a, b = ref.detach().reshape(-1).double(), arrived.detach().reshape(-1).double()
+    norm = float(a.norm())
+    elementwise = float((b - a).norm()) / norm if norm else 0.0
+    if not elementwise >= REORDERED_FROM:
+        return False
+    ordered = float((b.sort().values - a.sort().values).norm()) / norm
+    return REORDERED_MARGIN * ordered < elementwise
+
+
 def replaced(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``values`` in place of ``t`` in the graph: the gradient of the result flows to ``t``."""
     if t.requires_grad and torch.is_grad_enabled():
@@ -100,6 +118,7 @@ class StepReference:
         self._reader = step_file.open()
         self._lock = threading.Lock()
         self.injected = 0
+        self.reordered: list[str] = []  # reference values not injected: the run's, reordered
         if fmt.PARAM in injector.kinds and not any(k[2] == fmt.PARAM for k in self._rows):
             warnings.warn(f"h5cmp: the reference {injector.reference.path} holds no parameter "
                           f"values in step {self.label} (dump it with params=True): weights are "
@@ -112,6 +131,13 @@ class StepReference:
 
     def close(self) -> None:
         self._reader.close()
+        if self.reordered:
+            warnings.warn(f"h5cmp: {len(self.reordered)} value(s) of "
+                          f"{self.injector.reference.path} step {self.label} were not injected "
+                          f"(first: {self.reordered[0]}): the run holds the same values in "
+                          f"another order there (its code orders them otherwise), and the "
+                          f"reference's would land in the wrong places", RuntimeWarning,
+                          stacklevel=3)
         if self.injected == 0:
             warnings.warn(f"h5cmp: nothing of {self.injector.reference.path} step {self.label} "
                           f"was injected: it holds no values of these modules' calls (dumped "
@@ -140,6 +166,11 @@ class StepReference:
                              f"have the same model and batch")
         made = torch.empty_like(like).copy_(_within_range_of(ref, like.dtype))
         # (like's dtype, device and strides)
+        if key[2] != fmt.PARAM and _reordered(made, like):
+            with self._lock:
+                self.injected -= 1
+                self.reordered.append(f"{row.group}/{row.dataset}")
+            return None
         # and its class: hooks run with torch-function handling off (dumper.ops.quietly),
         # where a subclass's own __torch_function__ does not make one of its kind
         return made if type(made) is type(like) else made.as_subclass(type(like))

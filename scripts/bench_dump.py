@@ -374,6 +374,8 @@ def bench_model(name: str, factory, repeat: int, device: str, tmp: Path,
             **{k: with_hooks(*hooks) for k, hooks in floors.items()}}
     for run in runs.values():  # warm-up (allocator, pools, files)
         timed(run)
+    for d in dumpers.values():  # steps published in the background (on an accelerator)
+        d.wait()
     full = load_dump(dumpers["full tensors"].written_files[-1]).index
     stored = full[full["dataset"] != ""]
     sizes = [int(np.prod(s)) * 4 for s in stored["shape"]]  # float32 models

@@ -17,6 +17,8 @@ Variants (A, B, planted sizes):
     tf32      as gpu, with TF32 matmuls,                     plant 3e-2
     gpu-bf16  A float32 on the CPU, B bfloat16 autocast on CUDA, plant 0.1
 
+(Across devices dropout is off in both runs: CPU and CUDA generators draw different masks.)
+
 Each case trains ``--steps`` AdamW steps (1: the first step; 4: three steps before, the two
 runs' weights drifting apart in mixed precision) and dumps the last. A is dumped with
 ``params=True``; B healthy, and B with an error planted in the dumped step only by
@@ -142,7 +144,9 @@ def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: P
     if why:
         return {"unsupported": [f"{case}: {why}"]}
     rng = random.Random(zlib.crc32(case.encode()))
-    common = dict(seed=seed, steps=steps, optimizer=OPTIMIZER, plant_last_only=True)
+    # CPU and CUDA generators draw different dropout masks: off in both runs across devices
+    common = dict(seed=seed, steps=steps, optimizer=OPTIMIZER, plant_last_only=True,
+                  dropout=v.device == "cpu")
     root = tmp / f"{arch}-{variant}-{steps}-{seed}"
 
     def run_b(path: Path, **kwargs) -> Path:
@@ -172,8 +176,9 @@ def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: P
             direction = ("forward", "backward")[k % 2]
             module, where = rng.choice(modules), DIRECTIONS[direction]
             plant = {"plant": {"include": [module], "where": where, "scale": 1 + size}}
-            free = run_b(root / f"{size}-{k}", **plant)
-            injected = run_b(root / f"{size}-{k}-inj", **plant, **inject)
+            dump = f"{size:g}-{k}"
+            free = run_b(root / dump, **plant)
+            injected = run_b(root / f"{dump}-inj", **plant, **inject)
             result = compare_dumps(a, free)
             summary = summarize(result)
             first = summary.first
@@ -183,6 +188,7 @@ def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: P
             effect = _error_at(compare_dumps(healthy_inj, injected), module, where)
             out["plants"].append(dict(
                 variant=f"{variant} {size:g}", steps=steps, arch=arch, seed=seed, module=module,
+                dump=dump,
                 direction=direction,
                 visibility=_visibility(effect, _error_at(noise_result, module, where), size),
                 two_dump=first is not None and _named(named, module),
@@ -194,15 +200,19 @@ def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: P
                 injected=_named(_first_origin(table), module),
                 origins=sorted(set(table[table["verdict"] == ORIGIN]["module"]))[:4],
                 failing=int(result["status"].isin(FAILING).sum())))
-    if keep is not None and _worth_keeping(out):
-        shutil.copytree(root, keep / root.name)
+    if keep is not None:
+        _keep(root, out, keep / root.name)
     return out
 
 
-def _worth_keeping(case: dict) -> bool:
-    return (any(not h["ok"] or h["origins"] for h in case["healthy"])
-            or any(p["visibility"] == "visible" and not (p["two_dump"] and p["injected"])
-                   for p in case["plants"]))
+def _keep(root: Path, case: dict, keep: Path) -> None:
+    """The healthy pair (A, B, B re-run on A) and the missed plants' dumps of a case with a
+    false alarm, a false origin or a missed visible plant."""
+    missed = [p["dump"] for p in case["plants"]
+              if p["visibility"] == "visible" and not (p["two_dump"] and p["injected"])]
+    if missed or any(not h["ok"] or h["origins"] for h in case["healthy"]):
+        for name in ("a", "b", "b-inj", *missed, *(f"{m}-inj" for m in missed)):
+            shutil.copytree(root / name, keep / name)
 
 
 def rerun_equal(arch: str, steps: int, tmp: Path) -> bool:

@@ -5,13 +5,14 @@
 # Each part has its own time limit and prints as it goes, so a part cut short still reports.
 # Logs, and the dumps of the localization cases that went wrong, go to $OUT (or device-out/).
 #
-#     bash scripts/device_checks.sh [tests,dump,localize] [LOCALIZE STEPS, default 1]
+#     bash scripts/device_checks.sh [tests,dump,localize] [LOCALIZE STEPS, default 1] [SEEDS]
 #
 # Limits in seconds: H5CMP_TESTS_S (90), H5CMP_DUMP_S (180), H5CMP_LOCALIZE_S (180).
 set -u
 cd "$(dirname "$0")/.."
 parts="${1:-tests,dump,localize}"
 steps="${2:-1}"
+seeds="${3:-1 2 3}"
 out="${OUT:-device-out}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -41,7 +42,7 @@ if [[ ",$parts," == *,localize,* ]]; then
     # one seed at a time, so that the seeds done before the time limit are reported
     deadline=$(( SECONDS + ${H5CMP_LOCALIZE_S:-180} ))
     keep=$(mktemp -d)
-    for seed in 1 2 3; do
+    for seed in $seeds; do
         left=$(( deadline - SECONDS ))
         [ "$left" -gt 20 ] || break
         echo "== bench_localize seed $seed (gpu, tf32, gpu-bf16; steps $steps; $jobs jobs)"

@@ -202,13 +202,18 @@ HELD_OUT: dict[str, Arch] = {
 ARCHITECTURES.update(HELD_OUT)
 
 
-def build(arch: str, precision: str, seed: int = 0, device: str = "cpu"
+def build(arch: str, precision: str, seed: int = 0, device: str = "cpu", dropout: bool = True
           ) -> tuple[nn.Module, dict]:
     """The model of ``arch`` (weights from ``seed``) and its batch, at ``precision``, on
-    ``device``."""
+    ``device``; with ``dropout=False`` its dropout layers drop nothing (runs on two devices
+    draw different random numbers, so their masks would differ)."""
     spec = ARCHITECTURES[arch]
     torch.manual_seed(seed)
     model = spec.make()
+    if not dropout:
+        for module in model.modules():
+            if isinstance(module, nn.modules.dropout._DropoutNd):
+                module.p = 0.0
     batch = spec.batch(torch.Generator().manual_seed(seed + 1))
     if precision == "float64":
         model = model.double()
@@ -248,7 +253,7 @@ OPTIMIZERS = {
 def run_step(arch: str, precision: str, directory, *, seed: int = 0,
              plant: Optional[dict] = None, plant_last_only: bool = False,
              dumper_options: Optional[dict] = None, steps: int = 1, optimizer: str = "sgd",
-             device: str = "cpu") -> float:
+             device: str = "cpu", dropout: bool = True) -> float:
     """Train ``arch`` at ``precision`` for ``steps`` optimizer steps (``OPTIMIZERS``) on one
     batch and dump the last one into ``directory`` (``dumper_options`` are passed to
     ``HookerAndDumper``, e.g. ``{"params": True}`` or ``{"inject": reference}``); ``plant`` is
@@ -256,7 +261,7 @@ def run_step(arch: str, precision: str, directory, *, seed: int = 0,
     "where": "output"}``), in every step, or in the dumped one only with ``plant_last_only``.
     Returns the last loss."""
     from dumper import HookerAndDumper, perturb
-    model, batch = build(arch, precision, seed, device)
+    model, batch = build(arch, precision, seed, device, dropout)
     opt = OPTIMIZERS[optimizer](model.parameters())
     dumper = HookerAndDumper(directory, steps=[steps - 1], **(dumper_options or {}))
     planted = None

@@ -11,10 +11,10 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from compare import format as fmt, load_dump, localize
+from compare import compare_dumps, format as fmt, load_dump, localize, summarize
 from compare.cli import main as h5cmp
 from compare.status import ORIGIN
-from dumper import HookerAndDumper, Injector
+from dumper import HookerAndDumper, Injector, perturb
 
 from architectures import cannot_run, run_step
 from helpers import read_tensors
@@ -249,3 +249,61 @@ def test_an_injected_value_beyond_the_runs_range_saturates(tmp_path):
     a = run("a", torch.float64, params=True)
     injected = run("injected", torch.float32, inject=a)
     assert _origins(localize(a, run("free", torch.float32), injected)) == set()
+
+
+class GroupedExperts(nn.Module):
+    """Rows grouped by expert before the activation and put back after it, in an order that
+    depends on how the run sorts (``order``): as Hugging Face's grouped-matmul experts do with
+    an unstable sort, whose order among rows of one expert differs between CPU and CUDA."""
+
+    def __init__(self, order: int):
+        super().__init__()
+        self.order = order
+        self.up = nn.Linear(8, 16)
+        self.act_fn = nn.SiLU()
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.up(x)
+        perm = torch.randperm(len(h), generator=torch.Generator().manual_seed(self.order))
+        grouped = self.act_fn(h[perm])
+        return self.down(torch.empty_like(grouped).index_copy(0, perm, grouped))
+
+
+def _grouped_run(directory, order, plant=None, **options):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), GroupedExperts(order), nn.Linear(8, 2))
+    x = torch.randn(24, 8)
+    planted = perturb(model, ["1.down"], scale=1 + plant) if plant is not None else None
+    d = HookerAndDumper(directory, **options)
+    with d.hooks(model, 0, 0):
+        model(x).pow(2).mean().backward()
+    d.close()
+    if planted is not None:
+        planted.remove()
+    return directory
+
+
+def test_rows_in_another_order_are_no_divergence_and_are_not_injected(tmp_path):
+    """B's code orders rows otherwise (another sort order): its records inside hold A's
+    values in another order. Two dumps judge them as sorted and say so; a localizing re-run
+    does not inject A's values there (they would land in the wrong rows) and finds no origin;
+    a real error after the reordering is still found by both."""
+    a = _grouped_run(tmp_path / "a", order=1, params=True)
+    b = _grouped_run(tmp_path / "b", order=2)
+    result = compare_dumps(a, b)
+    act = result[(result["module"] == "1.act_fn") & (result["kind"] == "output")].iloc[0]
+    assert act["rel_l2_err"] > 1 and act["rel_error"] < 1e-6
+    assert "in another order" in act["reason"]
+    assert summarize(result).ok, summarize(result).verdict()
+    with pytest.warns(RuntimeWarning, match="another order"):
+        injected = _grouped_run(tmp_path / "b-inj", order=2, inject=a)
+    table = localize(a, b, injected)
+    assert (table["verdict"] != ORIGIN).all(), table[table["verdict"] == ORIGIN]
+    planted = _grouped_run(tmp_path / "p", order=2, plant=1e-3)
+    first = summarize(compare_dumps(a, planted)).first
+    assert (first.row["module"], first.row["kind"]) == ("1.down", "output")
+    with pytest.warns(RuntimeWarning, match="another order"):
+        planted_inj = _grouped_run(tmp_path / "p-inj", order=2, plant=1e-3, inject=a)
+    origins = localize(a, planted, planted_inj)
+    assert origins[origins["verdict"] == ORIGIN]["module"].iloc[0] == "1.down"

@@ -7,6 +7,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from torch import nn
 from click.testing import CliRunner
 
 from compare import compare_dumps, localize, summarize
@@ -381,3 +382,68 @@ def test_normalizations_over_two_elements_are_no_false_alarm(tmp_path, seed):
     assert not result["status"].isin(FAILING).any(), result[result["status"].isin(FAILING)]
     grads = result[(result["kind"] == "grad_output") & result["centered_rel_err"].notna()]
     assert len(grads) and (grads["centered_rel_err"] > grads["rel_error"]).any()
+
+
+def test_a_dropout_that_draws_other_masks_is_named_with_the_reason(tmp_path):
+    """Two runs whose generators differ (another device, say) draw different dropout masks:
+    the first divergence is the dropout, and the text says why and what to do."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 2))
+    x = torch.randn(16, 8)
+    for name, seed in (("a", 1), ("b", 2)):
+        torch.manual_seed(seed)
+        with HookerAndDumper(tmp_path / name).hooks(model, 0, 0):
+            model(x).sum().backward()
+        model.zero_grad()
+    first = summarize(compare_dumps(tmp_path / "a", tmp_path / "b")).first
+    assert (first.row["module"], first.row["kind"]) == ("1", "output")
+    assert "compare with dropout off (p=0) in both runs" in first.describe()
+
+
+class ConvExpertsHead(nn.Module):
+    """A convolution (cuDNN on CUDA), a normalization, experts with a 3-D weight (cuBLAS's
+    batched matmuls) and a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(4, 4, 3, padding=1)
+        self.norm = nn.LayerNorm(6)
+        self.experts = Experts()
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.head(self.experts(self.norm(self.conv(x))))
+
+
+class Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 6, 6) / 3)
+
+    def forward(self, x):  # x: (batch, 4 experts, 6)
+        return torch.einsum("bei,eio->beo", x, self.weight)
+
+
+@pytest.mark.parametrize("matmul, cudnn", [(False, True), (True, False), (True, True)])
+def test_tf32_lowers_what_each_flag_governs_and_no_gradient_it_did_not_make(
+        tmp_path, matmul, cudnn):
+    """Under cuDNN's TF32 flag a convolution computes in TF32, not batched experts (cuBLAS's
+    matmul flag governs those), and the gradient arriving at the convolution's output is made
+    by the normalization's backward: float32. An enclosing module's own code lowers the
+    gradients it sends back only under the matmul flag (its matmuls), not for its children's
+    convolutions."""
+    from compare.precision import computed_in
+    model = ConvExpertsHead()
+    x = torch.randn(3, 4, 6)
+    for name in ("a", "b"):
+        with HookerAndDumper(tmp_path / name, params=True).hooks(model, 0, 0):
+            model(x).sum().backward()
+    frame = compare_dumps(tmp_path / "a", tmp_path / "b")
+    _, b = computed_in(frame, ((False, False), (matmul, cudnn)))
+    of = {(m, k): d for m, k, d in zip(frame["module"], frame["kind"], b)}
+    tf32, f32 = "tensorfloat32", "float32"
+    assert of[("conv", "output")] == (tf32 if cudnn else f32)
+    assert of[("experts", "output")] == of[("head", "output")] == (tf32 if matmul else f32)
+    # made by the consumers' backward (the experts' for the norm's), and perhaps by matmuls in
+    # the model's own code under the matmul flag: never TF32 under cuDNN's alone
+    for module in ("conv", "norm", "head"):
+        assert of[(module, "grad_output")] == (tf32 if matmul else f32), module
