@@ -36,6 +36,9 @@ RNN_CLASSES = r"LSTM|GRU|RNN"
 CONV_CLASSES = r"Conv"
 EXACT_DTYPE = Rounding(0.0, 0.0)  # integers, bool
 AUTOCAST_DTYPES = ("bfloat16", "float16")
+# what enclosing code may compute a gradient in, below its tensors' dtype (an enclosing
+# module's float32 output, e.g. rotary tables in a float64 model, says nothing of its matmuls)
+LOWERED_BY_CODE = (*AUTOCAST_DTYPES, "tensorfloat32")
 
 
 
@@ -110,8 +113,11 @@ def computed_in(frame: pd.DataFrame, tf32: tuple[tuple[bool, bool], tuple[bool, 
     for side, column in enumerate(("dtype_a", "dtype_b")):
         own = sides[side]
         uses_tf32 = (weights.cublas & tf32[side][0]) | (weights.cudnn & tf32[side][1])
-        # an enclosing module's own code (attention's matmuls) uses TF32 under the matmul flag
-        code_lowers = (*AUTOCAST_DTYPES, *(("tensorfloat32",) if tf32[side][0] else ()))
+        # a module's own code (attention's matmuls) uses TF32 under the matmul flag only: a
+        # child convolution's TF32 under cuDNN's stays in the child
+        def by_code(dtypes: list[str]) -> list[str]:
+            return [d for d in dtypes if d != "tensorfloat32" or tf32[side][0]]
+
         own = own.where(~(uses_tf32 & (own == "float32") & (frame["kind"] != fmt.GRAD_OUTPUT)),
                         "tensorfloat32")
         tf32_calls = {k for k, used in zip(keys, uses_tf32) if used}
@@ -140,7 +146,9 @@ def computed_in(frame: pd.DataFrame, tf32: tuple[tuple[bool, bool], tuple[bool, 
 
         lowered = []
         for key, kind, producer, dtype in zip(keys, frame["kind"], frame["producer"], own):
-            candidates = [inner.get(key, "")]
+            # an output is made by the call's own code (its children's results are sources)
+            candidates = by_code([inner.get(key, "")]) if kind == fmt.OUTPUT else [
+                inner.get(key, "")]
             if kind in fmt.BACKWARD_KINDS or kind == fmt.OUTPUT:
                 candidates.append(own_out.get(key, ""))
             parent = parents.get(key)
@@ -148,10 +156,10 @@ def computed_in(frame: pd.DataFrame, tf32: tuple[tuple[bool, bool], tuple[bool, 
                 # (the call's own TF32 kernels, and its children's, made none of it)
                 candidates = [d for d in candidates if d != "tensorfloat32"]
                 candidates += [d for c in consumers.get(key, []) for d in of_call(c)]
-                candidates += [d for c in ancestors(key) for d in of_call(c)
-                               if d in code_lowers]
+                candidates += [d for c in ancestors(key) for d in by_code(of_call(c))
+                               if d in LOWERED_BY_CODE]
             if kind == fmt.INPUT and producer < 0 and parent is not None:
-                candidates += of_call(parent)  # the parent's own matmuls too
+                candidates += by_code(of_call(parent))  # the parent's own matmuls too
                 if parent in tf32_calls and dtype == "float32":
                     candidates.append("tensorfloat32")
             lowered.append(lowest([dtype] + [d for d in candidates if d]) if dtype else dtype)

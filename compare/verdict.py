@@ -1,9 +1,10 @@
 """The verdict: each record's status from an error model of the two runs.
 
 Every compared record has a relative error ``rel_error`` (``||b - a|| / ||a||``; for records
-known by their statistics, an estimate from them; where B's elements are A's in another order,
+known by their statistics, an estimate from them; where B holds A's values in another order,
 ``sorted_rel_err`` at least ``REORDERED_MARGIN`` times smaller, that one: code that orders rows
-otherwise is no error until a consumer's result differs). Its *input error* combines the errors of the
+otherwise, e.g. tokens grouped by expert with an unstable sort, is no error until a consumer's
+result differs, and the reason says so). Its *input error* combines the errors of the
 records it is computed from (:mod:`compare.sources`, earlier in execution order): the largest
 of the data it receives and ``WEIGHT_GAIN`` times the largest of its weights, in quadrature
 (independent errors: weights drifted in earlier steps, data in this one; several sources of
@@ -157,10 +158,11 @@ class _Records:
         n = self.n
         self.err = err = _rel_error(frame)
         # B's elements are A's in another order: judged by the error once both are sorted
-        with np.errstate(invalid="ignore"):
-            self.reordered = REORDERED_MARGIN * frame["sorted_rel_err"].to_numpy(float) < err
         self.elementwise = err.copy()
-        err[self.reordered] = frame["sorted_rel_err"].to_numpy(float)[self.reordered]
+        ordered = frame["sorted_rel_err"].to_numpy(float)
+        with np.errstate(invalid="ignore"):
+            self.reordered = REORDERED_MARGIN * ordered < err
+        err[self.reordered] = ordered[self.reordered]
         self.from_stats = frame["rel_l2_err"].isna().to_numpy() & \
             frame["rel_err_from_stats"].notna().to_numpy()
         self.measured = frame["status"].to_numpy(object)  # the metrics': equal, nan_mismatch...
@@ -443,10 +445,10 @@ class _Judgement:
 
     def _scale_moves(self, i: int, level: float) -> bool:
         """The scale test (:mod:`compare.scale`): backward records only, where the sources'
-        scales bound it."""
+        scales bound it (and the elements pair up: not values in another order)."""
         r = self.r
         added = r.scale_added[i]
-        return (not r.unbounded[i] and math.isfinite(added)
+        return (not r.unbounded[i] and not r.reordered[i] and math.isfinite(added)
                 and added > max(r.scale_noise[i], level, self._last_bit(i)))
 
     def _last_bit(self, i: int) -> float:

@@ -254,8 +254,8 @@ class StepCapture:
                 if want_input:
                     record = self._maker.tensor(seq, info, fmt.INPUT, index, leaf_path, leaf)
                     record.producer = self._producer_of(leaf)
-                    record.injected = fmt.INPUT in injects and inject.has(
-                        (info.module, info.call_idx, fmt.INPUT, index))
+                    record.injected = fmt.INPUT in injects and inject.injects(
+                        (info.module, info.call_idx, fmt.INPUT, index), leaf)
                     sink(record)
                 if want_grad and leaf.requires_grad:
                     node, nr = gradient_edge(leaf)

@@ -119,6 +119,7 @@ class StepReference:
         self._lock = threading.Lock()
         self.injected = 0
         self.reordered: list[str] = []  # reference values not injected: the run's, reordered
+        self._ready: dict[Key, tuple[torch.Tensor, torch.Tensor]] = {}  # see injects()
         if fmt.PARAM in injector.kinds and not any(k[2] == fmt.PARAM for k in self._rows):
             warnings.warn(f"h5cmp: the reference {injector.reference.path} holds no parameter "
                           f"values in step {self.label} (dump it with params=True): weights are "
@@ -152,7 +153,19 @@ class StepReference:
     def has(self, key: Key) -> bool:
         return key in self._rows
 
+    def injects(self, key: Key, like: torch.Tensor) -> bool:
+        """Whether the reference's value of ``key`` will be put in place of ``like``: it has
+        one, and ``like`` is not that value in another order. The value is read now and kept
+        for the :meth:`tensor` call that puts it in."""
+        value = self.tensor(key, like)
+        if value is not None:
+            self._ready[key] = (like, value)
+        return value is not None
+
     def tensor(self, key: Key, like: torch.Tensor) -> Optional[torch.Tensor]:
+        ready = self._ready.pop(key, None)
+        if ready is not None and ready[0] is like:
+            return ready[1]
         row = self._rows.get(key)
         if row is None:
             return None

@@ -254,7 +254,7 @@ def report(outcome: dict) -> None:
                               if p["cannot_tell"] else "NOT cannot tell")
                     print(f"      two-dump miss: {p['arch']} seed {p['seed']} "
                           f"{p['module'] or '<root>'}: named {p['named']}; {honest}; plant "
-                          f"{p['size'] / p['bound']:.1f}x the bound there")
+                          f"{p['size'] / max(p['bound'], 1e-300):.3g}x the bound there")
                 if not p["injected"]:
                     print(f"      injected miss: {p['arch']} seed {p['seed']} "
                           f"{p['module'] or '<root>'}: origins {p['origins']}")

@@ -292,12 +292,15 @@ def test_rows_in_another_order_are_no_divergence_and_are_not_injected(tmp_path):
     a = _grouped_run(tmp_path / "a", order=1, params=True)
     b = _grouped_run(tmp_path / "b", order=2)
     result = compare_dumps(a, b)
-    act = result[(result["module"] == "1.act_fn") & (result["kind"] == "output")].iloc[0]
-    assert act["rel_l2_err"] > 1 and act["rel_error"] < 1e-6
-    assert "in another order" in act["reason"]
+    act = result[(result["module"] == "1.act_fn") & (result["kind"] == "input")].iloc[0]
+    assert act["rel_l2_err"] > 1 and act["sorted_rel_err"] < 1e-6
+    assert act["status"] == "close" and "in another order" in act["reason"]
     assert summarize(result).ok, summarize(result).verdict()
     with pytest.warns(RuntimeWarning, match="another order"):
         injected = _grouped_run(tmp_path / "b-inj", order=2, inject=a)
+    index = load_dump(injected).index
+    act_input = index[(index["module"] == "1.act_fn") & (index["kind"] == "input")]
+    assert act_input["injected"].tolist() == [0]  # what arrived was kept, and says so
     table = localize(a, b, injected)
     assert (table["verdict"] != ORIGIN).all(), table[table["verdict"] == ORIGIN]
     planted = _grouped_run(tmp_path / "p", order=2, plant=1e-3)
