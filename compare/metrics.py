@@ -294,8 +294,8 @@ class ErrorAccumulator:
         out["status"] = status
         return out
 
-
     def _sorted_rel_err(self) -> float:
+        """``sorted_rel_err`` of the tensor kept in :attr:`whole`; NaN where none is kept."""
         if self.whole is None:
             return math.nan
         a, b = (np.sort(x.astype(np.float64)) for x in self.whole)

@@ -14,6 +14,10 @@ the replacement helpers put them in place:
   module's backward runs;
 - ``output``: a module call's result is replaced (repairs everything downstream).
 
+An input or incoming gradient that arrived as the reference's values in another order (code
+that orders rows otherwise, e.g. tokens grouped by expert with an unstable sort) is left as
+it is: the reference's would land in the wrong places (``StepReference.reordered``).
+
 In every kind, the extremes of the reference's dtype (``±finfo.max``) become the run's, not
 infinities: an attention mask filled with float64's minimum becomes one filled with
 float32's, as the run fills its own (other values beyond the run's range overflow as they

@@ -157,3 +157,16 @@ def test_centered_error_is_the_error_a_normalization_sees(shape, size):
     assert result["centered_rel_err"] == pytest.approx(expected, rel=1e-6)
     assert result["centered_rel_err"] > 10 * result["rel_l2_err"]
     assert math.isnan(ErrorAccumulator(Tolerance(0.0, 0.0)).result()["centered_rel_err"])
+
+
+def test_sorted_error_is_measured_only_where_elements_are_far_off():
+    """``sorted_rel_err``: B's elements in another order give the rounding left once both are
+    sorted; it is measured only for a tensor 0.5 off element by element, in one chunk."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(1000).astype(np.float32)
+    shuffled = rng.permutation(a) * np.float32(1 + 1e-6)
+    tol = pair_tolerance("float32", "float32")
+    assert compare_chunks([(a, shuffled)], tol)["sorted_rel_err"] == pytest.approx(1e-6, rel=0.1)
+    assert np.isnan(compare_chunks([(a, a * np.float32(1.1))], tol)["sorted_rel_err"])
+    halves = [(a[:500], shuffled[:500]), (a[500:], shuffled[500:])]  # not one chunk: not kept
+    assert np.isnan(compare_chunks(halves, tol)["sorted_rel_err"])
