@@ -28,7 +28,7 @@ import pandas as pd
 from . import format as fmt
 from .decoding import decode
 from .dump import Dump, check_checksum, dataset_id_of, open_h5
-from .metrics import ErrorAccumulator
+from .metrics import ErrorAccumulator, rows_measured
 from .pairing import KEY, tensor_rows
 from .prefetch import prefetched
 from .statistics import stats_from_sums
@@ -331,7 +331,7 @@ def compare_parts(parts_a: tuple[Part, ...], parts_b: tuple[Part, ...], tol: Tol
                   for d in range(len(sharded[0].shape)))
     if math.prod(shape) <= max_elements:
         a, b = (_whole_tensor(parts, shape, reader) for parts in (parts_a, parts_b))
-        acc = ErrorAccumulator(tol)
+        acc = ErrorAccumulator(tol, row=rows_measured(shape, max_elements))
         acc.update(a.reshape(-1), b.reshape(-1))
         return {**acc.result(), "rtol": tol.rtol, "atol": tol.atol,
                 "shard_rank": _rank_of_largest_error(a, b, sharded)}

@@ -22,7 +22,7 @@ from . import format as fmt
 from .alignment import align_ops
 from .assembly import PartReader, assemble, compare_parts, sharded_ranks, whole_part
 from .mapping import NameMapping, find_prefix, load_mapping
-from .metrics import METRIC_COLUMNS, ErrorAccumulator
+from .metrics import METRIC_COLUMNS, ErrorAccumulator, rows_measured
 from .prefetch import prefetched
 from .pairing import (KEY, align_ranks, at_rank, outside_compiled_regions, pair_records,
                       recorded_on_both_sides, select, tensor_rows)
@@ -308,9 +308,10 @@ def _run_task(task: tuple) -> dict[int, dict]:
                 if tuple(ref.shape_a) != tuple(ref.shape_b):
                     out[ref.row] = {"status": SHAPE_MISMATCH, "rtol": tol.rtol, "atol": tol.atol}
                 elif a is not None:
-                    acc = acc or ErrorAccumulator(tol, Centering(tuple(ref.shape_a),
-                                                                 ref.normalized)
-                                                  if ref.normalized else None)
+                    acc = acc or ErrorAccumulator(
+                        tol, Centering(tuple(ref.shape_a), ref.normalized)
+                        if ref.normalized else None,
+                        row=rows_measured(tuple(ref.shape_a), chunk_elements))
                     acc.update(a, b)
                 else:
                     out[ref.row] = {**(acc or ErrorAccumulator(tol)).result(),

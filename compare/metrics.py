@@ -15,13 +15,18 @@ Definitions (a = reference side A, b = side B; sums over elements finite on both
   sign_flips    elements positive on one side only (what a ReLU or a max decides differs)
   centered_rel_err  ||d_c|| / ||a_c||, each normalization group's mean removed: the error a
                 normalization fed this tensor sees (:mod:`compare.centering`; NaN unless asked)
-  sorted_rel_err  ||sort(b) - sort(a)|| / ||a||: the error if B's elements were A's in another
-                order (sorting pairs them as closely as any order can); NaN unless rel_l2_err
-                is at least REORDERED_FROM and the tensor at most SORTED_ELEMENTS, all finite
+  reordered_rel_err  ||b' - a'|| / ||a|| with each side's rows (vectors along the last
+                dimension) put in the order of their projection on a fixed random vector: the
+                error if B's rows are A's in another order (rows that match land at the same
+                place; unrelated rows do not match). NaN unless asked for (``row``: a tensor of
+                at least 2 rows of at least MIN_ROW elements, whole in one chunk of at most
+                REORDER_ELEMENTS), rel_l2_err is at least REORDERED_FROM, both norms agree
+                within NORMS_WITHIN and every element is finite
 Non-finite elements (NaN, ±Inf) are counted per side and matched by position.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
@@ -35,17 +40,42 @@ from .tolerance import Tolerance
 METRIC_COLUMNS = ("numel", "rms_a", "max_abs_err", "mean_abs_err", "max_rel_err", "rel_l2_err", "cosine",
                   "scale_err", "rmse", "mismatches", "mismatch_frac", "max_tol_ratio", "nan_a", "nan_b",
                   "inf_a", "inf_b", "sign_flips", "stat_rel_diff", "norm_rel_diff",
-                  "rel_err_from_stats", "sketched", "centered_rel_err", "sorted_rel_err")
-# a tensor this far off elementwise is also compared as sorted values (code that orders rows
-# otherwise, e.g. tokens grouped by expert with an unstable sort), if it has at most
-# SORTED_ELEMENTS elements (both sides are then held in memory and sorted)
+                  "rel_err_from_stats", "sketched", "centered_rel_err", "reordered_rel_err")
+# A tensor this far off element by element, whose norm B keeps, is also compared with its
+# rows paired by content (code that orders rows otherwise, e.g. tokens grouped by expert with
+# an unstable sort); rows of fewer elements could pair by chance, and larger tensors would
+# have to be held whole.
 REORDERED_FROM = 0.5
-SORTED_ELEMENTS = 1 << 22
-# an error this many times smaller once both sides are sorted: the same values, reordered.
-# Sorting also re-pairs values that only carry noise (a noise of relative size e leaves
-# about e² once both are sorted: an error of 0.36 in a normalization fed few elements left
-# 0.016), so the margin is wide; values reordered and rounded keep little more than rounding.
+NORMS_WITHIN = 0.1
+MIN_ROW = 4
+REORDER_ELEMENTS = 1 << 20
+# An error this many times smaller with the rows paired: B holds A's rows in another order.
+# Pairing also re-pairs rows that carry noise a little better than their own order does,
+# hence the wide margin; rows reordered and rounded keep no more than rounding.
 REORDERED_MARGIN = 100.0
+
+
+@functools.lru_cache(maxsize=64)
+def row_probe(length: int) -> np.ndarray:
+    """The fixed random vector rows of ``length`` elements are projected on to be paired
+    (the same in compare and in the dumper's injection)."""
+    return np.random.default_rng(length).standard_normal(length)
+
+
+def rows_measured(shape: tuple, limit: int = REORDER_ELEMENTS) -> int:
+    """Elements per row for ``reordered_rel_err`` of a tensor of ``shape`` read in chunks of
+    ``limit`` elements; 0 where it is not measured."""
+    n = math.prod(shape)
+    row = shape[-1] if len(shape) >= 2 else 0
+    return row if row >= MIN_ROW and n >= 2 * row and n <= min(limit, REORDER_ELEMENTS) else 0
+
+
+def rows_in_content_order(x: np.ndarray, row: int) -> np.ndarray:
+    """``x`` (flat) as rows of ``row`` elements in the order of their projection on
+    :func:`row_probe`."""
+    rows = x.astype(np.float64).reshape(-1, row)
+    peak = float(np.abs(rows).max())  # the order does not change with it; overflow does
+    return rows[np.argsort((rows / (peak or 1.0)) @ row_probe(row), kind="stable")]
 
 
 BLOCK = 1 << 15  # elements per computation block: a block's float64 buffers (5 x 256 KiB) stay
@@ -123,18 +153,24 @@ class ErrorAccumulator:
     sign_flips: int = 0
     all_equal: bool = True
     counts: dict = field(default_factory=lambda: dict(nan_a=0, nan_b=0, inf_a=0, inf_b=0))
-    # both sides of a tensor that came in one chunk and is far off elementwise (sorted_rel_err)
+    # elements per row where reordered_rel_err is wanted (:func:`rows_measured`), else 0
+    row: int = 0
+    # both sides, where the tensor is far off element by element (reordered_rel_err)
     whole: Optional[tuple[np.ndarray, np.ndarray]] = None
 
     def update(self, a: np.ndarray, b: np.ndarray) -> None:
-        """Add aligned flat chunks ``a`` and ``b`` (any numeric dtypes, same size)."""
-        first = self.numel == 0
+        """Add aligned flat chunks ``a`` and ``b`` (any numeric dtypes, same size): the
+        whole tensor in one call where ``row`` is given."""
         for start in range(0, a.size, BLOCK):
             self._update_block(a[start:start + BLOCK], b[start:start + BLOCK])
-        far_off = self.ssd >= REORDERED_FROM ** 2 * self.ssa > 0
-        self.whole = ((a.copy(), b.copy()) if first and far_off and a.size <= SORTED_ELEMENTS
-                      and a.dtype.kind in "iuf" and b.dtype.kind in "iuf"
-                      and self.n_finite == self.numel else None)
+        if a.size != self.numel:  # not the whole tensor after all
+            self.whole = None
+        elif (self.row and a.dtype.kind == b.dtype.kind == "f"
+                and self.n_finite == self.numel
+                and self.ssd >= REORDERED_FROM ** 2 * self.ssa > 0
+                and abs(math.sqrt(self.ssb) - math.sqrt(self.ssa))
+                <= NORMS_WITHIN * math.sqrt(self.ssa)):
+            self.whole = (a.copy(), b.copy())
 
     def _update_block(self, a: np.ndarray, b: np.ndarray) -> None:
         n, offset = a.size, self.numel
@@ -267,7 +303,8 @@ class ErrorAccumulator:
                     else self.centering.centered_rel_error(self.ssa, self.ssd))
         out = dict(
             stat_rel_diff=math.nan, norm_rel_diff=math.nan, rel_err_from_stats=math.nan,
-            sketched=math.nan, centered_rel_err=centered, sorted_rel_err=self._sorted_rel_err(),
+            sketched=math.nan, centered_rel_err=centered,
+            reordered_rel_err=self._reordered_rel_err(),
             numel=self.numel,
             max_abs_err=self.max_abs,
             mean_abs_err=self.sum_abs / n if n else 0.0,
@@ -294,12 +331,12 @@ class ErrorAccumulator:
         out["status"] = status
         return out
 
-    def _sorted_rel_err(self) -> float:
-        """``sorted_rel_err`` of the tensor kept in :attr:`whole`; NaN where none is kept."""
+    def _reordered_rel_err(self) -> float:
+        """``reordered_rel_err`` of the tensor kept in :attr:`whole`; NaN where none is."""
         if self.whole is None:
             return math.nan
-        a, b = (np.sort(x.astype(np.float64)) for x in self.whole)
-        d = b - a
+        a, b = (rows_in_content_order(x, self.row) for x in self.whole)
+        d = (b - a).reshape(-1)
         return math.sqrt(_dot(d, d)) / math.sqrt(self.ssa)
 
 

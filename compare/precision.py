@@ -32,7 +32,7 @@ ROUNDING.update({"complex128": ROUNDING["float64"], "complex64": ROUNDING["float
 # Modules whose float32 computation TF32 may touch: cuBLAS's, under the matmul flag, those
 # owning a weight matrix or a batch of them (experts' grouped matmuls); cuDNN's, under its
 # flag, convolutions and RNNs.
-RNN_CLASSES = r"LSTM|GRU|RNN"
+RNN_CLASSES = r"(?:LSTM|GRU|RNN)$"  # not their cells: matmuls
 CONV_CLASSES = r"Conv"
 EXACT_DTYPE = Rounding(0.0, 0.0)  # integers, bool
 AUTOCAST_DTYPES = ("bfloat16", "float16")
@@ -52,7 +52,8 @@ def precision_of(dtype_a: str, dtype_b: str) -> str:
 
 
 def lowest(dtypes) -> str:
-    return max(dtypes, key=lambda d: rounding_of(d).unit)
+    """The lowest precision of ``dtypes``; of equal ones (float16 and TF32), a real dtype."""
+    return max(dtypes, key=lambda d: (rounding_of(d).unit, d != "tensorfloat32"))
 
 
 class Weighted(NamedTuple):
@@ -118,8 +119,8 @@ def computed_in(frame: pd.DataFrame, tf32: tuple[tuple[bool, bool], tuple[bool, 
         def by_code(dtypes: list[str]) -> list[str]:
             return [d for d in dtypes if d != "tensorfloat32" or tf32[side][0]]
 
-        own = own.where(~(uses_tf32 & (own == "float32") & (frame["kind"] != fmt.GRAD_OUTPUT)),
-                        "tensorfloat32")
+        made = frame["kind"].isin([fmt.OUTPUT, fmt.GRAD_INPUT, fmt.PARAM_GRAD])  # by its kernels
+        own = own.where(~(uses_tf32 & (own == "float32") & made), "tensorfloat32")
         tf32_calls = {k for k, used in zip(keys, uses_tf32) if used}
         autocast = autocast_dtype(frame, sides[side])
         own_out = {}  # the precision of each call's own computation: its lowest output dtype
@@ -146,8 +147,9 @@ def computed_in(frame: pd.DataFrame, tf32: tuple[tuple[bool, bool], tuple[bool, 
 
         lowered = []
         for key, kind, producer, dtype in zip(keys, frame["kind"], frame["producer"], own):
-            # an output is made by the call's own code (its children's results are sources)
-            candidates = by_code([inner.get(key, "")]) if kind == fmt.OUTPUT else [
+            # an output or input is made by code (its children's results are sources); what
+            # a call sends back, by its children's kernels too
+            candidates = by_code([inner.get(key, "")]) if kind in (fmt.OUTPUT, fmt.INPUT) else [
                 inner.get(key, "")]
             if kind in fmt.BACKWARD_KINDS or kind == fmt.OUTPUT:
                 candidates.append(own_out.get(key, ""))

@@ -126,7 +126,8 @@ def compare_stats(a: tuple, b: tuple, tol: Tolerance, sketch_a: tuple = (),
     """Compare two tensors known by their statistics (``STAT_NAMES`` order).
 
     ``nan_mismatch`` when NaN/Inf counts differ; else each of min, max, mean, std and norm must
-    satisfy ``|b - a| <= atol + rtol |b|`` for ``close`` (all identical: ``equal``). Figures:
+    satisfy ``|b - a| <= atol + rtol |b|`` for ``close`` (all identical, and the sketches where
+    both have one: ``equal``). Figures:
     ``stat_rel_diff``, the largest ``|b - a| / max(|a|, atol)`` over those five;
     ``norm_rel_diff``, ``| ||b|| - ||a|| | / ||a||``; and ``rel_err_from_stats``, the verdict's
     estimate of the relative L2 error: from the two sides' sketches where both have one
@@ -162,6 +163,9 @@ def compare_stats(a: tuple, b: tuple, tol: Tolerance, sketch_a: tuple = (),
     out["sketched"] = float(not math.isnan(from_sketch))
     if out["sketched"]:
         out["rel_err_from_stats"] = from_sketch
+        # the same statistics, other sketches: the same values in other places (a transposed
+        # weight) are not equal
+        equal = equal and tuple(sketch_a) == tuple(sketch_b)
     if (sa["nan"], sa["inf"]) != (sb["nan"], sb["inf"]):
         out["status"] = NAN_MISMATCH
     else:

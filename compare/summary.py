@@ -18,7 +18,7 @@ from .verdict import USER_TOLERANCE
 
 SUSPECTS = 5  # suspects listed by the text summary
 # modules and ops whose results depend on random numbers, not only on their inputs
-RANDOM_CLASSES = re.compile(r"[Dd]ropout")
+RANDOM_CLASSES = re.compile(r"[Dd]ropout|DropPath|StochasticDepth|bernoulli")
 # A passing record adding this many times the typical added error of comparable records
 # stands out: what its inputs' error could hide is then no agreement (verdict.SPREAD).
 OUTLIER = 6.0

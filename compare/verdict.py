@@ -1,10 +1,10 @@
 """The verdict: each record's status from an error model of the two runs.
 
 Every compared record has a relative error ``rel_error`` (``||b - a|| / ||a||``; for records
-known by their statistics, an estimate from them; where B holds A's values in another order,
-``sorted_rel_err`` at least ``REORDERED_MARGIN`` times smaller, that one: code that orders rows
-otherwise, e.g. tokens grouped by expert with an unstable sort, is no error until a consumer's
-result differs, and the reason says so). Its *input error* combines the errors of the
+known by their statistics, an estimate from them; where B holds A's rows in another order,
+``reordered_rel_err`` at least ``REORDERED_MARGIN`` times smaller, that one: code that orders
+rows otherwise, e.g. tokens grouped by expert with an unstable sort, is no error until a
+consumer's result differs, and the reason says so; never for weights). Its *input error* combines the errors of the
 records it is computed from (:mod:`compare.sources`, earlier in execution order): the largest
 of the data it receives and ``WEIGHT_GAIN`` times the largest of its weights, in quadrature
 (independent errors: weights drifted in earlier steps, data in this one; several sources of
@@ -157,12 +157,13 @@ class _Records:
         self.frame, self.n, self.user_tol = frame, len(frame), user_tol
         n = self.n
         self.err = err = _rel_error(frame)
-        # B's elements are A's in another order: judged by the error once both are sorted
+        # B's rows are A's in another order (not weights): judged with the rows paired
         self.elementwise = err.copy()
-        ordered = frame["sorted_rel_err"].to_numpy(float)
+        paired = frame["reordered_rel_err"].to_numpy(float)
         with np.errstate(invalid="ignore"):
-            self.reordered = REORDERED_MARGIN * ordered < err
-        err[self.reordered] = ordered[self.reordered]
+            self.reordered = (REORDERED_MARGIN * paired < err) & ~frame["kind"].isin(
+                [fmt.PARAM, fmt.PARAM_GRAD]).to_numpy()
+        err[self.reordered] = paired[self.reordered]
         self.from_stats = frame["rel_l2_err"].isna().to_numpy() & \
             frame["rel_err_from_stats"].notna().to_numpy()
         self.measured = frame["status"].to_numpy(object)  # the metrics': equal, nan_mismatch...
@@ -230,13 +231,14 @@ class _Records:
         it gets the room of an error spread over k elements (``_sampling``), a few times
         itself where k is 1 (a TF32 convolution's rounding tipping one element of a ReLU's
         input)."""
-        flips = frame["sign_flips"].fillna(0.0).to_numpy(float)
-        share = flips / frame["numel"].to_numpy(float)
+        flips = np.where(self.reordered, 0.0, frame["sign_flips"].fillna(0.0).to_numpy(float))
+        numel = frame["numel"].to_numpy(float)
+        share = np.divide(flips, numel, out=np.zeros(self.n), where=numel > 0)
         inputs = (frame["kind"] == fmt.INPUT).to_numpy()
         out = np.zeros(self.n)
         for i in np.flatnonzero((frame["kind"] == fmt.GRAD_INPUT).to_numpy()):
-            s = self.sources[i][inputs[self.sources[i]]]
-            if len(s) and flips[s].max() > 0:
+            s = self.sources[i][inputs[self.sources[i]] & (share[self.sources[i]] > 0)]
+            if len(s):
                 k = s[np.argmax(share[s])]
                 out[i] = math.sqrt(share[k] / DECIDING_SHARE) * (
                     1.0 + SAMPLING_SPREADS / math.sqrt(2.0 * flips[k]))
@@ -251,7 +253,8 @@ class _Records:
             spread = self.err * frame["rms_a"].to_numpy(float) * np.sqrt(
                 frame["numel"].to_numpy(float))
             elements = (spread / peak) ** 2
-        elements = np.where(np.isfinite(elements), elements, 0.0)
+        # (a record of rows in another order: its element-by-element peak says nothing)
+        elements = np.where(np.isfinite(elements) & ~self.reordered, elements, 0.0)
         # an error of the record's own in few elements (a bug in one) gets no more room than
         # the error it receives is spread over
         widest = np.array([max(elements[i], elements[s[np.argmax(self.given[s])]])
@@ -389,10 +392,10 @@ class _Judgement:
         elif self.status[i] == st.INHERITED and len(carrying):
             worst = carrying[np.argmax(r.err[carrying])]
             self.reason[i] = f"carries the error of {r.label[worst]} ({r.err[worst]:.3g})"
-        if r.reordered[i]:
+        if r.reordered[i] and not r.user_tol:
             self.reason[i] = "; ".join(filter(None, [self.reason[i], (
-                f"B holds A's values in another order (rel error {r.elementwise[i]:.3g} element "
-                f"by element, {r.err[i]:.3g} once both are sorted): judged as sorted; its "
+                f"B holds A's rows in another order (rel error {r.elementwise[i]:.3g} element "
+                f"by element, {r.err[i]:.3g} with the rows paired by content): judged so; its "
                 f"consumers show whether the order matters")]))
 
     def _repeat(self, i: int, first: int) -> None:

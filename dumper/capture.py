@@ -308,6 +308,7 @@ class StepCapture:
         made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         replace = inject.leaf_replacer(call.info.module, call.info.call_idx, fmt.INPUT, made)
         args, kwargs = map_tensors(args, replace), map_tensors(kwargs, replace)
+        inject.forget_ready()
         for index, (arrived, put) in made.items():
             call.inputs.update({id(arrived): index, id(put): index})
             chain = frozenset({id(put), id(arrived), *self._injected_chain(arrived)})

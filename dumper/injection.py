@@ -14,9 +14,10 @@ the replacement helpers put them in place:
   module's backward runs;
 - ``output``: a module call's result is replaced (repairs everything downstream).
 
-An input or incoming gradient that arrived as the reference's values in another order (code
-that orders rows otherwise, e.g. tokens grouped by expert with an unstable sort) is left as
-it is: the reference's would land in the wrong places (``StepReference.reordered``).
+A value that arrived as the reference's rows in another order (code that orders rows
+otherwise, e.g. tokens grouped by expert with an unstable sort) is left as it is, in every
+kind but ``param``: the reference's would land in the wrong places
+(``StepReference.reordered``).
 
 In every kind, the extremes of the reference's dtype (``±finfo.max``) become the run's, not
 infinities: an attention mask filled with float64's minimum becomes one filled with
@@ -46,7 +47,8 @@ from torch.utils.hooks import RemovableHandle
 
 from compare import format as fmt
 from compare.dump import Dump, StepFile, load_dump
-from compare.metrics import REORDERED_FROM, REORDERED_MARGIN, SORTED_ELEMENTS
+from compare.metrics import (NORMS_WITHIN, REORDERED_FROM, REORDERED_MARGIN, row_probe,
+                             rows_measured)
 
 from .calls import CallHooks, hook_target, hookable_modules
 from .encoding import decode_to_tensor
@@ -82,20 +84,22 @@ def _within_range_of(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _reordered(ref: torch.Tensor, arrived: torch.Tensor) -> bool:
-    """Whether ``arrived`` holds ``ref``'s values in another order (the rule of
-    :mod:`compare.metrics`' ``sorted_rel_err``: ``REORDERED_FROM`` off element by element,
-    ``REORDERED_MARGIN`` times closer once both are sorted), e.g. tokens grouped by expert
-    with an unstable sort: injecting ``ref`` would put its values in the wrong places. Reads
-    one or two numbers back from the device."""
-    if not ref.is_floating_point() or ref.numel() > SORTED_ELEMENTS or ref.numel() < 2:
+    """Whether ``arrived`` holds ``ref``'s rows in another order, by the rule of
+    :mod:`compare.metrics`' ``reordered_rel_err`` (far off element by element, the same norm,
+    ``REORDERED_MARGIN`` times closer with the rows paired by content), e.g. tokens grouped by
+    expert with an unstable sort: injecting ``ref`` would put its rows in the wrong places.
+    Reads three numbers back from the device, and one more where they fit the rule."""
+    row = rows_measured(tuple(ref.shape))
+    if not row or not ref.is_floating_point():
         return False
-    a, b = ref.detach().reshape(-1).double(), arrived.detach().reshape(-1).double()
-    norm = float(a.norm())
-    elementwise = float((b - a).norm()) / norm if norm else 0.0
-    if not elementwise >= REORDERED_FROM:
+    a, b = (x.detach().reshape(-1, row).double() for x in (ref, arrived))
+    norm_a, norm_b, norm_d = torch.stack([a.norm(), b.norm(), (b - a).norm()]).tolist()
+    if not (norm_a > 0 and norm_d >= REORDERED_FROM * norm_a
+            and abs(norm_b - norm_a) <= NORMS_WITHIN * norm_a):
         return False
-    ordered = float((b.sort().values - a.sort().values).norm()) / norm
-    return REORDERED_MARGIN * ordered < elementwise
+    probe = torch.from_numpy(row_probe(row)).to(a.device)
+    a, b = (x[torch.argsort((x / x.abs().max()) @ probe, stable=True)] for x in (a, b))
+    return REORDERED_MARGIN * float((b - a).norm()) < norm_d
 
 
 def replaced(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -123,7 +127,7 @@ class StepReference:
         self._lock = threading.Lock()
         self.injected = 0
         self.reordered: list[str] = []  # reference values not injected: the run's, reordered
-        self._ready: dict[Key, tuple[torch.Tensor, torch.Tensor]] = {}  # see injects()
+        self._ready: dict[Key, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}  # injects()
         if fmt.PARAM in injector.kinds and not any(k[2] == fmt.PARAM for k in self._rows):
             warnings.warn(f"h5cmp: the reference {injector.reference.path} holds no parameter "
                           f"values in step {self.label} (dump it with params=True): weights are "
@@ -136,6 +140,7 @@ class StepReference:
 
     def close(self) -> None:
         self._reader.close()
+        self.forget_ready()
         if self.reordered:
             warnings.warn(f"h5cmp: {len(self.reordered)} value(s) of "
                           f"{self.injector.reference.path} step {self.label} were not injected "
@@ -162,9 +167,13 @@ class StepReference:
         one, and ``like`` is not that value in another order. The value is read now and kept
         for the :meth:`tensor` call that puts it in."""
         value = self.tensor(key, like)
-        if value is not None:
-            self._ready[key] = (like, value)
+        self._ready[key] = (like, value)
         return value is not None
+
+    def forget_ready(self) -> None:
+        """Drop values :meth:`injects` read that no :meth:`tensor` call took (a tensor passed
+        twice is replaced once)."""
+        self._ready.clear()
 
     def tensor(self, key: Key, like: torch.Tensor) -> Optional[torch.Tensor]:
         ready = self._ready.pop(key, None)

@@ -212,7 +212,7 @@ def _keep(root: Path, case: dict, keep: Path) -> None:
               if p["visibility"] == "visible" and not (p["two_dump"] and p["injected"])]
     if missed or any(not h["ok"] or h["origins"] for h in case["healthy"]):
         for name in ("a", "b", "b-inj", *missed, *(f"{m}-inj" for m in missed)):
-            shutil.copytree(root / name, keep / name)
+            shutil.copytree(root / name, keep / name, dirs_exist_ok=True)
 
 
 def rerun_equal(arch: str, steps: int, tmp: Path) -> bool:

@@ -286,14 +286,14 @@ def _grouped_run(directory, order, plant=None, **options):
 
 def test_rows_in_another_order_are_no_divergence_and_are_not_injected(tmp_path):
     """B's code orders rows otherwise (another sort order): its records inside hold A's
-    values in another order. Two dumps judge them as sorted and say so; a localizing re-run
+    rows in another order. Two dumps judge them with the rows paired and say so; a localizing re-run
     does not inject A's values there (they would land in the wrong rows) and finds no origin;
     a real error after the reordering is still found by both."""
     a = _grouped_run(tmp_path / "a", order=1, params=True)
     b = _grouped_run(tmp_path / "b", order=2)
     result = compare_dumps(a, b)
     act = result[(result["module"] == "1.act_fn") & (result["kind"] == "input")].iloc[0]
-    assert act["rel_l2_err"] > 1 and act["sorted_rel_err"] < 1e-6
+    assert act["rel_l2_err"] > 1 and act["reordered_rel_err"] < 1e-6
     assert act["status"] == "close" and "in another order" in act["reason"]
     assert summarize(result).ok, summarize(result).verdict()
     with pytest.warns(RuntimeWarning, match="another order"):

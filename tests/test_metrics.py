@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from compare.metrics import ErrorAccumulator, compare_chunks
+from compare.metrics import ErrorAccumulator, compare_chunks, rows_measured
 from compare.tolerance import Tolerance, pair_tolerance
 
 TOL = Tolerance(1e-3, 1e-5)
@@ -159,14 +159,34 @@ def test_centered_error_is_the_error_a_normalization_sees(shape, size):
     assert math.isnan(ErrorAccumulator(Tolerance(0.0, 0.0)).result()["centered_rel_err"])
 
 
-def test_sorted_error_is_measured_only_where_elements_are_far_off():
-    """``sorted_rel_err``: B's elements in another order give the rounding left once both are
-    sorted; it is measured only for a tensor 0.5 off element by element, in one chunk."""
+def test_rows_in_another_order_are_paired_by_content_and_nothing_else_is():
+    """``reordered_rel_err``: B's rows in another order leave the rounding once paired; rows
+    that are not A's (another draw of the same distribution, other dropout masks, a
+    transpose) do not pair, however many there are; a 1-D tensor, or one read in several
+    chunks, is not measured."""
     rng = np.random.default_rng(0)
-    a = rng.standard_normal(1000).astype(np.float32)
-    shuffled = rng.permutation(a) * np.float32(1 + 1e-6)
+    shape = (2048, 64)
+    a = rng.standard_normal(shape).astype(np.float32)
     tol = pair_tolerance("float32", "float32")
-    assert compare_chunks([(a, shuffled)], tol)["sorted_rel_err"] == pytest.approx(1e-6, rel=0.1)
-    assert np.isnan(compare_chunks([(a, a * np.float32(1.1))], tol)["sorted_rel_err"])
-    halves = [(a[:500], shuffled[:500]), (a[500:], shuffled[500:])]  # not one chunk: not kept
-    assert np.isnan(compare_chunks(halves, tol)["sorted_rel_err"])
+    row = rows_measured(shape)
+
+    def paired(b, row=row):
+        acc = ErrorAccumulator(tol, row=row)
+        acc.update(a.reshape(-1), b.reshape(-1))
+        return acc.result()["reordered_rel_err"]
+
+    shuffled = a[rng.permutation(shape[0])] * np.float32(1 + 1e-6)
+    assert paired(shuffled) == pytest.approx(1e-6, rel=0.1)
+    another_draw = rng.standard_normal(shape).astype(np.float32)
+    within_rows = np.ascontiguousarray(a[:, ::-1])
+    assert paired(another_draw) > 0.5 and paired(within_rows) > 0.5
+    dropped = [((rng.random(shape) < 0.5) * a * 2).astype(np.float32) for _ in range(2)]
+    acc = ErrorAccumulator(tol, row=row)
+    acc.update(dropped[0].reshape(-1), dropped[1].reshape(-1))
+    assert acc.result()["reordered_rel_err"] > 0.5
+    assert np.isnan(paired(a * np.float32(1.1)))        # not far off: not measured
+    assert rows_measured((4096,)) == 0 and rows_measured((1 << 20, 4)) == 0
+    acc = ErrorAccumulator(tol, row=row)                 # several chunks: not measured
+    for half in np.split(np.arange(a.size), 2):
+        acc.update(a.reshape(-1)[half], shuffled.reshape(-1)[half])
+    assert np.isnan(acc.result()["reordered_rel_err"])

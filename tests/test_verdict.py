@@ -2,6 +2,7 @@
 found where they were planted, their consequences are inherited, not failed."""
 from __future__ import annotations
 
+import copy
 import warnings
 
 import numpy as np
@@ -243,8 +244,8 @@ def test_a_low_precision_backward_error_is_found_by_its_scale(tmp_path):
 def test_a_later_step_says_what_two_dumps_cannot_tell_and_the_rerun_names_it(tmp_path):
     """Three AdamW steps in float32 and in bfloat16 autocast, then a 3 % error in one
     BatchNorm's output in the fourth: the drifted weights could hide it, and the verdict says
-    so (an outlier it cannot place, the suspects, the re-run that settles it), exit 0; the
-    re-run on A's values names the BatchNorm, exit 1."""
+    so (the error that could hide, where, the suspects, the re-run that settles it), exit 0;
+    the re-run on A's values names the BatchNorm, exit 1."""
     common = dict(steps=4, optimizer="adamw", plant_last_only=True)
     plant = {"include": ["layer1.1.bn1"], "where": "output", "scale": 1.03}
     run_step("resnet", "float32", tmp_path / "a", dumper_options={"params": True}, **common)
@@ -252,13 +253,12 @@ def test_a_later_step_says_what_two_dumps_cannot_tell_and_the_rerun_names_it(tmp
     run_step("resnet", "bfloat16", tmp_path / "c", plant=plant,
              dumper_options={"inject": tmp_path / "a"}, **common)
     summary = summarize(compare_dumps(tmp_path / "a", tmp_path / "b"))
-    assert summary.ok and summary.cannot_tell and len(summary.outliers)
+    assert summary.ok and summary.cannot_tell
     out = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "b")])
     assert out.exit_code == 0
     assert "A's param_grad records of step 0:3 are not compared" in out.stderr  # params=True
     line = out.stdout.splitlines()[0]
-    assert line.startswith("B may diverge from A; two dumps cannot tell: ") and "typical" in line
-    assert "could hide" in line and "B agrees" not in line
+    assert "two dumps can" in line and "could hide" in line
     assert "cannot tell: in " in out.output and "up to" in out.output
     assert "re-run B on A's values to settle it: HookerAndDumper(..., inject=A)" in out.output
     rerun = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "b"),
@@ -447,3 +447,71 @@ def test_tf32_lowers_what_each_flag_governs_and_no_gradient_it_did_not_make(
     # the model's own code under the matmul flag: never TF32 under cuDNN's alone
     for module in ("conv", "norm", "head"):
         assert of[(module, "grad_output")] == (tf32 if matmul else f32), module
+
+
+def _two_runs(tmp_path, model_a, model_b, x, params=True):
+    for name, model in (("a", model_a), ("b", model_b)):
+        with HookerAndDumper(tmp_path / name, params=params).hooks(model, 0, 0):
+            model(x).pow(2).sum().backward()
+    return summarize(compare_dumps(tmp_path / "a", tmp_path / "b"))
+
+
+class TransposesBetween(nn.Module):
+    """Its own code transposes a square activation before its child (``bug``), or not."""
+
+    def __init__(self, bug: bool):
+        super().__init__()
+        self.bug = bug
+        self.inner = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.inner(x)
+        return self.out(h.T if self.bug else h)
+
+
+def test_reordering_excuses_neither_weights_nor_a_transpose(tmp_path):
+    """Values that are A's in another order are only excused row for row: transposed
+    weights are weights that differ, and a transpose in a module's own code is a difference
+    between its two children, not one of the child that gets it."""
+    x = torch.randn(16, 16)
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        b[0].weight.copy_(a[0].weight.T)
+    for params in (True, False):  # values; statistics and a sketch (the same statistics)
+        first = _two_runs(tmp_path / f"weights-{params}", a, b, x, params).first
+        assert (first.row["module"], first.row["kind"]) == ("0", "param")
+    torch.manual_seed(0)
+    a = TransposesBetween(False)
+    b = copy.deepcopy(a)
+    b.bug = True
+    first = _two_runs(tmp_path / "transpose", a, b, x).first
+    assert (first.row["module"], first.row["kind"]) == ("out", "input")
+
+
+class EmptyAside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.relu = Takes2()
+
+    def forward(self, x):
+        return self.relu(x, torch.zeros(0))
+
+
+class Takes2(nn.Module):
+    def forward(self, x, empty):
+        return torch.relu(x) + empty.sum()
+
+
+def test_a_call_with_an_empty_input_beside_flipped_signs_is_judged(tmp_path):
+    """The gradient a call's sign flips explain, where another of its inputs is empty."""
+    x = torch.randn(64, 8)
+    b_x = x + 1e-3 * torch.randn(64, 8)   # tips some signs
+    model = EmptyAside()
+    for name, batch in (("a", x), ("b", b_x)):
+        with HookerAndDumper(tmp_path / name).hooks(model, 0, 0):
+            model(batch.requires_grad_()).pow(2).sum().backward()
+    result = compare_dumps(tmp_path / "a", tmp_path / "b")
+    assert len(result) and result["status"].notna().all()
