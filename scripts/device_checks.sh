@@ -2,8 +2,10 @@
 # The checks that need a CUDA device, as one command for a lent GPU machine whose python3 has
 # torch, h5py, pandas, click, pytest and transformers (h5cmp itself runs from this checkout):
 # the CUDA tests, scripts/bench_dump.py and the GPU variants of scripts/bench_localize.py.
-# Each part has its own time limit and prints as it goes, so a part cut short still reports.
-# Logs, and the dumps of the localization cases that went wrong, go to $OUT (or device-out/).
+# Each part has its own time limit and prints as it goes, so a part cut short still reports;
+# a summary of every part comes last (the end of the output is what a lent machine returns).
+# The whole log goes to $OUT/checks.log (or device-out/), the dumps of the localization cases
+# that went wrong to $OUT/kept.tgz.partNN (45 MB at most: what comes back is limited).
 #
 #     bash scripts/device_checks.sh [tests,dump,localize] [LOCALIZE STEPS, default 1] [SEEDS]
 #
@@ -15,6 +17,7 @@ steps="${2:-1}"
 seeds="${3:-1 2 3}"
 out="${OUT:-device-out}"
 mkdir -p "$out"
+exec > >(tee -a "$out/checks.log") 2>&1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py="${PYTHON:-python3}"
 jobs=$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))
@@ -31,12 +34,13 @@ if [[ ",$parts," == *,tests,* ]]; then
     echo "== CUDA tests"
     timeout "${H5CMP_TESTS_S:-90}" "$py" -m pytest -q -m cuda -p no:cacheprovider \
         tests/test_fast_capture.py tests/test_sentinel.py tests/test_numerics.py \
-        2>&1 | tee "$out/tests.log" | tail -25
+        >/tmp/h5cmp-tests.log 2>&1
+    tail -25 /tmp/h5cmp-tests.log
 fi
 if [[ ",$parts," == *,dump,* ]]; then
     echo "== bench_dump"
     timeout "${H5CMP_DUMP_S:-180}" "$py" scripts/bench_dump.py --device cuda --repeat 5 \
-        --memory-steps 0 --paired-rounds 8 2>&1 | tee "$out/bench_dump.log"
+        --memory-steps 0 --paired-rounds 8 2>&1 | tee /tmp/h5cmp-dump.log
 fi
 if [[ ",$parts," == *,localize,* ]]; then
     # one seed at a time, so that the seeds done before the time limit are reported
@@ -48,14 +52,21 @@ if [[ ",$parts," == *,localize,* ]]; then
         echo "== bench_localize seed $seed (gpu, tf32, gpu-bf16; steps $steps; $jobs jobs)"
         timeout "$left" "$py" scripts/bench_localize.py --variants gpu,tf32,gpu-bf16 \
             --steps "$steps" --seeds "$seed" --jobs "$jobs" --keep "$keep/kept" \
-            >"$out/localize-$seed.log" 2>"$out/localize.err"
+            >"/tmp/h5cmp-localize-$seed.log" 2>/tmp/h5cmp-localize.err
         echo "exit $?"
-        cat "$out/localize-$seed.log"
-        grep -v " done$" "$out/localize.err" | tail -5
+        cat "/tmp/h5cmp-localize-$seed.log"
+        grep -v " done$" /tmp/h5cmp-localize.err | tail -5
     done
     if [ -d "$keep/kept" ]; then
-        tar czf "$keep/kept.tgz" -C "$keep" kept
-        split -b 15M -d "$keep/kept.tgz" "$out/kept.tgz.part"
+        tar czf - -C "$keep" kept | head -c 45M | split -b 15M -d - "$out/kept.tgz.part"
         ls -l "$out"/kept.tgz.part*
     fi
 fi
+
+echo "== summary"
+[ -f /tmp/h5cmp-tests.log ] && echo "CUDA tests: $(tail -1 /tmp/h5cmp-tests.log)"
+[ -f /tmp/h5cmp-dump.log ] && grep -E "GPU: |host sync" /tmp/h5cmp-dump.log
+for log in /tmp/h5cmp-localize-*.log; do
+    [ -f "$log" ] && echo "$log" && grep -E "^(held-out|tuning):|two-dump [0-9]+/" "$log"
+done
+true
