@@ -97,6 +97,34 @@ class _Calls:
             yield key, key[3], first
 
 
+def bias_scales(frame: pd.DataFrame) -> np.ndarray:
+    """Per ``param`` row that is a bias (a parameter of shape ``(n_out,)`` of a module owning a
+    weight of two or more dimensions), its scale over its call's output's, ``rms(b) / rms(y)``
+    (A's figures, the module's first call): a bias is added to the output, so its error moves
+    the output by exactly its own absolute error, and a relative error of ``e`` in it is one of
+    ``e rms(b) / rms(y)`` in the output (a key projection's bias, which no gradient reaches,
+    differs between runs by many times itself and moves nothing); NaN elsewhere."""
+    out = np.full(len(frame), np.nan)
+    is_param = (frame["kind"] == fmt.PARAM).to_numpy()
+    params = frame[is_param]
+    weights = {m: _weight(p) for m, p in params.groupby("module", sort=False)}
+    rows: dict[tuple, list[int]] = {}
+    for pos, key in zip(np.flatnonzero(is_param), zip(
+            params["epoch"], params["step"], params["rank"].fillna(-1), params["module"])):
+        rows.setdefault(key, []).append(pos)
+    calls = _Calls(frame)
+    for key, module, first in calls:
+        weight, y = weights.get(module), first.get((fmt.OUTPUT, 0))
+        if weight is None or y is None or not calls.rms[y] > 0 \
+                or not isinstance(calls.shape[y], tuple):
+            continue
+        n_out = _outputs(weight[1], calls.shape[y])
+        for pos in rows.pop(key[:4], ()):  # the module's first call
+            if n_out and calls.shape[pos] == (n_out,) and calls.rms[pos] == calls.rms[pos]:
+                out[pos] = calls.rms[pos] / calls.rms[y]
+    return out
+
+
 def linear_gains(frame: pd.DataFrame) -> np.ndarray:
     """Per row, the weight-matrix amplification above for the output (forward), the
     grad_input and the weight's and bias's gradients of a call of a module owning a weight of

@@ -34,7 +34,7 @@ The parent of a call is the latest earlier call whose module path contains it
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import pandas as pd
@@ -145,6 +145,19 @@ class _Step:
         parent = self.parent[call]
         return [] if parent is None else self.children[parent]
 
+    def code_values(self, call: int) -> list[int]:
+        """Where no recorded call consumed the call's outputs and its parent is not the
+        outermost call, the gradient arriving at them comes back through the parent's own code,
+        whose backward uses the values its forward did: the parent's inputs and weights, and
+        its children's outputs that no recorded call consumed either (the root's own code, with
+        the loss beyond it, is left out). Else none."""
+        parent = self.parent[call]
+        if parent is None or self.consumers.get(call) or self.parent[parent] is None:
+            return []
+        used = [c for c in self.siblings(call) if not self.consumers.get(c)]
+        return (self.of((parent,), fmt.INPUT) + self.weights(parent)
+                + self.of(used, fmt.OUTPUT))
+
     def sources(self, call: int, module: str, kind: str, occurrence: int, producer: int
                 ) -> list[int]:
         fwd = (call,)
@@ -168,15 +181,7 @@ class _Step:
             sources = (self.of(fwd, fmt.OUTPUT)
                        + self.of(sorted(set(after) | set(consumers)), fmt.GRAD_INPUT, occurrence)
                        + self.of((parent,), fmt.GRAD_OUTPUT, occurrence))
-            if consumers or self.parent[parent] is None:
-                return sources
-            # no recorded call consumed the outputs: the gradient comes back through the
-            # parent's own code, whose backward uses the values its forward did: the parent's
-            # inputs and weights, and its children's outputs that no recorded call consumed
-            # either (the root's own code, with the loss beyond it, stays as it was)
-            used = [c for c in self.siblings(call) if not self.consumers.get(c)]
-            return (sources + self.of((parent,), fmt.INPUT) + self.weights(parent)
-                    + self.of(used, fmt.OUTPUT))
+            return sources + self.code_values(call)
         if kind == fmt.GRAD_INPUT:
             return (self.of(fwd, fmt.GRAD_OUTPUT, occurrence) + self.of(fwd, fmt.INPUT)
                     + self.of(fwd, fmt.OUTPUT) + self.weights(call)
@@ -188,10 +193,9 @@ class _Step:
         return []
 
 
-def record_sources(frame: pd.DataFrame) -> list[np.ndarray]:
-    """For each row of ``frame`` (a comparison result, or any frame with the index columns
-    ``epoch, step, rank, call, module, kind, occurrence, producer``), the positions of the
-    rows it is computed from (see the module docstring), as integer arrays."""
+def _per_row(frame: pd.DataFrame, pick: Callable[..., list[int]]) -> list[np.ndarray]:
+    """``pick(step, call, module, kind, occurrence, producer)`` for each row of ``frame``, as
+    sorted integer arrays of row positions (the row itself left out)."""
     out: list[np.ndarray] = [np.empty(0, np.int64)] * len(frame)
     rows = frame.assign(pos=np.arange(len(frame)), rank=frame["rank"].fillna(-1))
     for _, step_rows in rows.groupby(STEP_KEY, sort=False):
@@ -199,9 +203,24 @@ def record_sources(frame: pd.DataFrame) -> list[np.ndarray]:
         for pos, call, module, kind, occurrence, producer in zip(
                 step_rows["pos"], step_rows["call"], step_rows["module"], step_rows["kind"],
                 step_rows["occurrence"], step_rows["producer"]):
-            found = step.sources(int(call), module, kind, int(occurrence), int(producer))
+            found = pick(step, int(call), module, kind, int(occurrence), int(producer))
             out[pos] = np.array(sorted(set(found) - {pos}), dtype=np.int64)
     return out
+
+
+def record_sources(frame: pd.DataFrame) -> list[np.ndarray]:
+    """For each row of ``frame`` (a comparison result, or any frame with the index columns
+    ``epoch, step, rank, call, module, kind, occurrence, producer``), the positions of the
+    rows it is computed from (see the module docstring), as integer arrays."""
+    return _per_row(frame, lambda step, *row: step.sources(*row))
+
+
+def code_values(frame: pd.DataFrame) -> list[np.ndarray]:
+    """For each grad_output row that comes back through its parent's own code (attention, a
+    gate: no recorded call consumed the outputs), the forward values that code's backward
+    uses (a subset of its sources, see the module docstring); empty for every other row."""
+    return _per_row(frame, lambda step, call, module, kind, *_: (
+        step.code_values(call) if kind == fmt.GRAD_OUTPUT else []))
 
 
 def earlier_sources(frame: pd.DataFrame) -> list[np.ndarray]:

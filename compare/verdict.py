@@ -6,11 +6,15 @@ known by their statistics, an estimate from them; where B holds A's rows in anot
 rows otherwise, e.g. tokens grouped by expert with an unstable sort, is no error until a
 consumer's result differs, and the reason says so; never for weights). Its *input error* combines the errors of the
 records it is computed from (:mod:`compare.sources`, earlier in execution order): the largest
-of the data it receives and ``WEIGHT_GAIN`` times the largest of its weights, in quadrature
+of the data it receives and ``WEIGHT_GAIN`` times the largest of its weights (a bias: its
+error at its scale in the output, :func:`compare.gains.bias_scales`), in quadrature
 (independent errors: weights drifted in earlier steps, data in this one; several sources of
 data often carry one upstream error, which counts once), and for a gradient sent back, what
 decisions on its call's inputs explain (``sqrt`` of four times the share of an input positive
-on one side only: a ReLU passes those gradients in one run only). A normalization's input,
+on one side only: a ReLU passes those gradients in one run only); for a gradient that comes
+back through a parent's own code (attention, a gate), the gradients' error plus that of the
+forward values the code multiplies them by (one upstream error reaches every factor of a
+product, and the factors' relative errors add). A normalization's input,
 and its incoming gradient, count with their error after centering (:mod:`compare.centering`);
 a sum that cancels, with its terms' absolute errors (:mod:`compare.sums`). Its *added error*
 is what it carries beyond that, ``sqrt(max(rel_error² - input_error², 0))``.
@@ -45,7 +49,9 @@ records) have no sources in the step: a weight that differs (in two dtypes: by m
 rounding; or beyond the given tolerance) is ``inherited`` (from earlier steps) and the summary
 says so. Records with
 values that were not comparable (missing, dropped, unsupported, different shapes) keep their
-status. Records that are the same tensor seen by several modules (e.g. a container's output and
+status, except records whose shapes differ where their shape follows a selection that differs
+(an integer source with an error, e.g. the tokens routed to an expert, or a source whose shape
+differs so): ``inherited``. Records that are the same tensor seen by several modules (e.g. a container's output and
 its last child's) are judged once, at the first of them; the others repeat its judgement.
 """
 from __future__ import annotations
@@ -60,11 +66,11 @@ from . import format as fmt
 from . import status as st
 from .calibration import EXACT_GAIN, EXACT_LABEL, GAIN, Expectation, calibrate
 from .precision import precision_of, rounding_of
-from .gains import adjoint_gains, linear_gains
+from .gains import adjoint_gains, bias_scales, linear_gains
 from .metrics import REORDERED_MARGIN
 from .scale import added_scale, scale_noise
 from .scale import describe as describe_scale
-from .sources import STEP_KEY, earlier_sources
+from .sources import STEP_KEY, code_values, earlier_sources
 from .sums import CallRows, cancelled
 
 # Errors estimated from statistics (min, max: single elements) scatter around the true one by
@@ -127,6 +133,8 @@ def judge(result: pd.DataFrame, rtol: Optional[float] = None, atol: Optional[flo
     for i in np.lexsort((records.seq, frame["rank"].fillna(-1), frame["step"], frame["epoch"])):
         if records.compared[i]:
             judgement.judge(i)
+        elif records.measured[i] == st.SHAPE_MISMATCH:
+            judgement.reshaped(i)
     return judgement.result()
 
 
@@ -177,6 +185,9 @@ class _Records:
         self.label = labels(frame)
         self.dtypes = list(zip(frame["dtype_a"], frame["dtype_b"]))
         self.sketched = (frame["sketched"] == 1).to_numpy()
+        # integer records: indices, masks, routing
+        self.discrete = np.array([rounding_of(a).unit == 0 and rounding_of(b).unit == 0
+                                  for a, b in self.dtypes])
         self.first = np.arange(n)  # the first record of the same tensor
         self.sources = self._merged_sources(frame)
         self.repeat = self.first != np.arange(n)
@@ -192,15 +203,18 @@ class _Records:
         self.replaced = (frame["injected"] == 1).to_numpy()
         cast = np.array([rounding_of(precision_of(a, b)).unit if a != b else 0.0
                          for a, b in self.dtypes]) * amplified
-        # as a source, weights count WEIGHT_GAIN times their error (times STATS_GAIN more when
-        # it is estimated from their sketch, which may be low)
+        # as a source, weights count WEIGHT_GAIN times their error, a bias its error at its
+        # scale in the output (times STATS_GAIN more when estimated from their sketch)
         forward = (frame["kind"] == fmt.INPUT).to_numpy()  # (a gradient's: its grad_input's)
         data = np.where(np.isnan(centered) | ~forward, err, np.fmax(err, centered))
+        bias = bias_scales(frame)
+        weight = err * np.where(np.isnan(bias), WEIGHT_GAIN, bias)
         self.given = np.where(self.replaced, cast, np.where(
-            self.params, err * WEIGHT_GAIN * np.where(self.from_stats, STATS_GAIN, 1), data))
+            self.params, weight * np.where(self.from_stats, STATS_GAIN, 1), data))
         self.err_in = np.array([self.combined(self.given, s) for s in self.sources])
         self.err_in = np.fmax.reduce([np.hypot(self.err_in, self._decided(frame)),
                                       self._normalized_backward(frame),
+                                      self._through_code(frame),
                                       cancelled(frame, self.sources, self.first, self.given)])
         with np.errstate(invalid="ignore"):  # inf - inf: a non-finite record, judged apart
             self.added = np.sqrt(np.clip(err ** 2 - self.err_in ** 2, 0.0, None))
@@ -213,7 +227,8 @@ class _Records:
         self.unbounded = self._unbounded()
 
     def _merged_sources(self, frame: pd.DataFrame) -> list[np.ndarray]:
-        sources = [s[self.compared[s]] for s in earlier_sources(frame)]
+        self.all_sources = earlier_sources(frame)  # compared or not
+        sources = [s[self.compared[s]] for s in self.all_sources]
         for members in _same_tensor(frame, self.err, self.compared):
             first = min(members, key=lambda i: (self.seq[i], i))
             merged = np.setdiff1d(np.concatenate([sources[i] for i in members]), members)
@@ -284,6 +299,20 @@ class _Records:
                 out[i] = math.hypot(from_x, from_gy)
         return out
 
+    def _through_code(self, frame: pd.DataFrame) -> np.ndarray:
+        """For a gradient that comes back through its parent's own code (attention, a gate),
+        the error of the gradients it is sent back from plus that of the forward values the
+        code's backward multiplies them by (:func:`compare.sources.code_values`: the
+        probabilities, keys and values of attention): relative errors of a product's factors
+        add, here as one upstream error reaches every factor at once."""
+        out = np.zeros(self.n)
+        for i, values in enumerate(code_values(frame)):
+            values = np.intersect1d(values, self.sources[i])
+            gradients = np.setdiff1d(self.sources[i], values)
+            if len(values) and len(gradients):
+                out[i] = self.combined(self.given, gradients) + self.combined(self.given, values)
+        return out
+
     def combined(self, errors: np.ndarray, rows: np.ndarray) -> float:
         """The error that records ``rows`` (with ``errors``) give together (``_combined``)."""
         return _combined(errors[rows], self.params[rows])
@@ -310,8 +339,7 @@ class _Records:
         return out
 
     def _unbounded(self) -> np.ndarray:
-        discrete = np.array([rounding_of(a).unit == 0 and rounding_of(b).unit == 0
-                             for a, b in self.dtypes])
+        discrete = self.discrete
         drifted = (self.weight_status == st.INHERITED) & ~self.replaced
         unknown = self.from_stats & ~self.sketched  # how much: five statistics cannot tell
         out = discrete & (self.err_in > 0)
@@ -397,6 +425,20 @@ class _Judgement:
                 f"B holds A's rows in another order (rel error {r.elementwise[i]:.3g} element "
                 f"by element, {r.err[i]:.3g} with the rows paired by content): judged so; its "
                 f"consumers show whether the order matters")]))
+
+    def reshaped(self, i: int) -> None:
+        """A record whose shapes differ is ``inherited`` where its shape follows a selection
+        that differs between the runs: an integer source with an error (routing's indices, a
+        top-k: an expert's tokens), or a source whose shape differs so."""
+        r = self.r
+        causes = [j for j in r.all_sources[i]
+                  if (r.compared[j] and r.discrete[j] and r.err[j] > 0)
+                  or (r.measured[j] == st.SHAPE_MISMATCH and self.status[j] == st.INHERITED)]
+        if causes:
+            self.status[i], self.tainted[i] = st.INHERITED, True
+            self.source[i] = r.label[causes[0]]
+            self.reason[i] = (f"its shape follows a selection that differs between the runs "
+                              f"({r.label[causes[0]]})")
 
     def _repeat(self, i: int, first: int) -> None:
         """The same tensor as ``first``, judged already: the same judgement, but an error
@@ -493,7 +535,7 @@ class _Judgement:
                    "expected_rel_error": level, "added_ratio": ratio,
                    "hidden_rel_error": self.hidden}
         out = r.frame.assign(
-            status=np.where(r.compared, self.status, r.measured), source=self.source,
+            status=self.status, source=self.source,
             same_as=self.same_as, reason=self.reason,
             **{k: np.where(r.compared, v, np.nan) for k, v in numbers.items()})
         out.attrs[USER_TOLERANCE] = r.user_tol
