@@ -23,6 +23,11 @@ kind). Figures: A's root mean squares (``rms_a``) of the call's
 first input and output (their gradients backward) and A's weight norm (``rms_a`` times the
 square root of its element count, values or statistics).
 
+**Biases.** A bias ``b`` is added to the output, so an error in it moves the output by
+exactly its own absolute error: a relative error ``e`` is ``e rms(b) / rms(y)`` in ``y``,
+however large ``e`` (a bias no gradient reaches, such as a key projection's, is rounding noise
+that differs between runs by many times itself, at a negligible scale).
+
 **Any call with one input, backward from forward.** A call's backward multiplies the gradient
 by the transpose of the Jacobian ``J`` its forward has at that input, and ``||J^T||_F =
 ||J||_F``. An input error ``dx`` of independent elements becomes ``J dx`` with ``||J dx|| ≈
@@ -98,30 +103,25 @@ class _Calls:
 
 
 def bias_scales(frame: pd.DataFrame) -> np.ndarray:
-    """Per ``param`` row that is a bias (a parameter of shape ``(n_out,)`` of a module owning a
-    weight of two or more dimensions), its scale over its call's output's, ``rms(b) / rms(y)``
-    (A's figures, the module's first call): a bias is added to the output, so its error moves
-    the output by exactly its own absolute error, and a relative error of ``e`` in it is one of
-    ``e rms(b) / rms(y)`` in the output (a key projection's bias, which no gradient reaches,
-    differs between runs by many times itself and moves nothing); NaN elsewhere."""
+    """Per ``param`` row of a module's ``bias`` beside its ``weight`` (a Linear, a convolution,
+    GPT-2's Conv1D), its scale over its module's outputs', ``rms(b) / rms(y)`` (A's figures;
+    the largest over the module's calls): a bias is added to the output, so a relative error
+    ``e`` in it is one of ``e rms(b) / rms(y)`` there (a key projection's bias, which no
+    gradient reaches, differs between runs by many times itself and moves nothing); NaN
+    elsewhere, and where A's bias or output is zero."""
     out = np.full(len(frame), np.nan)
-    is_param = (frame["kind"] == fmt.PARAM).to_numpy()
-    params = frame[is_param]
-    weights = {m: _weight(p) for m, p in params.groupby("module", sort=False)}
-    rows: dict[tuple, list[int]] = {}
-    for pos, key in zip(np.flatnonzero(is_param), zip(
-            params["epoch"], params["step"], params["rank"].fillna(-1), params["module"])):
-        rows.setdefault(key, []).append(pos)
-    calls = _Calls(frame)
-    for key, module, first in calls:
-        weight, y = weights.get(module), first.get((fmt.OUTPUT, 0))
-        if weight is None or y is None or not calls.rms[y] > 0 \
-                or not isinstance(calls.shape[y], tuple):
-            continue
-        n_out = _outputs(weight[1], calls.shape[y])
-        for pos in rows.pop(key[:4], ()):  # the module's first call
-            if n_out and calls.shape[pos] == (n_out,) and calls.rms[pos] == calls.rms[pos]:
-                out[pos] = calls.rms[pos] / calls.rms[y]
+    path, kind = frame["path"].to_numpy(object), frame["kind"].to_numpy(object)
+    rms = frame["rms_a"].to_numpy(float)
+    keys = list(zip(frame["epoch"], frame["step"], frame["rank"].fillna(-1), frame["module"]))
+    params = {(key, name): pos for pos, (key, name, k) in enumerate(zip(keys, path, kind))
+              if k == fmt.PARAM}
+    outputs: dict[tuple, float] = {}  # per module, the smallest output scale of its calls
+    for key, k, index, scale in zip(keys, kind, frame["index"], rms):
+        if k == fmt.OUTPUT and index == 0 and scale > 0:
+            outputs[key] = min(outputs.get(key, math.inf), scale)
+    for (key, name), pos in params.items():
+        if name == "bias" and (key, "weight") in params and rms[pos] > 0 and key in outputs:
+            out[pos] = rms[pos] / outputs[key]
     return out
 
 

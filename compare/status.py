@@ -7,7 +7,9 @@ status                  meaning
 ``close``               differs, within what the precisions involved explain (or within the
                         user's ``rtol``/``atol``)
 ``inherited``           differs beyond that, but only by carrying an error that arose upstream
-                        (a failing record it is computed from), or, for weights, before this step
+                        (a failing record it is computed from), or, for weights, before this step;
+                        or its shape differs as rows moved between calls after a selection that
+                        differs (tokens routed to other experts: :mod:`compare.routing`)
 ``DIFF``                differs by more than its sources and the precisions explain: an error
                         arises here
 ``nan_mismatch``        NaN/Inf at different places, not explained by its sources

@@ -12,9 +12,10 @@ error at its scale in the output, :func:`compare.gains.bias_scales`), in quadrat
 data often carry one upstream error, which counts once), and for a gradient sent back, what
 decisions on its call's inputs explain (``sqrt`` of four times the share of an input positive
 on one side only: a ReLU passes those gradients in one run only); for a gradient that comes
-back through a parent's own code (attention, a gate), the gradients' error plus that of the
-forward values the code multiplies them by (one upstream error reaches every factor of a
-product, and the factors' relative errors add). A normalization's input,
+back through a parent's own code (attention, a gate) downstream of an error that is not
+rounding (an inherited or failing source), the gradients' error plus that of the forward
+values the code multiplies them by (one upstream error reaches every factor of a product, and
+the factors' relative errors add). A normalization's input,
 and its incoming gradient, count with their error after centering (:mod:`compare.centering`);
 a sum that cancels, with its terms' absolute errors (:mod:`compare.sums`). Its *added error*
 is what it carries beyond that, ``sqrt(max(rel_error² - input_error², 0))``.
@@ -71,6 +72,7 @@ from .metrics import REORDERED_MARGIN
 from .scale import added_scale, scale_noise
 from .scale import describe as describe_scale
 from .sources import STEP_KEY, code_values, earlier_sources
+from .routing import moved_rows
 from .sums import CallRows, cancelled
 
 # Errors estimated from statistics (min, max: single elements) scatter around the true one by
@@ -189,6 +191,8 @@ class _Records:
         self.discrete = np.array([rounding_of(a).unit == 0 and rounding_of(b).unit == 0
                                   for a, b in self.dtypes])
         self.first = np.arange(n)  # the first record of the same tensor
+        self.all_sources = earlier_sources(frame)  # compared or not
+        self.moved = moved_rows(frame)
         self.sources = self._merged_sources(frame)
         self.repeat = self.first != np.arange(n)
         self.has_sources = np.array([len(s) > 0 for s in self.sources])
@@ -207,18 +211,18 @@ class _Records:
         # scale in the output (times STATS_GAIN more when estimated from their sketch)
         forward = (frame["kind"] == fmt.INPUT).to_numpy()  # (a gradient's: its grad_input's)
         data = np.where(np.isnan(centered) | ~forward, err, np.fmax(err, centered))
-        bias = bias_scales(frame)
-        weight = err * np.where(np.isnan(bias), WEIGHT_GAIN, bias)
+        bias_scale = bias_scales(frame)
+        param_error = err * np.where(np.isnan(bias_scale), WEIGHT_GAIN, bias_scale)
         self.given = np.where(self.replaced, cast, np.where(
-            self.params, weight * np.where(self.from_stats, STATS_GAIN, 1), data))
+            self.params, param_error * np.where(self.from_stats, STATS_GAIN, 1), data))
         self.err_in = np.array([self.combined(self.given, s) for s in self.sources])
         self.err_in = np.fmax.reduce([np.hypot(self.err_in, self._decided(frame)),
                                       self._normalized_backward(frame),
-                                      self._through_code(frame),
                                       cancelled(frame, self.sources, self.first, self.given)])
         with np.errstate(invalid="ignore"):  # inf - inf: a non-finite record, judged apart
             self.added = np.sqrt(np.clip(err ** 2 - self.err_in ** 2, 0.0, None))
         self.added[np.isnan(self.added)] = np.inf
+        self.through_code = self._through_code(frame)
         self.linear_gain = linear_gains(frame)
         self.scale_added = added_scale(frame, self.sources, self.replaced)
         self.scale_noise = scale_noise(frame, self.sources, err, self.err_in)
@@ -227,7 +231,6 @@ class _Records:
         self.unbounded = self._unbounded()
 
     def _merged_sources(self, frame: pd.DataFrame) -> list[np.ndarray]:
-        self.all_sources = earlier_sources(frame)  # compared or not
         sources = [s[self.compared[s]] for s in self.all_sources]
         for members in _same_tensor(frame, self.err, self.compared):
             first = min(members, key=lambda i: (self.seq[i], i))
@@ -303,8 +306,11 @@ class _Records:
         """For a gradient that comes back through its parent's own code (attention, a gate),
         the error of the gradients it is sent back from plus that of the forward values the
         code's backward multiplies them by (:func:`compare.sources.code_values`: the
-        probabilities, keys and values of attention): relative errors of a product's factors
-        add, here as one upstream error reaches every factor at once."""
+        probabilities, keys and values of attention): where one upstream error reaches every
+        factor of a product, their relative errors add (independent roundings do not: the
+        judgement takes this only downstream of an error that is not rounding). The dump does
+        not show which values the code multiplies: where it only adds the gradient on (a
+        residual), this allows up to twice the error that passes through."""
         out = np.zeros(self.n)
         for i, values in enumerate(code_values(frame)):
             values = np.intersect1d(values, self.sources[i])
@@ -339,13 +345,12 @@ class _Records:
         return out
 
     def _unbounded(self) -> np.ndarray:
-        discrete = self.discrete
         drifted = (self.weight_status == st.INHERITED) & ~self.replaced
         unknown = self.from_stats & ~self.sketched  # how much: five statistics cannot tell
-        out = discrete & (self.err_in > 0)
+        out = self.discrete & (self.err_in > 0)
         for i, s in enumerate(self.sources):
-            selected = bool(np.any(discrete[s]))
-            out[i] |= bool(np.any(discrete[s] & (self.err[s] > 0))) or bool(
+            selected = bool(np.any(self.discrete[s]))
+            out[i] |= bool(np.any(self.discrete[s] & (self.err[s] > 0))) or bool(
                 np.any(drifted[s] & (unknown[s] | selected)))
         return out
 
@@ -378,6 +383,7 @@ class _Judgement:
         self.reason = (records.frame["reason"].fillna("").to_numpy(object, copy=True)
                        if "reason" in records.frame else np.full(n, "", object))
         self.failed: set[tuple] = set()  # (rank, (epoch, step)) with a failing record
+        self.err_in, self.added = records.err_in.copy(), records.added.copy()
         self.hidden = np.zeros(n)  # the added error that inputs' error could hide
         self.source = np.full(n, "", object)
         self.same_as = np.full(n, "", object)
@@ -392,6 +398,10 @@ class _Judgement:
         carrying = s[(np.isin(self.status[s], list(st.CARRYING)) | self.tainted[s])
                      & ~r.replaced[s]]
         self.tainted[i] = len(carrying) > 0
+        if self.tainted[i] and r.through_code[i] > self.err_in[i]:
+            # one upstream error in every factor of the parent's code's product
+            self.err_in[i] = r.through_code[i]
+            self.added[i] = math.sqrt(max(r.err[i] ** 2 - self.err_in[i] ** 2, 0.0))
         level = SPREAD * self.expected.level[i]
         envelope = math.hypot(r.combined(self.healthy, s), level)
         self.healthy[i] = r.given[i] if r.replaced[i] else min(r.err[i], envelope)
@@ -427,18 +437,22 @@ class _Judgement:
                 f"consumers show whether the order matters")]))
 
     def reshaped(self, i: int) -> None:
-        """A record whose shapes differ is ``inherited`` where its shape follows a selection
-        that differs between the runs: an integer source with an error (routing's indices, a
-        top-k: an expert's tokens), or a source whose shape differs so."""
+        """A record whose shapes differ is ``inherited`` where its rows moved between calls
+        (:mod:`compare.routing`) and a selection that differs between the runs explains it: an
+        integer source with an error (routing's indices, a top-k: an expert's tokens), or a
+        source whose shape differs so."""
         r = self.r
+        if not r.moved[i]:
+            return
         causes = [j for j in r.all_sources[i]
                   if (r.compared[j] and r.discrete[j] and r.err[j] > 0)
                   or (r.measured[j] == st.SHAPE_MISMATCH and self.status[j] == st.INHERITED)]
         if causes:
-            self.status[i], self.tainted[i] = st.INHERITED, True
-            self.source[i] = r.label[causes[0]]
+            self.status[i], self.source[i] = st.INHERITED, r.label[causes[0]]
+            shape_a, shape_b = r.frame.at[i, "shape_a"], r.frame.at[i, "shape_b"]
             self.reason[i] = (f"its shape follows a selection that differs between the runs "
-                              f"({r.label[causes[0]]})")
+                              f"({r.label[causes[0]]}): {shape_a} in A, {shape_b} in B, rows "
+                              f"moved between calls, none lost")
 
     def _repeat(self, i: int, first: int) -> None:
         """The same tensor as ``first``, judged already: the same judgement, but an error
@@ -470,7 +484,7 @@ class _Judgement:
         if self.tainted[i]:
             gain = max(gain, EXACT_GAIN)
         gain *= STATS_GAIN if r.from_stats[i] else 1.0
-        bound = math.inf if r.unbounded[i] else math.hypot(gain * r.err_in[i], level,
+        bound = math.inf if r.unbounded[i] else math.hypot(gain * self.err_in[i], level,
                                                            self._last_bit(i))
         # an error up to this size, added here, passes for its inputs' error amplified
         self.hidden[i] = math.sqrt(max(bound ** 2 - level ** 2 - self._last_bit(i) ** 2, 0.0))
@@ -508,7 +522,7 @@ class _Judgement:
 
     def _why(self, i: int) -> str:
         r = self.r
-        err, err_in, added = r.err[i], r.err_in[i], r.added[i]
+        err, err_in, added = r.err[i], self.err_in[i], self.added[i]
         level, label, source = self.expected.level[i], self.expected.label[i], self.source[i]
         if r.measured[i] == st.NAN_MISMATCH:
             return ("NaN/Inf at other places than in A, and none of its sources has that"
@@ -530,8 +544,10 @@ class _Judgement:
         """The comparison's rows with their statuses and the verdict columns."""
         r, level = self.r, self.expected.level
         with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = np.where(level > 0, r.added / level, np.where(r.added > 0, np.inf, 0.0))
-        numbers = {"rel_error": r.err, "input_rel_error": r.err_in, "added_rel_error": r.added,
+            ratio = np.where(level > 0, self.added / level,
+                             np.where(self.added > 0, np.inf, 0.0))
+        numbers = {"rel_error": r.err, "input_rel_error": self.err_in,
+                   "added_rel_error": self.added,
                    "expected_rel_error": level, "added_ratio": ratio,
                    "hidden_rel_error": self.hidden}
         out = r.frame.assign(

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from compare import compare_dumps, localize, summarize
 from compare import format as fmt
+from compare import status as st
 from compare.cli import main as h5cmp
 from compare.status import FAILING, INHERITED, ORIGIN
 from dumper import HookerAndDumper, Injector, perturb
@@ -340,25 +341,31 @@ class RoutedExperts(nn.Module):
 
 
 class TopOneMoE(nn.Module):
-    def __init__(self, features: int = 8):
+    """Routed experts and a shared one that sees every token (``lost``: but the last few, a
+    bug)."""
+
+    def __init__(self, features: int = 8, lost: int = 0):
         super().__init__()
         self.router, self.experts = TopOneRouter(features), RoutedExperts(features)
+        self.shared, self.lost = nn.Linear(features, 1), lost
         self.head = nn.Linear(features, 1)
 
     def forward(self, x):
         logits, chosen = self.router(x)
-        return self.head(self.experts(x, chosen) * logits.softmax(-1).max(-1).values[:, None])
+        routed = self.experts(x, chosen) * logits.softmax(-1).max(-1).values[:, None]
+        return self.head(routed) + self.shared(x[:len(x) - self.lost]).mean()
 
 
 def test_shapes_that_follow_a_routing_that_differs_are_inherited(tmp_path):
     """float64 and float32 route the tokens whose first feature is positive to different
     experts (rounding makes the logits tie in float32): the experts' records then differ in
     shape. The routing indices are integers with an error, which two dumps cannot bound, and
-    the shapes follow them: ``inherited``, with the reason, not a first divergence."""
+    the shapes follow them, the tokens moved between the experts: ``inherited``, with the
+    reason, not a first divergence. A shared expert that loses a token is one."""
 
-    def run(name, dtype):
+    def run(name, dtype, lost=0):
         torch.manual_seed(0)
-        model = TopOneMoE().to(dtype)
+        model = TopOneMoE(lost=lost).to(dtype)
         model.router.tilt()
         x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1)).to(dtype)
         x[:3, 0] = x[:3, 0].abs()  # three tokens change experts
@@ -376,6 +383,10 @@ def test_shapes_that_follow_a_routing_that_differs_are_inherited(tmp_path):
     assert (reshaped["status"] == INHERITED).all()
     assert not result["status"].isin(FAILING).any(), result[result["status"].isin(FAILING)]
     assert summarize(result).first is None
+    # a shared expert that loses a token in B: rows lost, not moved, whatever routing does
+    first = summarize(compare_dumps(tmp_path / "a", run("lost", torch.float32, lost=1))).first
+    assert first is not None and first.row["module"] == "shared", first
+    assert first.row["status"] == st.SHAPE_MISMATCH
 
 
 class CancellingResidual(torch.nn.Module):
