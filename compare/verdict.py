@@ -50,10 +50,11 @@ records) have no sources in the step: a weight that differs (in two dtypes: by m
 rounding; or beyond the given tolerance) is ``inherited`` (from earlier steps) and the summary
 says so. Records with
 values that were not comparable (missing, dropped, unsupported, different shapes) keep their
-status, except records whose shapes differ where their shape follows a selection that differs
-(an integer source with an error, e.g. the tokens routed to an expert, or a source whose shape
-differs so): ``inherited``. Records that are the same tensor seen by several modules (e.g. a container's output and
-its last child's) are judged once, at the first of them; the others repeat its judgement.
+status, except records whose shapes differ where their rows moved between calls, none lost
+(:mod:`compare.routing`), after a selection that differs (an integer source with an error, e.g.
+the tokens routed to an expert, or a source whose shape differs so): ``inherited``. Records
+that are the same tensor seen by several modules (e.g. a container's output and its last
+child's) are judged once, at the first of them; the others repeat its judgement.
 """
 from __future__ import annotations
 
@@ -69,10 +70,10 @@ from .calibration import EXACT_GAIN, EXACT_LABEL, GAIN, Expectation, calibrate
 from .precision import precision_of, rounding_of
 from .gains import adjoint_gains, bias_scales, linear_gains
 from .metrics import REORDERED_MARGIN
+from .routing import moved_rows
 from .scale import added_scale, scale_noise
 from .scale import describe as describe_scale
 from .sources import STEP_KEY, code_values, earlier_sources
-from .routing import moved_rows
 from .sums import CallRows, cancelled
 
 # Errors estimated from statistics (min, max: single elements) scatter around the true one by
