@@ -17,7 +17,8 @@ FORMAT_VERSION = 8
 # version 1: no sketch columns (read as NaN); versions 1-2: no data checksums, no `incomplete`;
 # versions 1-4: no `micro_batch` (read as NO_MICRO_BATCH); versions 1-5: no `injected` (read as
 # 0) and no `injected_from` attribute (read as ""); versions 1-6: no `digest` (read as
-# NO_DIGEST); versions 1-7: no sharding columns (read as "": not sharded).
+# NO_DIGEST); versions 1-7: no sharding columns (read as "": not sharded). Files of any
+# version may lack the normalization eps rows (EPS_PATH, written since 2026-11-26).
 # Version 3 (a development version of 2026-11-23, crc32 data checksums) is not read.
 SUPPORTED_VERSIONS = frozenset({1, 2, 4, 5, 6, 7, 8})
 
@@ -136,6 +137,13 @@ INPUT, OUTPUT, GRAD_INPUT, GRAD_OUTPUT, PARAM, PARAM_GRAD = (
 KINDS = (INPUT, OUTPUT, GRAD_INPUT, GRAD_OUTPUT, PARAM, PARAM_GRAD)
 FORWARD_KINDS = frozenset({INPUT, OUTPUT, PARAM})
 BACKWARD_KINDS = frozenset({GRAD_INPUT, GRAD_OUTPUT, PARAM_GRAD})
+# A normalization's eps (its float attribute of one of these names: torch's, Hugging Face's
+# RMSNorms'), recorded with its parameters as a non-tensor `param` row (index -1) of this
+# path, its repr as `value`: how much a normalization passes on of its input's error depends
+# on it (compare.centering). Written since 2026-11-26 (format version 8): a row that older
+# readers skip like every non-tensor leaf, so no new version.
+EPS_ATTRIBUTES = ("eps", "variance_epsilon")
+EPS_PATH = "eps"
 
 
 def step_label(epoch: int, step: int, rank=None) -> str:

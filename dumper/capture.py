@@ -32,6 +32,15 @@ from .selection import Selection
 Sink = Callable[[Record], None]
 
 
+def _eps_of(module: nn.Module) -> Optional[float]:
+    """A normalization's eps (``fmt.EPS_ATTRIBUTES``), None where the module has none."""
+    for name in fmt.EPS_ATTRIBUTES:
+        value = getattr(module, name, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
 def hook_gradient(t: torch.Tensor, on_grad: Callable[[torch.Tensor], Optional[torch.Tensor]]
                   ) -> RemovableHandle:
     """Call ``on_grad(grad of t)`` when autograd computes it; a tensor it returns is used
@@ -228,6 +237,9 @@ class StepCapture:
                 record.injected = fmt.PARAM in injects and inject.has(
                     (path, info.call_idx, fmt.PARAM, i))
                 self._sink(record)
+            eps = _eps_of(module)
+            if eps is not None and info.call_idx == 0:
+                self._sink(leaf_record(call.seq, info, fmt.PARAM, fmt.EPS_PATH, eps))
         if fmt.PARAM in injects:
             self._swapped.push(module, inject.swap_parameters(path, info.call_idx, module))
         if fmt.INPUT in injects:

@@ -614,3 +614,32 @@ def test_wrapped_models_pair_with_the_plain_one(tmp_path):
     assert module_keys(wrapped) == module_keys(plain)
     result = compare_dumps(tmp_path / "plain", tmp_path / "wrapped")
     assert len(result) > 50 and set(result["status"]) == {"equal"}
+
+
+class _RMSNorm(nn.Module):
+    """A Hugging Face-style RMSNorm: its eps is ``variance_epsilon``."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
+                                             + self.variance_epsilon)
+
+
+def test_a_normalizations_eps_is_recorded_with_its_parameters_and_never_compared(tmp_path):
+    """Each normalization's eps (``eps`` or ``variance_epsilon``) is a non-tensor ``param`` row
+    at its first call; a module without one has none; a comparison pairs no such row."""
+    from compare import compare_dumps
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8, eps=1e-6), nn.BatchNorm1d(8),
+                          _RMSNorm(8))
+    for run in ("a", "b"):
+        _dump_one_step(model, torch.randn(3, 4), tmp_path / run)
+    index = load_dump(tmp_path / "a").index
+    eps = index[(index["kind"] == fmt.PARAM) & (index["path"] == fmt.EPS_PATH)]
+    assert dict(zip(eps["module"], eps["value"])) == {"1": "1e-06", "2": "1e-05", "3": "1e-06"}
+    assert (eps["index"] == -1).all() and (eps["dataset"] == "").all()
+    result = compare_dumps(tmp_path / "a", tmp_path / "b")
+    assert not ((result["kind"] == fmt.PARAM) & (result["index"] < 0)).any()
