@@ -13,7 +13,22 @@ Which elements form a group follows from the module's parameter length ``C`` and
 shape: over the last dimension when it is ``C`` (LayerNorm, RMSNorm, which does not center
 and is then judged a little more loosely), and, when dimension 1 is ``C`` (channels first),
 per channel over the batch and positions (BatchNorm) and per position over the channels
-(a channels-first LayerNorm). The largest of these errors is taken: the looser judgement.
+(a channels-first LayerNorm); a BatchNorm (by its class name) per channel only. The largest
+of these errors is taken: the looser judgement.
+
+**What the normalized values carry.** Dividing by the spread undoes part of that: a group's
+centered values ``a_c`` become ``a_c / s`` with ``s = sqrt(||a_c||² / n + eps)``, so where the
+spread dominates ``eps``, only the *direction* of ``a_c`` is left, and the part of the error
+along ``a_c`` (which scales the group) cancels. The error of the normalized values,
+``||b_c / s_b - a_c / s_a|| / ||a_c / s_a||``, follows from the same per-group sums and the
+cross sum ``<a, d>``: the angle between ``a_c`` and ``b_c = a_c + d_c`` (exact, whatever the
+error's size: in a group of two, ``b`` ordered otherwise than ``a`` flips it, an error of 2),
+and the group's change of length in the share ``eps / (||a_c||² / n + eps)`` by which
+``eps`` keeps it; over all groups, each weighing its normalized values' length. ``eps`` is
+the module's as the dump records it (``fmt.EPS_PATH``, written since 2026-11-26), else the
+largest error over those of common normalizations (``NORMALIZATION_EPS``) is taken. Over the last dimension the uncentered values count too
+(RMSNorm), the larger taken. In a BatchNorm of a batch of two at one position, what a
+bfloat16 input's rounding passes on is next to nothing, not thirty times itself.
 """
 from __future__ import annotations
 
@@ -26,6 +41,11 @@ import pandas as pd
 from . import format as fmt
 
 LAST, CHANNEL, POSITION = "last", "channel", "position"
+# The eps of common normalizations (torch's LayerNorm and BatchNorm 1e-5, Hugging Face's 1e-12
+# to 1e-3; 0: none): the dump does not say which, and the error is judged at the worst. Where
+# a group's spread is not far above it, its length passes on in part, and the group weighs
+# less in the whole.
+NORMALIZATION_EPS = (0.0, 1e-6, 1e-5, 1e-4, 1e-3)
 
 
 def normalized_sizes(pairs: pd.DataFrame) -> np.ndarray:
@@ -45,9 +65,41 @@ def normalized_sizes(pairs: pd.DataFrame) -> np.ndarray:
     return np.where(first, pairs["module"].map(sizes).fillna(0), 0).astype(np.int64)
 
 
-def groupings(shape: tuple[int, ...], size: int) -> tuple[str, ...]:
+# Class names of the normalizations whose groups the groupings above hold (not GroupNorm's or
+# InstanceNorm's, per sample): there the error of the normalized values is what passes on.
+NORMALIZATIONS = ("BatchNorm", "LayerNorm", "RMSNorm")
+
+
+def normalizes(cls: pd.Series) -> np.ndarray:
+    """Per class name, whether it is one of ``NORMALIZATIONS``."""
+    return cls.fillna("").str.contains("|".join(NORMALIZATIONS)).to_numpy(bool)
+
+
+def recorded_eps(index: pd.DataFrame) -> dict[str, float]:
+    """``module -> eps`` from a dump's index (its ``fmt.EPS_PATH`` rows)."""
+    rows = index[(index["kind"] == fmt.PARAM) & (index["index"] < 0)
+                 & (index["path"] == fmt.EPS_PATH)]
+    out = {}
+    for module, value in zip(rows["module"], rows["value"]):
+        try:
+            out.setdefault(module, float(value))
+        except ValueError:  # not a number after all: judged at the worst eps
+            continue
+    return out
+
+
+def per_channel(cls: pd.Series) -> np.ndarray:
+    """Per class name, whether it is a BatchNorm's (``BatchNorm2d``, ``SyncBatchNorm``),
+    which normalizes per channel."""
+    return cls.fillna("").str.contains("BatchNorm").to_numpy(bool)
+
+
+def groupings(shape: tuple[int, ...], size: int, channels: bool = False) -> tuple[str, ...]:
     """The groupings a normalization with parameters of length ``size`` may use on an input of
-    ``shape`` (none when neither its last nor its second dimension is ``size``)."""
+    ``shape`` (none when neither its last nor its second dimension is ``size``); a BatchNorm
+    (``channels``) per channel only."""
+    if channels:
+        return (CHANNEL,) if len(shape) >= 2 and shape[1] == size else ()
     out = []
     if len(shape) >= 1 and shape[-1] == size:
         out.append(LAST)
@@ -74,6 +126,7 @@ class _Grouping:
         self.sum_d = np.zeros(groups)
         self.squares_a = np.zeros(groups)
         self.squares_d = np.zeros(groups)
+        self.cross = np.zeros(groups)
 
     def ids(self, offset: int, n: int) -> np.ndarray:
         i = np.arange(offset, offset + n, dtype=np.int64)
@@ -91,6 +144,7 @@ class _Grouping:
         if d is not None:
             self.sum_d += np.bincount(ids, weights=d, minlength=groups)
             self.squares_d += np.bincount(ids, weights=d * d, minlength=groups)
+            self.cross += np.bincount(ids, weights=a * d, minlength=groups)
 
     def centered_rel_error(self, ssa: float, ssd: float) -> float:
         """The centered error over all groups, or the root mean square of each group's where
@@ -108,6 +162,47 @@ class _Grouping:
         per_group = float(np.mean(errors[varied] / spreads[varied])) if varied.any() else 0.0
         return math.sqrt(max(error / spread, per_group))
 
+    def normalized_rel_error(self, epsilons: tuple[float, ...]) -> float:
+        """The error of the normalized values over all groups (see the module docstring):
+        centered, and over the last dimension also uncentered, the larger; the largest over
+        ``epsilons``."""
+        if self.size == 0 or self.sum_a.size == 0:
+            return 0.0
+        n = self.size
+        forms = [(self.squares_a - self.sum_a ** 2 / n, self.squares_d - self.sum_d ** 2 / n,
+                  self.cross - self.sum_a * self.sum_d / n)]
+        if self.kind == LAST:
+            forms.append((self.squares_a, self.squares_d, self.cross))
+        return max(_normalized_error(*form, n, self.squares_a, eps)
+                   for form in forms for eps in epsilons)
+
+
+def _normalized_error(aa: np.ndarray, dd: np.ndarray, ad: np.ndarray, n: int,
+                      scale: np.ndarray, eps: float) -> float:
+    """``||b / s_b - a / s_a|| / ||a / s_a||`` over groups, ``s = sqrt(||x||² / n + eps)``, from
+    each group's ``||a||²``, ``||d||²`` and ``<a, d>`` (of the centered values or not): the
+    angle that ``d`` turns ``a`` by and the change of length that ``eps`` leaves. Groups
+    constant in A (``aa`` ~ 0 against ``scale``) are left out; infinite where B's is not."""
+    varied = aa > scale * 1e-12
+    if not varied.any():
+        return 0.0 if not np.any(dd > scale * 1e-12) else math.inf
+    aa, dd, ad = aa[varied], np.maximum(dd[varied], 0.0), ad[varied]
+    along = ad / aa                                    # d = along * a + d_perp
+    across = np.maximum(dd - along * ad, 0.0) / aa     # ||d_perp||² / ||a||²
+    stretch = 1.0 + along                              # b = stretch * a + d_perp
+    longer = 2.0 * along + along ** 2 + across         # ||b||² / ||a||² - 1
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        tangent = across / stretch ** 2                # tan² of the angle, where stretch > 0
+        root = np.sqrt(1.0 + tangent)
+        turned = np.where(stretch > 0, 2.0 * tangent / (root * (1.0 + root)),
+                          2.0 - 2.0 * stretch / np.sqrt(1.0 + longer))  # ||unit(b) - unit(a)||²
+        # q: the normalized lengths' ratio, b's over a's; a's squared, ||a||² / (||a||² / n + eps)
+        q2 = eps * longer / ((1.0 + longer) * aa / n + eps)
+        q = np.sqrt(1.0 + q2)
+        length = aa / (aa / n + eps)
+        error = np.sum(((q2 / (q + 1.0)) ** 2 + q * turned) * length) / np.sum(length)
+    return math.sqrt(error) if np.isfinite(error) else math.inf
+
 
 class Centering:
     """Accumulates, along with an :class:`~compare.metrics.ErrorAccumulator`, what
@@ -115,8 +210,10 @@ class Centering:
     block at its flat ``offset`` (``d`` None where the block is identical). Non-finite elements
     make it unknown (NaN)."""
 
-    def __init__(self, shape: tuple[int, ...], size: int):
-        self._groupings = [_Grouping(kind, shape) for kind in groupings(shape, size)]
+    def __init__(self, shape: tuple[int, ...], size: int, channels: bool = False,
+                 eps: float = math.nan):
+        self._groupings = [_Grouping(kind, shape) for kind in groupings(shape, size, channels)]
+        self._eps = NORMALIZATION_EPS if math.isnan(eps) else (eps,)
         self.known = bool(self._groupings)
 
     def add(self, offset: int, a: np.ndarray, d: Optional[np.ndarray]) -> None:
@@ -132,3 +229,10 @@ class Centering:
         if not self.known:
             return math.nan
         return max(g.centered_rel_error(ssa, ssd) for g in self._groupings)
+
+    def normalized_rel_error(self) -> float:
+        """The largest error of the normalized values over the groupings, at the module's eps
+        if known, else at the worst of ``NORMALIZATION_EPS`` (NaN when not known)."""
+        if not self.known:
+            return math.nan
+        return max(g.normalized_rel_error(self._eps) for g in self._groupings)

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from . import cluster
-from .centering import Centering, normalized_sizes
+from .centering import Centering, normalized_sizes, per_channel, recorded_eps
 from .dump import Dump, PathLike, dataset_of, load_dump, open_h5, read_chunks
 from .errors import DumpError
 from . import format as fmt
@@ -116,7 +116,9 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     not_compared += left_out
     if client is not None:
         jobs = max(jobs, cluster.worker_count(client))
-    tasks = _tasks(pairs, files_a, files_b, max(1, jobs), chunk_elements, rtol, atol)
+    eps = {**recorded_eps(dump_b.index), **recorded_eps(dump_a.index)}
+    tasks = _tasks(pairs.assign(eps=pairs["module"].map(eps).astype(float)), files_a, files_b,
+                   max(1, jobs), chunk_elements, rtol, atol)
     metrics: dict[int, dict] = {}
     with contextlib.ExitStack() as stack:
         runner: Callable = map
@@ -224,6 +226,8 @@ class _PairRef(NamedTuple):
     parts_a: tuple   # a sharded tensor's parts (compare.assembly), () for a stored one
     parts_b: tuple
     normalized: int  # parameter length of the normalization it is the input of, else 0
+    per_channel: bool  # that normalization is a BatchNorm
+    eps: float  # its eps, NaN where the dumps do not say
     stats_a: tuple
     stats_b: tuple
     sketch_a: tuple
@@ -265,7 +269,8 @@ def _check_distinct(a: Dump, b: Dump) -> None:
 def _tasks(pairs: pd.DataFrame, files_a: dict, files_b: dict, jobs: int, chunk_elements: int,
            rtol, atol) -> list[tuple]:
     """Work units: (step file A, step file B, rows); a step's rows are split so every job has work."""
-    both = pairs.assign(normalized=normalized_sizes(pairs))[pairs["side"] == "both"]
+    both = pairs.assign(normalized=normalized_sizes(pairs),
+                        per_channel=per_channel(pairs["cls_a"]))[pairs["side"] == "both"]
     groups = list(both.groupby(["epoch", "step", "rank"], sort=True))
     pieces = max(1, -(-jobs * 2 // max(1, len(groups)))) if jobs > 1 else 1
     tasks = []
@@ -309,7 +314,8 @@ def _run_task(task: tuple) -> dict[int, dict]:
                     out[ref.row] = {"status": SHAPE_MISMATCH, "rtol": tol.rtol, "atol": tol.atol}
                 elif a is not None:
                     acc = acc or ErrorAccumulator(
-                        tol, Centering(tuple(ref.shape_a), ref.normalized)
+                        tol, Centering(tuple(ref.shape_a), ref.normalized, ref.per_channel,
+                                       ref.eps)
                         if ref.normalized else None,
                         row=rows_measured(tuple(ref.shape_a), chunk_elements))
                     acc.update(a, b)

@@ -15,6 +15,8 @@ Definitions (a = reference side A, b = side B; sums over elements finite on both
   sign_flips    elements positive on one side only (what a ReLU or a max decides differs)
   centered_rel_err  ||d_c|| / ||a_c||, each normalization group's mean removed: the error a
                 normalization fed this tensor sees (:mod:`compare.centering`; NaN unless asked)
+  normalized_rel_err  the error of the normalized values (each group's centered values
+                divided by their spread) that the same normalization computes from it
   reordered_rel_err  ||b' - a'|| / ||a|| with each side's rows (vectors along the last
                 dimension) put in the order of their projection on a fixed random vector: the
                 error if B's rows are A's in another order (rows that match land at the same
@@ -40,7 +42,8 @@ from .tolerance import Tolerance
 METRIC_COLUMNS = ("numel", "rms_a", "max_abs_err", "mean_abs_err", "max_rel_err", "rel_l2_err", "cosine",
                   "scale_err", "rmse", "mismatches", "mismatch_frac", "max_tol_ratio", "nan_a", "nan_b",
                   "inf_a", "inf_b", "sign_flips", "stat_rel_diff", "norm_rel_diff",
-                  "rel_err_from_stats", "sketched", "centered_rel_err", "reordered_rel_err")
+                  "rel_err_from_stats", "sketched", "centered_rel_err", "normalized_rel_err",
+                  "reordered_rel_err")
 # A tensor this far off element by element, whose norm B keeps, is also compared with its
 # rows paired by content (code that orders rows otherwise, e.g. tokens grouped by expert with
 # an unstable sort); rows of fewer elements could pair by chance, and larger tensors would
@@ -299,11 +302,13 @@ class ErrorAccumulator:
         else:
             cosine = self.dot / (norm_a * norm_b)
         scale = 0.0 if self.ssa == 0 else (self.dot - self.ssa) / self.ssa
-        centered = (math.nan if self.centering is None
-                    else self.centering.centered_rel_error(self.ssa, self.ssd))
+        centered = normalized = math.nan
+        if self.centering is not None:
+            centered = self.centering.centered_rel_error(self.ssa, self.ssd)
+            normalized = self.centering.normalized_rel_error()
         out = dict(
             stat_rel_diff=math.nan, norm_rel_diff=math.nan, rel_err_from_stats=math.nan,
-            sketched=math.nan, centered_rel_err=centered,
+            sketched=math.nan, centered_rel_err=centered, normalized_rel_err=normalized,
             reordered_rel_err=self._reordered_rel_err(),
             numel=self.numel,
             max_abs_err=self.max_abs,

@@ -141,6 +141,20 @@ class _Step:
         are recorded at the first call only)."""
         return list(self.by_module_kind.get((self.module_of[call], fmt.PARAM), ()))
 
+    def outermost(self, calls: set[int], kind: str, pass_: int) -> set[int]:
+        """``calls`` less those nested in another of them that has a ``kind`` record of
+        pass ``pass_`` (its record holds theirs: what a residual block sends back to its
+        input holds what its branch's first layer does)."""
+        holding = {c for c in calls if self.of((c,), kind, pass_)}
+        out = set()
+        for call in calls:
+            parent = self.parent.get(call)
+            while parent is not None and parent not in holding:
+                parent = self.parent.get(parent)
+            if parent is None:
+                out.add(call)
+        return out
+
     def siblings(self, call: int) -> list[int]:
         parent = self.parent[call]
         return [] if parent is None else self.children[parent]
@@ -177,7 +191,8 @@ class _Step:
             if parent is None:
                 return self.of(fwd, fmt.OUTPUT)
             after = [c for c in self.siblings(call) if c > call]
-            consumers = self.consumers.get(call, ())
+            consumers = self.outermost(self.consumers.get(call, set()), fmt.GRAD_INPUT,
+                                       occurrence)
             sources = (self.of(fwd, fmt.OUTPUT)
                        + self.of(sorted(set(after) | set(consumers)), fmt.GRAD_INPUT, occurrence)
                        + self.of((parent,), fmt.GRAD_OUTPUT, occurrence))

@@ -66,6 +66,7 @@ import pandas as pd
 
 from . import format as fmt
 from . import status as st
+from .centering import normalizes
 from .calibration import EXACT_GAIN, EXACT_LABEL, GAIN, Expectation, calibrate
 from .precision import precision_of, rounding_of
 from .gains import adjoint_gains, bias_scales, linear_gains
@@ -197,9 +198,15 @@ class _Records:
         self.sources = self._merged_sources(frame)
         self.repeat = self.first != np.arange(n)
         self.has_sources = np.array([len(s) > 0 for s in self.sources])
-        # a normalization's input gives its call the error its centered values carry, up to
-        # twice: once through the centered values, once through the spread they are divided by
-        centered = NORMALIZATION_GAIN * frame["centered_rel_err"].to_numpy(float)
+        # a normalization's input gives its call the error of the values it normalizes (a
+        # LayerNorm, RMSNorm, BatchNorm: exactly, whatever the group's size), else the error
+        # its centered values carry, up to twice: through them and through their spread; its
+        # weights weigh the groups unevenly (NORMALIZATION_GAIN)
+        forward = (frame["kind"] == fmt.INPUT).to_numpy()  # (a gradient's: its grad_input's)
+        normalized = frame["normalized_rel_err"].to_numpy(float)
+        exact = forward & normalizes(frame["cls"]) & np.isfinite(normalized)
+        centered = NORMALIZATION_GAIN * np.where(exact, normalized,
+                                                 frame["centered_rel_err"].to_numpy(float))
         with np.errstate(divide="ignore", invalid="ignore"):
             amplified = np.where(centered > err, centered / err, 1.0)
         amplified[~np.isfinite(amplified)] = 1.0
@@ -210,8 +217,8 @@ class _Records:
                          for a, b in self.dtypes]) * amplified
         # as a source, weights count WEIGHT_GAIN times their error, a bias its error at its
         # scale in the output (times STATS_GAIN more when estimated from their sketch)
-        forward = (frame["kind"] == fmt.INPUT).to_numpy()  # (a gradient's: its grad_input's)
-        data = np.where(np.isnan(centered) | ~forward, err, np.fmax(err, centered))
+        data = np.where(np.isnan(centered) | ~forward, err,
+                        np.where(exact, centered, np.fmax(err, centered)))
         bias_scale = bias_scales(frame)
         param_error = err * np.where(np.isnan(bias_scale), WEIGHT_GAIN, bias_scale)
         self.given = np.where(self.replaced, cast, np.where(

@@ -159,6 +159,44 @@ def test_centered_error_is_the_error_a_normalization_sees(shape, size):
     assert math.isnan(ErrorAccumulator(Tolerance(0.0, 0.0)).result()["centered_rel_err"])
 
 
+@pytest.mark.parametrize("shape, size, channels, eps", [
+    ((2, 16, 1, 1), 16, True, 1e-3),    # a BatchNorm over a batch of two at one position
+    ((4, 8, 3, 3), 8, True, 1e-5),
+    ((3, 5, 24), 24, False, 1e-6),       # a LayerNorm (and an RMSNorm) over the last dimension
+    ((3, 5, 24), 24, False, math.nan),   # eps not recorded: the worst of the common ones
+])
+def test_normalized_error_is_what_the_normalization_computes(shape, size, channels, eps):
+    """``normalized_rel_err``: the error of ``x_c / sqrt(mean(x_c²) + eps)`` per group, computed
+    here by normalizing both sides; the error along a group's own values is divided out (in
+    a group of two, all of it), groups of little spread beside eps weigh less, and large
+    errors (B's pair in the other order) count in full."""
+    from compare.centering import CHANNEL, LAST, NORMALIZATION_EPS, Centering
+    rng = np.random.default_rng(1)
+    a = rng.normal(0.5, 1, size=shape)
+    a.reshape(-1)[:3] *= 1e-3  # a few small values: groups of little spread
+    b = a * (1 + 3e-3 * rng.normal(size=shape))  # a rounding, relative to each element
+    b.reshape(-1)[-1] = -b.reshape(-1)[-1] * 5  # and one large error
+    acc = ErrorAccumulator(Tolerance(0.0, 0.0), Centering(shape, size, channels, eps))
+    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+    for start in range(0, flat_a.size, 50):
+        acc.update(flat_a[start:start + 50], flat_b[start:start + 50])
+    axes = {LAST: (-1,), CHANNEL: (0, 2, 3)}[CHANNEL if channels else LAST]
+
+    def error(e: float, center: bool) -> float:
+        def normalized(x):
+            x = x - x.mean(axis=axes, keepdims=True) if center else x
+            return x / np.sqrt((x ** 2).mean(axis=axes, keepdims=True) + e)
+        return float(np.linalg.norm(normalized(b) - normalized(a))
+                     / np.linalg.norm(normalized(a)))
+    expected = max(error(e, center) for e in (NORMALIZATION_EPS if math.isnan(eps) else (eps,))
+                   for center in ((True,) if channels else (True, False)))
+    assert acc.result()["normalized_rel_err"] == pytest.approx(expected, rel=1e-6)
+    if channels and shape[0] == 2:  # two per group: only the flipped pair's error is left
+        rounded = ErrorAccumulator(Tolerance(0.0, 0.0), Centering(shape, size, True, eps))
+        rounded.update(flat_a, (a * (1 + 3e-3 * rng.normal(size=shape))).reshape(-1))
+        assert rounded.result()["normalized_rel_err"] < 0.1 * rounded.result()["centered_rel_err"]
+
+
 def test_rows_in_another_order_are_paired_by_content_and_nothing_else_is():
     """``reordered_rel_err``: B's rows in another order leave the rounding once paired; rows
     that are not A's (another draw of the same distribution, other dropout masks, a
