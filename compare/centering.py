@@ -26,9 +26,12 @@ error's size: in a group of two, ``b`` ordered otherwise than ``a`` flips it, an
 and the group's change of length in the share ``eps / (||a_c||² / n + eps)`` by which
 ``eps`` keeps it; over all groups, each weighing its normalized values' length. ``eps`` is
 the module's as the dump records it (``fmt.EPS_PATH``, written since 2026-11-26), else the
-largest error over those of common normalizations (``NORMALIZATION_EPS``) is taken. Over the last dimension the uncentered values count too
-(RMSNorm), the larger taken. In a BatchNorm of a batch of two at one position, what a
-bfloat16 input's rounding passes on is next to nothing, not thirty times itself.
+largest error over those of common normalizations (``NORMALIZATION_EPS``) is taken. Over the
+last dimension the uncentered values count too (RMSNorm), the larger taken. In a BatchNorm
+of a batch of two at one position, what a bfloat16 input's rounding passes on is next to
+nothing, not thirty times itself. A BatchNorm normalizes by its batch's statistics only in
+training (else by its running ones: an affine map), which the dumper says by recording its
+eps then only: without it, a BatchNorm's normalized error is not known (NaN).
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ from . import format as fmt
 
 LAST, CHANNEL, POSITION = "last", "channel", "position"
 # The eps of common normalizations (torch's LayerNorm and BatchNorm 1e-5, Hugging Face's 1e-12
-# to 1e-3; 0: none): the dump does not say which, and the error is judged at the worst. Where
+# to 1e-3; 0: none): where a dump does not say which, the error is judged at the worst. Where
 # a group's spread is not far above it, its length passes on in part, and the group weighs
 # less in the whole.
 NORMALIZATION_EPS = (0.0, 1e-6, 1e-5, 1e-4, 1e-3)
@@ -67,7 +70,8 @@ def normalized_sizes(pairs: pd.DataFrame) -> np.ndarray:
 
 # Class names of the normalizations whose groups the groupings above hold (not GroupNorm's or
 # InstanceNorm's, per sample): there the error of the normalized values is what passes on.
-NORMALIZATIONS = ("BatchNorm", "LayerNorm", "RMSNorm")
+BATCH_NORM = "BatchNorm"
+NORMALIZATIONS = (BATCH_NORM, "LayerNorm", "RMSNorm")
 
 
 def normalizes(cls: pd.Series) -> np.ndarray:
@@ -91,7 +95,7 @@ def recorded_eps(index: pd.DataFrame) -> dict[str, float]:
 def per_channel(cls: pd.Series) -> np.ndarray:
     """Per class name, whether it is a BatchNorm's (``BatchNorm2d``, ``SyncBatchNorm``),
     which normalizes per channel."""
-    return cls.fillna("").str.contains("BatchNorm").to_numpy(bool)
+    return cls.fillna("").str.contains(BATCH_NORM).to_numpy(bool)
 
 
 def groupings(shape: tuple[int, ...], size: int, channels: bool = False) -> tuple[str, ...]:
@@ -213,7 +217,8 @@ class Centering:
     def __init__(self, shape: tuple[int, ...], size: int, channels: bool = False,
                  eps: float = math.nan):
         self._groupings = [_Grouping(kind, shape) for kind in groupings(shape, size, channels)]
-        self._eps = NORMALIZATION_EPS if math.isnan(eps) else (eps,)
+        # a BatchNorm without a recorded eps may have normalized by its running statistics
+        self._eps = (NORMALIZATION_EPS if not channels else ()) if math.isnan(eps) else (eps,)
         self.known = bool(self._groupings)
 
     def add(self, offset: int, a: np.ndarray, d: Optional[np.ndarray]) -> None:
@@ -232,7 +237,8 @@ class Centering:
 
     def normalized_rel_error(self) -> float:
         """The largest error of the normalized values over the groupings, at the module's eps
-        if known, else at the worst of ``NORMALIZATION_EPS`` (NaN when not known)."""
-        if not self.known:
+        if known, else at the worst of ``NORMALIZATION_EPS`` (NaN when not known, and for a
+        BatchNorm without its eps)."""
+        if not self.known or not self._eps:
             return math.nan
         return max(g.normalized_rel_error(self._eps) for g in self._groupings)

@@ -33,7 +33,10 @@ Sink = Callable[[Record], None]
 
 
 def _eps_of(module: nn.Module) -> Optional[float]:
-    """A normalization's eps (``fmt.EPS_ATTRIBUTES``), None where the module has none."""
+    """A normalization's eps (``fmt.EPS_ATTRIBUTES``), None where the module has none, and
+    for a BatchNorm that normalizes by its running statistics (not training): an affine map."""
+    if getattr(module, "running_mean", None) is not None and not module.training:
+        return None
     for name in fmt.EPS_ATTRIBUTES:
         value = getattr(module, name, None)
         if isinstance(value, float):

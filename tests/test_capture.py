@@ -631,7 +631,8 @@ class _RMSNorm(nn.Module):
 
 def test_a_normalizations_eps_is_recorded_with_its_parameters_and_never_compared(tmp_path):
     """Each normalization's eps (``eps`` or ``variance_epsilon``) is a non-tensor ``param`` row
-    at its first call; a module without one has none; a comparison pairs no such row."""
+    at its first call; a module without one has none, nor a BatchNorm in eval mode (it
+    normalizes by its running statistics); a comparison pairs no such row."""
     from compare import compare_dumps
     model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8, eps=1e-6), nn.BatchNorm1d(8),
                           _RMSNorm(8))
@@ -643,3 +644,6 @@ def test_a_normalizations_eps_is_recorded_with_its_parameters_and_never_compared
     assert (eps["index"] == -1).all() and (eps["dataset"] == "").all()
     result = compare_dumps(tmp_path / "a", tmp_path / "b")
     assert not ((result["kind"] == fmt.PARAM) & (result["index"] < 0)).any()
+    _dump_one_step(model.eval(), torch.randn(3, 4), tmp_path / "eval")
+    index = load_dump(tmp_path / "eval").index
+    assert set(index[index["path"] == fmt.EPS_PATH]["module"]) == {"1", "3"}
