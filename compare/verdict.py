@@ -40,7 +40,8 @@ A record is
 Without a bound: integer records (indices, masks, routing) decided from inputs with any error,
 and what such records select; and what differing weights feed where how much the weights used
 differ is unknown (weights known by their five statistics but no sketch, as in format version
-1 dumps, or looked up by indices). Weights known by their sketch count with ``STATS_GAIN``
+1 dumps, or looked up by indices: a module's weights where its own inputs are integers, as an
+embedding's). Weights known by their sketch count with ``STATS_GAIN``
 times their estimate.
 
 With user-given ``rtol``/``atol`` a record within them (every element ``|b - a| <= atol +
@@ -353,13 +354,20 @@ class _Records:
         return out
 
     def _unbounded(self) -> np.ndarray:
+        """Records without a bound (see the module docstring). Weights are looked up by
+        indices (an embedding) where their module's own inputs are integers: another
+        module's integers (the position ids an attention's projections never see) select
+        nothing of them."""
         drifted = (self.weight_status == st.INHERITED) & ~self.replaced
         unknown = self.from_stats & ~self.sketched  # how much: five statistics cannot tell
+        module = self.frame["module"].to_numpy(object)
+        indices = self.discrete & (self.frame["kind"] == fmt.INPUT).to_numpy()
         out = self.discrete & (self.err_in > 0)
         for i, s in enumerate(self.sources):
-            selected = bool(np.any(self.discrete[s]))
+            moved = s[drifted[s]]
             out[i] |= bool(np.any(self.discrete[s] & (self.err[s] > 0))) or bool(
-                np.any(drifted[s] & (unknown[s] | selected)))
+                np.any(unknown[moved])) or not set(module[moved]).isdisjoint(
+                module[s[indices[s]]])
         return out
 
 

@@ -563,6 +563,30 @@ def test_a_gradient_at_a_residual_fork_is_judged_against_the_whole_block(tmp_pat
     assert len(origins) and origins.iloc[0]["module"] in (norm, "convnext.embeddings"), origins
 
 
+def test_integers_beside_an_attention_leave_its_projections_bounded(tmp_path):
+    """At the fourth AdamW step (bfloat16 autocast) a Llama attention gets integer position
+    ids beside its hidden states, and its projections' weights drifted. Weights are looked up
+    by integers (no bound on what a drift adds) only where their own module gets them, as
+    the embedding does; the attention's output projection had no bound either (a plant
+    there: "cannot tell", no size given). Now it has one, and a 30 % error there is found."""
+    require_runnable("llama", "bfloat16")
+    common = dict(seed=1, steps=4, optimizer="adamw", plant_last_only=True)
+    o_proj = "model.layers.0.self_attn.o_proj"
+    run_step("llama", "float32", tmp_path / "a", dumper_options={"params": True}, **common)
+    run_step("llama", "bfloat16", tmp_path / "b", **common)
+    run_step("llama", "bfloat16", tmp_path / "c", **common,
+             plant={"include": [o_proj], "where": "output", "scale": 1.3})
+    result = compare_dumps(tmp_path / "a", tmp_path / "b")
+    outputs = result[result["kind"] == fmt.OUTPUT].set_index("module")["hidden_rel_error"]
+    ids = result[(result["module"] == "model.layers.0.self_attn")
+                 & (result["dtype_b"] == "int64")]
+    assert len(ids)  # the integers beside it
+    assert np.isfinite(outputs[o_proj]) and outputs[o_proj] < 0.3
+    assert np.isinf(outputs["model.embed_tokens"])
+    first = summarize(compare_dumps(tmp_path / "a", tmp_path / "c")).first
+    assert _named(first, o_proj) and first.row["kind"] == fmt.OUTPUT, first
+
+
 def test_a_dropout_that_draws_other_masks_is_named_with_the_reason(tmp_path):
     """Two runs whose generators differ (another device, say) draw different dropout masks:
     the first divergence is the dropout, and the text says why and what to do."""
