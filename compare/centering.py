@@ -42,6 +42,7 @@ import numpy as np
 import pandas as pd
 
 from . import format as fmt
+from .precision import rounding_of
 
 LAST, CHANNEL, POSITION = "last", "channel", "position"
 # The eps of common normalizations (torch's LayerNorm and BatchNorm 1e-5, Hugging Face's 1e-12
@@ -68,25 +69,41 @@ def normalized_sizes(pairs: pd.DataFrame) -> np.ndarray:
     return np.where(first, pairs["module"].map(sizes).fillna(0), 0).astype(np.int64)
 
 
-# Class names of the normalizations whose groups the groupings above hold (not GroupNorm's or
-# InstanceNorm's, per sample): there the error of the normalized values is what passes on.
+# Class names of the normalizations whose groups :func:`groupings` holds (not GroupNorm's or
+# InstanceNorm's, per sample; not SyncBatchNorm's, over every rank's batch; not a gated norm's,
+# which normalizes its input times a gate): there the error of the normalized values is what
+# passes on.
 BATCH_NORM = "BatchNorm"
 NORMALIZATIONS = (BATCH_NORM, "LayerNorm", "RMSNorm")
+NOT_NORMALIZATIONS = ("SyncBatchNorm", "Gated")
 
 
-def normalizes(cls: pd.Series) -> np.ndarray:
-    """Per class name, whether it is one of ``NORMALIZATIONS``."""
-    return cls.fillna("").str.contains("|".join(NORMALIZATIONS)).to_numpy(bool)
+def normalizes(frame: pd.DataFrame) -> np.ndarray:
+    """Per row of a comparison (columns ``epoch, step, rank, call, cls, kind, dtype_a``):
+    whether it is the one floating-point input of a call of one of ``NORMALIZATIONS`` (and
+    none of ``NOT_NORMALIZATIONS``): a norm that is also given a residual or a gate
+    normalizes their sum or product, not its input."""
+    cls = frame["cls"].fillna("")
+    named = (cls.str.contains("|".join(NORMALIZATIONS))
+             & ~cls.str.contains("|".join(NOT_NORMALIZATIONS)))
+    floating = (frame["kind"] == fmt.INPUT) & frame["dtype_a"].map(
+        lambda dtype: rounding_of(dtype).unit > 0)
+    call = [frame["epoch"], frame["step"], frame["rank"].fillna(-1), frame["call"]]
+    alone = floating.groupby(call).transform("sum") == 1
+    return (named & floating & alone).to_numpy(bool)
 
 
-def recorded_eps(index: pd.DataFrame) -> dict[str, float]:
-    """``module -> eps`` from a dump's index (its ``fmt.EPS_PATH`` rows)."""
+def recorded_eps(index: pd.DataFrame) -> dict[tuple, float]:
+    """``(epoch, step, rank, module) -> eps`` from a dump's index (its ``fmt.EPS_PATH`` rows;
+    rank -1 where not distributed): per step, as a module may normalize by its batch's
+    statistics in one step and not in another (a BatchNorm in training, then in eval)."""
     rows = index[(index["kind"] == fmt.PARAM) & (index["index"] < 0)
                  & (index["path"] == fmt.EPS_PATH)]
     out = {}
-    for module, value in zip(rows["module"], rows["value"]):
+    for key, value in zip(zip(rows["epoch"], rows["step"], rows["rank"].fillna(-1),
+                              rows["module"]), rows["value"]):
         try:
-            out.setdefault(module, float(value))
+            out.setdefault(key, float(value))
         except ValueError:  # not a number after all: judged at the worst eps
             continue
     return out
@@ -177,8 +194,13 @@ class _Grouping:
                   self.cross - self.sum_a * self.sum_d / n)]
         if self.kind == LAST:
             forms.append((self.squares_a, self.squares_d, self.cross))
-        return max(_normalized_error(*form, n, self.squares_a, eps)
-                   for form in forms for eps in epsilons)
+        return _largest([_normalized_error(*form, n, self.squares_a, eps)
+                         for form in forms for eps in epsilons])
+
+
+def _largest(errors: list[float]) -> float:
+    """The largest of ``errors``, NaN if any is NaN (not known)."""
+    return math.nan if any(math.isnan(e) for e in errors) else max(errors)
 
 
 def _normalized_error(aa: np.ndarray, dd: np.ndarray, ad: np.ndarray, n: int,
@@ -186,10 +208,12 @@ def _normalized_error(aa: np.ndarray, dd: np.ndarray, ad: np.ndarray, n: int,
     """``||b / s_b - a / s_a|| / ||a / s_a||`` over groups, ``s = sqrt(||x||² / n + eps)``, from
     each group's ``||a||²``, ``||d||²`` and ``<a, d>`` (of the centered values or not): the
     angle that ``d`` turns ``a`` by and the change of length that ``eps`` leaves. Groups
-    constant in A (``aa`` ~ 0 against ``scale``) are left out; infinite where B's is not."""
+    constant in A (``aa`` ~ 0 against ``scale``: no digits left to tell) add nothing where B's
+    are constant too, and make it unknown (NaN) where not (a padding row that A holds at
+    zero)."""
     varied = aa > scale * 1e-12
-    if not varied.any():
-        return 0.0 if not np.any(dd > scale * 1e-12) else math.inf
+    if np.any(dd[~varied] > 0) or not varied.any():
+        return math.nan
     aa, dd, ad = aa[varied], np.maximum(dd[varied], 0.0), ad[varied]
     along = ad / aa                                    # d = along * a + d_perp
     across = np.maximum(dd - along * ad, 0.0) / aa     # ||d_perp||² / ||a||²
@@ -210,9 +234,9 @@ def _normalized_error(aa: np.ndarray, dd: np.ndarray, ad: np.ndarray, n: int,
 
 class Centering:
     """Accumulates, along with an :class:`~compare.metrics.ErrorAccumulator`, what
-    :meth:`centered_rel_error` needs: fed the float64 values ``a`` and differences ``d`` of each
-    block at its flat ``offset`` (``d`` None where the block is identical). Non-finite elements
-    make it unknown (NaN)."""
+    :meth:`centered_rel_error` and :meth:`normalized_rel_error` need: fed the float64 values
+    ``a`` and differences ``d`` of each block at its flat ``offset`` (``d`` None where the
+    block is identical). Non-finite elements make both unknown (NaN)."""
 
     def __init__(self, shape: tuple[int, ...], size: int, channels: bool = False,
                  eps: float = math.nan):
@@ -226,7 +250,7 @@ class Centering:
             grouping.add(offset, a, d)
 
     def forget(self) -> None:
-        """Some elements were not finite: the centered error is not known."""
+        """Some elements were not finite: neither error is known."""
         self.known = False
 
     def centered_rel_error(self, ssa: float, ssd: float) -> float:
@@ -241,4 +265,4 @@ class Centering:
         BatchNorm without its eps)."""
         if not self.known or not self._eps:
             return math.nan
-        return max(g.normalized_rel_error(self._eps) for g in self._groupings)
+        return _largest([g.normalized_rel_error(self._eps) for g in self._groupings])

@@ -116,8 +116,11 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     not_compared += left_out
     if client is not None:
         jobs = max(jobs, cluster.worker_count(client))
-    eps = {**recorded_eps(dump_b.index), **recorded_eps(dump_a.index)}
-    tasks = _tasks(pairs.assign(eps=pairs["module"].map(eps).astype(float)), files_a, files_b,
+    # each normalization's eps: A's, else B's where B kept its module names
+    eps = {**(recorded_eps(dump_b.index) if mapping is None else {}),
+           **recorded_eps(dump_a.index)}
+    keys = zip(pairs["epoch"], pairs["step"], pairs["rank"], pairs["module"])
+    tasks = _tasks(pairs.assign(eps=[eps.get(k, math.nan) for k in keys]), files_a, files_b,
                    max(1, jobs), chunk_elements, rtol, atol)
     metrics: dict[int, dict] = {}
     with contextlib.ExitStack() as stack:

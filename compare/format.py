@@ -138,11 +138,12 @@ KINDS = (INPUT, OUTPUT, GRAD_INPUT, GRAD_OUTPUT, PARAM, PARAM_GRAD)
 FORWARD_KINDS = frozenset({INPUT, OUTPUT, PARAM})
 BACKWARD_KINDS = frozenset({GRAD_INPUT, GRAD_OUTPUT, PARAM_GRAD})
 # A normalization's eps (its float attribute of one of these names: torch's, Hugging Face's
-# RMSNorms'), recorded with its parameters as a non-tensor `param` row (index -1) of this
-# path, its repr as `value`: how much a normalization passes on of its input's error depends
-# on it (compare.centering). Not for a module with running statistics outside training (a
-# BatchNorm in eval mode normalizes by those: an affine map). Written since 2026-11-26 (format version 8): a row that older
-# readers skip like every non-tensor leaf, so no new version.
+# RMSNorms'; torch's RMSNorm without one: its input dtype's machine epsilon), recorded with
+# its parameters as a non-tensor `param` row (index -1) of this path, its repr as `value`:
+# how much a normalization passes on of its input's error depends on it (compare.centering).
+# Not for a module with running statistics outside training (a BatchNorm in eval mode
+# normalizes by those: an affine map). Written since 2026-11-26 within format version 8: a
+# row that older readers skip like every non-tensor leaf.
 EPS_ATTRIBUTES = ("eps", "variance_epsilon")
 EPS_PATH = "eps"
 

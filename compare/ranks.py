@@ -34,7 +34,7 @@ def must_agree(index: pd.DataFrame) -> pd.Series:
     replicated = index["placements"].map(
         lambda text: bool(text) and set(fmt.parse_placements(text)) == {"R"})
     return (index["kind"].isin([fmt.PARAM, fmt.PARAM_GRAD]) & (index["placements"] == "")
-            ) | replicated
+            & (index["index"] >= 0)) | replicated  # (not a normalization's eps row)
 
 
 def compare_ranks(run: Union[PathLike, str, Dump], *, steps: Optional[Iterable[str]] = None,

@@ -13,8 +13,11 @@ input          the outputs of the call that produced it (``producer``); if unkno
                parent call had by then: its inputs and parameters, and the outputs of the
                children that ran before this call
 grad_output    the call's outputs (what the loss was computed from), the grad_inputs of the
-               calls that consumed them, the parent's grad_output, and the grad_inputs of the
-               children of the parent that ran after the call; where no recorded call
+               calls that consumed them (the outermost: a consumer nested in another whose
+               grad_input for them was compared sends back part of what the outer one does,
+               as a residual block's first layer its branch's share), the parent's
+               grad_output, and the grad_inputs of the children of the parent that ran after
+               the call; where no recorded call
                consumed the outputs (the parent's own code did: attention, a gated
                product) and the parent is not the outermost call, also what that code's
                backward uses: the parent's inputs and parameters and the outputs of its
@@ -40,6 +43,7 @@ import numpy as np
 import pandas as pd
 
 from . import format as fmt
+from . import status as st
 
 STEP_KEY = ["epoch", "step", "rank"]
 
@@ -114,14 +118,23 @@ class _Step:
         self.by_call_kind: dict[tuple, list[int]] = defaultdict(list)
         self.by_module_kind: dict[tuple, list[int]] = defaultdict(list)
         self.consumers: dict[int, set[int]] = defaultdict(set)
-        for pos, call, module, kind, occurrence, producer in zip(
-                rows["pos"], rows["call"], rows["module"], rows["kind"], rows["occurrence"],
-                rows["producer"]):
+        # per (consumer, producer), the indices of the consumer's inputs the producer made
+        self.fed: dict[tuple[int, int], set[int]] = defaultdict(set)
+        # rows whose values were compared (all, for a frame without statuses)
+        compared = (rows["status"].isin(list(st.COMPARED)) if "status" in rows
+                    else pd.Series(True, index=rows.index))
+        self.compared: dict[tuple, set[int]] = defaultdict(set)  # (call, kind, pass) -> indices
+        for pos, call, module, kind, index, occurrence, producer, known in zip(
+                rows["pos"], rows["call"], rows["module"], rows["kind"], rows["index"],
+                rows["occurrence"], rows["producer"], compared):
             pass_ = occurrence if kind in fmt.BACKWARD_KINDS else None
             self.by_call_kind[(call, kind, pass_)].append(pos)
             self.by_module_kind[(module, kind)].append(pos)
+            if known:
+                self.compared[(call, kind, pass_)].add(int(index))
             if kind == fmt.INPUT and producer >= 0:
                 self.consumers[int(producer)].add(int(call))
+                self.fed[(int(call), int(producer))].add(int(index))
         calls = rows.drop_duplicates("call")
         self.module_of = dict(zip(calls["call"], calls["module"]))
         self.parent = parent_calls(calls)
@@ -141,11 +154,14 @@ class _Step:
         are recorded at the first call only)."""
         return list(self.by_module_kind.get((self.module_of[call], fmt.PARAM), ()))
 
-    def outermost(self, calls: set[int], kind: str, pass_: int) -> set[int]:
-        """``calls`` less those nested in another of them that has a ``kind`` record of
-        pass ``pass_`` (its record holds theirs: what a residual block sends back to its
-        input holds what its branch's first layer does)."""
-        holding = {c for c in calls if self.of((c,), kind, pass_)}
+    def outermost(self, producer: int, pass_: int) -> set[int]:
+        """The calls that consumed ``producer``'s outputs, less those nested in another of
+        them whose grad_input of pass ``pass_`` for those outputs was compared (it holds
+        theirs: what a residual block sends back to its input holds what its branch's first
+        layer does)."""
+        calls = self.consumers.get(producer, set())
+        holding = {c for c in calls if self.fed[(c, producer)]
+                   & self.compared.get((c, fmt.GRAD_INPUT, pass_), set())}
         out = set()
         for call in calls:
             parent = self.parent.get(call)
@@ -191,8 +207,7 @@ class _Step:
             if parent is None:
                 return self.of(fwd, fmt.OUTPUT)
             after = [c for c in self.siblings(call) if c > call]
-            consumers = self.outermost(self.consumers.get(call, set()), fmt.GRAD_INPUT,
-                                       occurrence)
+            consumers = self.outermost(call, occurrence)
             sources = (self.of(fwd, fmt.OUTPUT)
                        + self.of(sorted(set(after) | set(consumers)), fmt.GRAD_INPUT, occurrence)
                        + self.of((parent,), fmt.GRAD_OUTPUT, occurrence))

@@ -45,6 +45,8 @@ STATUSES = (EQUAL, CLOSE, INHERITED, DIFF, NAN_MISMATCH, SHAPE_MISMATCH, HASH_MI
             UNSUPPORTED)
 
 PASSING = frozenset({EQUAL, CLOSE})
+# What the metrics give a record whose values (or statistics) were compared on both sides.
+COMPARED = frozenset({EQUAL, CLOSE, DIFF, NAN_MISMATCH})
 # Reported, not failures: an inherited error is blamed on its origin; an unsupported tensor is
 # one the dumper cannot store by design, not a difference between the runs; an op of one side
 # only is a difference in the code run, whose consequences the records around it show.

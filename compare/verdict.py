@@ -15,8 +15,9 @@ on one side only: a ReLU passes those gradients in one run only); for a gradient
 back through a parent's own code (attention, a gate) downstream of an error that is not
 rounding (an inherited or failing source), the gradients' error plus that of the forward
 values the code multiplies them by (one upstream error reaches every factor of a product, and
-the factors' relative errors add). A normalization's input,
-and its incoming gradient, count with their error after centering (:mod:`compare.centering`);
+the factors' relative errors add). A normalization's input counts with the error of the values
+it normalizes (a LayerNorm, RMSNorm or BatchNorm fed it alone), else with its error after
+centering, as its incoming gradient does (:mod:`compare.centering`);
 a sum that cancels, with its terms' absolute errors (:mod:`compare.sums`). Its *added error*
 is what it carries beyond that, ``sqrt(max(rel_error² - input_error², 0))``.
 
@@ -40,8 +41,8 @@ A record is
 Without a bound: integer records (indices, masks, routing) decided from inputs with any error,
 and what such records select; and what differing weights feed where how much the weights used
 differ is unknown (weights known by their five statistics but no sketch, as in format version
-1 dumps, or looked up by indices: a module's weights where its own inputs are integers, as an
-embedding's). Weights known by their sketch count with ``STATS_GAIN``
+1 dumps, or looked up by indices: a module's weights where its own code gets integers, as
+its inputs or from its children). Weights known by their sketch count with ``STATS_GAIN``
 times their estimate.
 
 With user-given ``rtol``/``atol`` a record within them (every element ``|b - a| <= atol +
@@ -109,7 +110,6 @@ WRONG_WEIGHTS = "the runs did not start from the same weights, or diverged at an
 USER_TOLERANCE = "user_tolerance"  # attribute of a judged result: judged by the user's rtol/atol
 VERDICT_COLUMNS = ("rel_error", "input_rel_error", "added_rel_error", "expected_rel_error",
                    "added_ratio", "hidden_rel_error", "source", "same_as", "reason")
-_COMPARED = frozenset({st.EQUAL, st.CLOSE, st.DIFF, st.NAN_MISMATCH})
 
 
 def labels(frame: pd.DataFrame) -> np.ndarray:
@@ -180,7 +180,7 @@ class _Records:
         self.from_stats = frame["rel_l2_err"].isna().to_numpy() & \
             frame["rel_err_from_stats"].notna().to_numpy()
         self.measured = frame["status"].to_numpy(object)  # the metrics': equal, nan_mismatch...
-        self.compared = np.isin(self.measured, list(_COMPARED))
+        self.compared = np.isin(self.measured, list(st.COMPARED))
         self.seq = frame["seq"].to_numpy(np.int64)
         self.rank = frame["rank"].fillna(-1).to_numpy()
         self.step_key = list(zip(frame["epoch"], frame["step"]))
@@ -205,7 +205,7 @@ class _Records:
         # weights weigh the groups unevenly (NORMALIZATION_GAIN)
         forward = (frame["kind"] == fmt.INPUT).to_numpy()  # (a gradient's: its grad_input's)
         normalized = frame["normalized_rel_err"].to_numpy(float)
-        exact = forward & normalizes(frame["cls"]) & np.isfinite(normalized)
+        exact = normalizes(frame) & np.isfinite(normalized)
         centered = NORMALIZATION_GAIN * np.where(exact, normalized,
                                                  frame["centered_rel_err"].to_numpy(float))
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -355,20 +355,30 @@ class _Records:
 
     def _unbounded(self) -> np.ndarray:
         """Records without a bound (see the module docstring). Weights are looked up by
-        indices (an embedding) where their module's own inputs are integers: another
-        module's integers (the position ids an attention's projections never see) select
-        nothing of them."""
+        indices where their module's own code gets integers: as its inputs (an embedding's
+        token ids) or from its children (a router's choice of experts whose weights the
+        parent holds); another module's integers (the position ids an attention's
+        projections never see) select nothing of them."""
         drifted = (self.weight_status == st.INHERITED) & ~self.replaced
         unknown = self.from_stats & ~self.sketched  # how much: five statistics cannot tell
         module = self.frame["module"].to_numpy(object)
-        indices = self.discrete & (self.frame["kind"] == fmt.INPUT).to_numpy()
+        kind = self.frame["kind"].to_numpy(object)
         out = self.discrete & (self.err_in > 0)
         for i, s in enumerate(self.sources):
             moved = s[drifted[s]]
-            out[i] |= bool(np.any(self.discrete[s] & (self.err[s] > 0))) or bool(
-                np.any(unknown[moved])) or not set(module[moved]).isdisjoint(
-                module[s[indices[s]]])
+            integers = s[self.discrete[s]]
+            out[i] |= bool(np.any(self.err[integers] > 0)) or bool(np.any(unknown[moved])) or any(
+                _selects(module[j], kind[j], owner) for owner in set(module[moved])
+                for j in integers)
         return out
+
+
+def _selects(module: str, kind: str, owner: str) -> bool:
+    """Whether an integer record (of ``module``, ``kind``) is one the code of ``owner`` gets:
+    its input, or a child's output."""
+    if kind == fmt.INPUT:
+        return module == owner
+    return kind == fmt.OUTPUT and module != owner and fmt.contains(owner, module)
 
 
 def _same_tensor(frame: pd.DataFrame, err: np.ndarray, compared: np.ndarray) -> list[np.ndarray]:

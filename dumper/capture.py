@@ -32,11 +32,16 @@ from .selection import Selection
 Sink = Callable[[Record], None]
 
 
-def _eps_of(module: nn.Module) -> Optional[float]:
-    """A normalization's eps (``fmt.EPS_ATTRIBUTES``), None where the module has none, and
-    for a BatchNorm that normalizes by its running statistics (not training): an affine map."""
+def _eps_of(module: nn.Module, args: tuple) -> Optional[float]:
+    """A normalization's eps (``fmt.EPS_ATTRIBUTES``; torch's ``RMSNorm`` without one uses its
+    input dtype's machine epsilon), None where the module has none, and for a BatchNorm that
+    normalizes by its running statistics (not training): an affine map."""
     if getattr(module, "running_mean", None) is not None and not module.training:
         return None
+    if isinstance(module, nn.RMSNorm) and module.eps is None:
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        return torch.finfo(first.dtype).eps if first is not None and (
+            first.is_floating_point()) else None
     for name in fmt.EPS_ATTRIBUTES:
         value = getattr(module, name, None)
         if isinstance(value, float):
@@ -240,7 +245,7 @@ class StepCapture:
                 record.injected = fmt.PARAM in injects and inject.has(
                     (path, info.call_idx, fmt.PARAM, i))
                 self._sink(record)
-            eps = _eps_of(module)
+            eps = _eps_of(module, args)
             if eps is not None and info.call_idx == 0:
                 self._sink(leaf_record(call.seq, info, fmt.PARAM, fmt.EPS_PATH, eps))
         if fmt.PARAM in injects:

@@ -201,6 +201,22 @@ def test_normalized_error_is_what_the_normalization_computes(shape, size, channe
         assert rounded.result()["normalized_rel_err"] < 0.1 * rounded.result()["centered_rel_err"]
 
 
+def test_normalized_error_is_unknown_where_a_group_constant_in_a_varies_in_b():
+    """A padding row that A holds at zero and B does not: nothing in A's values tells what
+    its normalization makes of B's, so the figure is NaN (judged by the centered rule)."""
+    from compare.centering import Centering
+    a = np.random.default_rng(2).normal(size=(4, 16))
+    a[3] = 0.0
+    b = a + 1e-3 * np.random.default_rng(3).normal(size=a.shape)
+    acc = ErrorAccumulator(Tolerance(0.0, 0.0), Centering(a.shape, 16, eps=1e-5))
+    acc.update(a.reshape(-1), b.reshape(-1))
+    assert math.isnan(acc.result()["normalized_rel_err"])
+    b[3] = 0.0  # constant in both: adds nothing
+    acc = ErrorAccumulator(Tolerance(0.0, 0.0), Centering(a.shape, 16, eps=1e-5))
+    acc.update(a.reshape(-1), b.reshape(-1))
+    assert 0 < acc.result()["normalized_rel_err"] < 1e-2
+
+
 def test_rows_in_another_order_are_paired_by_content_and_nothing_else_is():
     """``reordered_rel_err``: B's rows in another order leave the rounding once paired; rows
     that are not A's (another draw of the same distribution, other dropout masks, a

@@ -540,6 +540,58 @@ def test_a_batchnorm_over_two_elements_passes_on_none_of_its_inputs_rounding(tmp
     assert origins.iloc[0]["kind"] == fmt.OUTPUT
 
 
+class _AddLayerNorm(nn.Module):
+    """A fused residual norm, as in flash-attn or vLLM: normalizes ``x + residual``."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.weight, self.bias = self.norm.weight, self.norm.bias
+
+    def forward(self, x, residual):
+        return self.norm(x + residual)
+
+
+class _Scaled(nn.Module):
+    """Linear, a BatchNorm1d and an add-norm, B's hidden values scaled in the parent's code
+    (a 1 % error along them, which a normalization of them alone divides out)."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+        self.fc, self.bn, self.add_norm = nn.Linear(8, 8), nn.BatchNorm1d(8), _AddLayerNorm(8)
+
+    def forward(self, x):
+        h = self.fc(x) * self.scale
+        return self.add_norm(self.bn(h), x)
+
+
+def test_an_error_along_its_input_passes_where_a_norm_does_not_divide_it_out(tmp_path):
+    """An error along a norm's input is divided out only where the norm normalizes that input
+    by its own statistics: a BatchNorm in eval mode (its running ones) passes it on, as does
+    a norm fed a residual besides (it normalizes the sum). Neither is a false alarm; in
+    training the BatchNorm's eps is recorded and its output carries next to nothing of it."""
+    for name, scale in (("a", 1.0), ("b", 1.01)):
+        torch.manual_seed(0)
+        model, d = _Scaled(scale), HookerAndDumper(tmp_path / name)
+        for step, training in ((0, True), (1, False)):
+            model.train(training)
+            with d.hooks(model, 0, step):
+                model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+                      ).pow(2).sum().backward()
+        d.close()
+    result = compare_dumps(tmp_path / "a", tmp_path / "b")
+    failing = result[result["status"].isin(FAILING)]
+    assert set(failing["module"]) <= {"bn"}, failing  # (B's input to it: parent code's error)
+    assert (failing["kind"] == fmt.INPUT).all(), failing
+    out = result[result["kind"] == fmt.OUTPUT].set_index(["step", "module"])["rel_error"]
+    assert out[(1, "bn")] > 0.5e-2 and out[(0, "bn")] < 1e-4  # eval passes it, training not
+    # the sum's normalization keeps part of it, which normalizing its first input alone
+    # would have divided out
+    inputs = result[result["kind"] == fmt.INPUT].set_index(["step", "module", "index"])
+    assert out[(1, "add_norm")] > 1e-3 > inputs.loc[(1, "add_norm", 0), "normalized_rel_err"]
+
+
 def test_a_gradient_at_a_residual_fork_is_judged_against_the_whole_block(tmp_path):
     """ConvNeXt's first block adds ``1e-6 * branch(x)`` to ``x``: in float16 its branch's
     gradient underflows to zero (relative error 1), a negligible part of what the block sends
@@ -585,6 +637,48 @@ def test_integers_beside_an_attention_leave_its_projections_bounded(tmp_path):
     assert np.isinf(outputs["model.embed_tokens"])
     first = summarize(compare_dumps(tmp_path / "a", tmp_path / "c")).first
     assert _named(first, o_proj) and first.row["kind"] == fmt.OUTPUT, first
+
+
+class _Router(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.gate(x).argmax(-1)
+
+
+class _Experts(nn.Module):
+    """Expert weights held by the parent and chosen per token by a child router's integers;
+    a projection after them uses all of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.router, self.out = _Router(), nn.Linear(8, 8)
+        self.experts = nn.Parameter(torch.randn(4, 8, 8) / 3)
+
+    def forward(self, x):
+        chosen = self.router(x)
+        return 2 * self.out(torch.einsum("td,tde->te", x, self.experts[chosen]))
+
+
+def test_integers_that_choose_a_modules_weights_leave_it_unbounded(tmp_path):
+    """Weights that drifted (B's 2 % off, in float32 against float64) and that the module's
+    code picks by integers its child returned (a router's choice of experts): how much of the
+    drift the picked ones carry is unknown, so the module's output has no bound; the
+    projection after them, whose weights are all used, has one."""
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    for name, dtype, drift in (("a", torch.float64, 1.0), ("b", torch.float32, 1.02)):
+        torch.manual_seed(0)
+        model = _Experts().to(dtype)
+        with torch.no_grad():
+            model.experts.mul_(drift)
+            model.out.weight.mul_(drift)
+        with HookerAndDumper(tmp_path / name).hooks(model, 0, 0):
+            model(x.to(dtype)).pow(2).sum().backward()
+    result = compare_dumps(tmp_path / "a", tmp_path / "b")
+    outputs = result[result["kind"] == fmt.OUTPUT].set_index("module")["hidden_rel_error"]
+    assert np.isinf(outputs[""]) and np.isfinite(outputs["out"]), outputs
 
 
 def test_a_dropout_that_draws_other_masks_is_named_with_the_reason(tmp_path):
