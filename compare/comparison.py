@@ -119,9 +119,7 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     # each normalization's eps: A's, else B's where B kept its module names
     eps = {**(recorded_eps(dump_b.index) if mapping is None else {}),
            **recorded_eps(dump_a.index)}
-    keys = zip(pairs["epoch"], pairs["step"], pairs["rank"], pairs["module"])
-    tasks = _tasks(pairs.assign(eps=[eps.get(k, math.nan) for k in keys]), files_a, files_b,
-                   max(1, jobs), chunk_elements, rtol, atol)
+    tasks = _tasks(pairs, files_a, files_b, max(1, jobs), chunk_elements, rtol, atol, eps)
     metrics: dict[int, dict] = {}
     with contextlib.ExitStack() as stack:
         runner: Callable = map
@@ -270,10 +268,13 @@ def _check_distinct(a: Dump, b: Dump) -> None:
 
 
 def _tasks(pairs: pd.DataFrame, files_a: dict, files_b: dict, jobs: int, chunk_elements: int,
-           rtol, atol) -> list[tuple]:
-    """Work units: (step file A, step file B, rows); a step's rows are split so every job has work."""
+           rtol, atol, eps: dict[tuple, float]) -> list[tuple]:
+    """Work units: (step file A, step file B, rows); a step's rows are split so every job has
+    work. ``eps``: each normalization's, by (epoch, step, rank, module)."""
+    keys = zip(pairs["epoch"], pairs["step"], pairs["rank"], pairs["module"])
     both = pairs.assign(normalized=normalized_sizes(pairs),
-                        per_channel=per_channel(pairs["cls_a"]))[pairs["side"] == "both"]
+                        per_channel=per_channel(pairs["cls_a"]),
+                        eps=[eps.get(k, math.nan) for k in keys])[pairs["side"] == "both"]
     groups = list(both.groupby(["epoch", "step", "rank"], sort=True))
     pieces = max(1, -(-jobs * 2 // max(1, len(groups)))) if jobs > 1 else 1
     tasks = []

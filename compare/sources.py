@@ -160,7 +160,7 @@ class _Step:
         theirs: what a residual block sends back to its input holds what its branch's first
         layer does)."""
         calls = self.consumers.get(producer, set())
-        holding = {c for c in calls if self.fed[(c, producer)]
+        holding = {c for c in calls if self.fed.get((c, producer), set())
                    & self.compared.get((c, fmt.GRAD_INPUT, pass_), set())}
         out = set()
         for call in calls:

@@ -206,10 +206,10 @@ class _Records:
         forward = (frame["kind"] == fmt.INPUT).to_numpy()  # (a gradient's: its grad_input's)
         normalized = frame["normalized_rel_err"].to_numpy(float)
         exact = normalizes(frame) & np.isfinite(normalized)
-        centered = NORMALIZATION_GAIN * np.where(exact, normalized,
-                                                 frame["centered_rel_err"].to_numpy(float))
+        seen = NORMALIZATION_GAIN * np.where(exact, normalized,
+                                             frame["centered_rel_err"].to_numpy(float))
         with np.errstate(divide="ignore", invalid="ignore"):
-            amplified = np.where(centered > err, centered / err, 1.0)
+            amplified = np.where(seen > err, seen / err, 1.0)
         amplified[~np.isfinite(amplified)] = 1.0
         # B ran on A's value instead (a localizing re-run): as a source it gives what the cast
         # to B's dtype moves A's value by, whatever arrived
@@ -218,8 +218,8 @@ class _Records:
                          for a, b in self.dtypes]) * amplified
         # as a source, weights count WEIGHT_GAIN times their error, a bias its error at its
         # scale in the output (times STATS_GAIN more when estimated from their sketch)
-        data = np.where(np.isnan(centered) | ~forward, err,
-                        np.where(exact, centered, np.fmax(err, centered)))
+        data = np.where(np.isnan(seen) | ~forward, err,
+                        np.where(exact, seen, np.fmax(err, seen)))
         bias_scale = bias_scales(frame)
         param_error = err * np.where(np.isnan(bias_scale), WEIGHT_GAIN, bias_scale)
         self.given = np.where(self.replaced, cast, np.where(

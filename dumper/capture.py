@@ -245,8 +245,8 @@ class StepCapture:
                 record.injected = fmt.PARAM in injects and inject.has(
                     (path, info.call_idx, fmt.PARAM, i))
                 self._sink(record)
-            eps = _eps_of(module, args)
-            if eps is not None and info.call_idx == 0:
+            eps = _eps_of(module, args) if info.call_idx == 0 else None
+            if eps is not None:
                 self._sink(leaf_record(call.seq, info, fmt.PARAM, fmt.EPS_PATH, eps))
         if fmt.PARAM in injects:
             self._swapped.push(module, inject.swap_parameters(path, info.call_idx, module))
