@@ -36,17 +36,15 @@ def _eps_of(module: nn.Module, args: tuple) -> Optional[float]:
     """A normalization's eps (``fmt.EPS_ATTRIBUTES``; torch's ``RMSNorm`` without one uses its
     input dtype's machine epsilon), None where the module has none, and for a BatchNorm that
     normalizes by its running statistics (not training): an affine map."""
-    if getattr(module, "running_mean", None) is not None and not module.training:
+    attributes = vars(module)  # plain attributes: no nn.Module.__getattr__ miss (~4 µs each)
+    if not module.training and module._buffers.get("running_mean") is not None:
         return None
     if isinstance(module, nn.RMSNorm) and module.eps is None:
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
         return torch.finfo(first.dtype).eps if first is not None and (
             first.is_floating_point()) else None
-    for name in fmt.EPS_ATTRIBUTES:
-        value = getattr(module, name, None)
-        if isinstance(value, float):
-            return value
-    return None
+    return next((value for value in map(attributes.get, fmt.EPS_ATTRIBUTES)
+                 if isinstance(value, float)), None)
 
 
 def hook_gradient(t: torch.Tensor, on_grad: Callable[[torch.Tensor], Optional[torch.Tensor]]
