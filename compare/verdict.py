@@ -238,6 +238,13 @@ class _Records:
         self.sampling = self._sampling(frame)
         self.weight_status = self._weight_statuses()
         self.unbounded = self._unbounded()
+        # what B's code between two records of one tensor changed (compare.transit), and what
+        # a cast to this record's dtype may: one rounding, relatively, or at its scale an underflow
+        self.transit = frame["transit_rel_diff"].to_numpy(float)
+        rounding = [rounding_of(dtype) for dtype in frame["dtype_b"]]
+        with np.errstate(divide="ignore"):
+            self.transit_floor = np.array([x.unit for x in rounding]) + np.array(
+                [x.underflow for x in rounding]) / frame["rms_a"].to_numpy(float)
 
     def _merged_sources(self, frame: pd.DataFrame) -> list[np.ndarray]:
         sources = [s[self.compared[s]] for s in self.all_sources]
@@ -512,9 +519,13 @@ class _Judgement:
         gain *= STATS_GAIN if r.from_stats[i] else 1.0
         bound = math.inf if r.unbounded[i] else math.hypot(gain * self.err_in[i], level,
                                                            self._last_bit(i))
-        # an error up to this size, added here, passes for its inputs' error amplified
+        # an error up to this size, added here, passes for its inputs' error amplified, but
+        # where what it adds is the change since a record of the same tensor, measured
         self.hidden[i] = math.sqrt(max(bound ** 2 - level ** 2 - self._last_bit(i) ** 2, 0.0))
-        if r.err[i] > bound or self._scale_moves(i, level):
+        if r.transit[i] <= r.transit_floor[i]:
+            self.hidden[i] = min(self.hidden[i], r.transit_floor[i])
+        if (r.transit[i] > r.transit_floor[i] or r.err[i] > bound
+                or self._scale_moves(i, level)):
             return st.DIFF
         return st.INHERITED if self.tainted[i] and r.err[i] > envelope else st.CLOSE
 
@@ -556,6 +567,11 @@ class _Judgement:
         if r.user_tol:
             return (f"outside the given tolerance, with sources within it (rel error {err:.3g}, "
                     f"inputs {err_in:.3g})")
+        if r.transit[i] > r.transit_floor[i]:
+            return (f"B changed its values by {r.transit[i]:.3g} (rel) since "
+                    f"{r.frame.at[i, 'transit_from']}, which A hands on unchanged: the code "
+                    f"between them (between modules, a hook, a communication) is not what it is "
+                    f"in A")
         inputs = (f"its inputs carry {err_in:.3g} ({source})" if source else
                   "it has no recorded inputs")
         bound = math.hypot(self.gain(i) * err_in, SPREAD * level, self._last_bit(i))

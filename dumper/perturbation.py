@@ -18,17 +18,24 @@ from .calls import hook_target, hookable_modules
 from .flatten import map_tensors
 
 
+PLACES = (fmt.OUTPUT, fmt.GRAD_OUTPUT, fmt.GRAD_INPUT)
+
+
 class Perturbation:
-    """Scale, noise or offset on chosen modules' outputs (``where="output"``) or on the gradient
-    arriving at them (``where="grad_output"``): ``x * scale + noise * N(0, 1) + offset``.
-    For sensitivity checks, and to plant a known error in tests. ``remove()`` undoes it."""
+    """Scale, noise or offset, ``x * scale + noise * N(0, 1) + offset``, on chosen modules'
+    outputs (``where="output"``: its forward computes wrongly), on the gradient arriving at
+    them (``"grad_output"``: an error between modules, after the consumers sent it back), or
+    on the gradients they send back for their floating inputs (``"grad_input"``: its backward
+    computes wrongly; the module computes on a copy of each input whose gradient is changed,
+    inside the call). For sensitivity checks, and to plant a known error in tests.
+    ``remove()`` undoes it."""
 
     def __init__(self, model: nn.Module, include: Union[str, Iterable[str]],
                  where: str = fmt.OUTPUT, scale: float = 1.0, noise: float = 0.0,
                  offset: float = 0.0, seed: int = 0):
-        if where not in (fmt.OUTPUT, fmt.GRAD_OUTPUT):
-            raise ValueError(f"where must be 'output' or 'grad_output', got {where!r}")
-        self._handles: list[RemovableHandle] = []
+        if where not in PLACES:
+            raise ValueError(f"where must be one of {', '.join(map(repr, PLACES))}, got {where!r}")
+        self._handles: list[Union[RemovableHandle, _ForwardWrap]] = []
         self._gen = torch.Generator().manual_seed(seed)
         self.scale, self.noise, self.offset, self.where = scale, noise, offset, where
         patterns = (include,) if isinstance(include, str) else tuple(include)
@@ -37,7 +44,10 @@ class Perturbation:
         if not matched:
             raise ValueError(f"no module matches {list(patterns)}; see dumper.module_keys(model)")
         for module in matched:
-            self._handles.append(module.register_forward_hook(self._hook, prepend=True))
+            if where == fmt.GRAD_INPUT:
+                self._handles.append(self._wrap_forward(module))
+            else:
+                self._handles.append(module.register_forward_hook(self._hook, prepend=True))
 
     def _apply(self, t: torch.Tensor) -> torch.Tensor:
         out = t * self.scale if self.scale != 1.0 else t
@@ -58,6 +68,18 @@ class Perturbation:
             return leaf
         return map_tensors(output, each)
 
+    def _wrap_forward(self, module: nn.Module) -> "_ForwardWrap":
+        """Run ``module``'s forward on copies of its floating inputs whose gradients are
+        changed, so the change is part of the call (hooks see the inputs themselves)."""
+        def changed(leaf):
+            if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point() or not (
+                    leaf.requires_grad and torch.is_grad_enabled()):
+                return leaf
+            copy = leaf.clone()
+            copy.register_hook(self._apply)
+            return copy
+        return _ForwardWrap(module, changed)
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -67,3 +89,22 @@ class Perturbation:
 def perturb(model: nn.Module, include: Union[str, Iterable[str]], **kwargs) -> Perturbation:
     """Install a :class:`Perturbation`; call ``.remove()`` on the result to undo it."""
     return Perturbation(model, include, **kwargs)
+
+
+class _ForwardWrap:
+    """``module.forward`` run on ``change``'s copies of its arguments' leaves until
+    ``remove()``."""
+
+    def __init__(self, module: nn.Module, change):
+        self._module, self._own = module, vars(module).get("forward")
+        forward = module.forward
+
+        def changed(*args, **kwargs):
+            return forward(*map_tensors(args, change), **map_tensors(kwargs, change))
+        module.forward = changed
+
+    def remove(self) -> None:
+        if self._own is not None:
+            self._module.forward = self._own
+        else:
+            vars(self._module).pop("forward", None)

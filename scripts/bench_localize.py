@@ -3,7 +3,7 @@ localizing re-run, and stay quiet on healthy pairs? Not a timed test.
 
     python scripts/bench_localize.py [--archs ...|--set held-out] [--variants same,fp64,...]
                                      [--steps 1,4] [--seeds 1,2,3] [--plants 4] [--jobs 2]
-                                     [--keep DIR]
+                                     [--directions forward,backward] [--keep DIR]
 
 Architectures (``tests/architectures.py``): the *tuning* set the verdict's constants were
 tuned on, and a *held-out* set chosen before its results were looked at, reported apart.
@@ -23,8 +23,9 @@ Each case trains ``--steps`` AdamW steps (1: the first step; 4: three steps befo
 runs' weights drifting apart in mixed precision) and dumps the last. A is dumped with
 ``params=True``; B healthy, and B with an error planted in the dumped step only by
 ``dumper.perturb`` in a random module (the root included; forward: its output scaled by 1 +
-plant, backward: the gradient arriving at its outputs scaled), each run free and re-run on A's
-values (``inject=A``).
+plant; backward: the gradient arriving at its outputs scaled, an error between modules;
+backward-own, with ``--directions``: the gradients it sends back for its inputs scaled, its own
+backward wrong), each run free and re-run on A's values (``inject=A``).
 
 A plant is *invisible* when it changes its record (the planted module's output or gradient) by
 less than half its size (the record does not exist or is ~zero); *below the noise* when the
@@ -85,7 +86,10 @@ VARIANTS = {
     "gpu-bf16": Variant("float32", "bfloat16", (0.1,), "cuda"),
 }
 CPU_VARIANTS = ("same", "fp64", "bf16", "fp16")
-DIRECTIONS = {"forward": "output", "backward": "grad_output"}
+# where a plant goes: forward, the module's output; backward, the gradient arriving at its
+# outputs (after its consumers sent it back: an error between modules); backward-own, the
+# gradients it sends back for its inputs (its own backward computes wrongly)
+DIRECTIONS = {"forward": "output", "backward": "grad_output", "backward-own": "grad_input"}
 OPTIMIZER = "adamw"
 
 
@@ -132,7 +136,7 @@ def _first_origin(table) -> list[str]:
 
 
 def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: Path,
-             keep: Optional[Path] = None) -> dict:
+             keep: Optional[Path] = None, directions: tuple = ("forward", "backward")) -> dict:
     """Healthy pairs and ``plants`` plants per size of one (architecture, variant, steps, seed);
     with ``keep``, the dumps of a case with a false alarm, a false origin or a missed visible
     plant are copied there (to study a run of a machine that is gone, e.g. a lent GPU)."""
@@ -173,7 +177,7 @@ def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: P
     modules = [p for p, _ in build(arch, v.b, seed)[0].named_modules()]
     for size in v.sizes:
         for k in range(plants):
-            direction = ("forward", "backward")[k % 2]
+            direction = directions[k % len(directions)]
             module, where = rng.choice(modules), DIRECTIONS[direction]
             plant = {"plant": {"include": [module], "where": where, "scale": 1 + size}}
             dump = f"{size:g}-{k}"
@@ -302,6 +306,8 @@ def main() -> None:
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--plants", type=int, default=4,
                         help="plants per architecture, variant, plant size, steps and seed")
+    parser.add_argument("--directions", default="forward,backward",
+                        help=f"plants take these in turn, of {', '.join(DIRECTIONS)}")
     parser.add_argument("--jobs", type=int, default=2, help="cases run in this many processes")
     parser.add_argument("--keep", type=Path, default=None,
                         help="copy the dumps of cases with a false alarm or a miss here")
@@ -316,7 +322,8 @@ def main() -> None:
     outcome = {"plants": [], "healthy": [], "unsupported": [], "reruns": []}
     with tempfile.TemporaryDirectory(prefix="bench_localize_") as tmp, \
             cf.ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(run_case, *case, args.plants, Path(tmp), args.keep): case for case in cases}
+        futures = {pool.submit(run_case, *case, args.plants, Path(tmp), args.keep,
+                               tuple(args.directions.split(","))): case for case in cases}
         reruns = {pool.submit(rerun_equal, arch, n, Path(tmp)): arch
                   for arch in archs for n in steps}
         for future in cf.as_completed(futures):

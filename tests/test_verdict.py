@@ -234,17 +234,45 @@ def test_user_tolerance_on_statistics_records(tmp_path):
 
 @pytest.mark.slow
 def test_a_low_precision_backward_error_is_found_by_its_scale(tmp_path):
-    """A 10 % error in a gradient that already carries ~15 % (bfloat16, deep in a ResNet's
-    backward) passes the relative-error test as amplification; its scale, which
-    backpropagation passes on unchanged, moves by the 10 % at once."""
+    """A 10 % error in the gradient a module sends back (its own backward), where gradients
+    already carry ~20 % (bfloat16, deep in a ResNet's backward), passes the relative-error
+    test as amplification; its scale, which backpropagation passes on unchanged, moves by the
+    10 % at once."""
     run_step("resnet", "float32", tmp_path / "a", seed=1)
     run_step("resnet", "bfloat16", tmp_path / "b", seed=1,
-             plant={"include": ["layer1"], "where": "grad_output", "scale": 1.1})
+             plant={"include": ["layer1"], "where": "grad_input", "scale": 1.1})
     result = compare_dumps(tmp_path / "a", tmp_path / "b")
     first = summarize(result).first
-    assert _named(first, "layer1") and first.direction == "backward"
-    assert first.row["reason"].startswith("its error along A's values (scale) moves by 0.08")
+    assert _named(first, "layer1") and first.row["kind"] == "grad_input"
+    assert first.row["reason"].startswith("its error along A's values (scale) moves by 0.07")
     assert first.row["rel_error"] <= first.row["hidden_rel_error"]  # hidden from rel error
+    assert (result["transit_rel_diff"].fillna(0) == 0).all()  # handed on unchanged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["tensors", "stats"])
+def test_a_gradient_changed_between_modules_is_found_exactly(tmp_path, mode):
+    """A 10 % error in the gradient arriving at a module (after its consumer sent it back)
+    hides in bfloat16's ~20 % from two dumps' error figures; but A hands the consumer's
+    grad_input on unchanged, so B's two records of that gradient must hold the same values
+    too: they differ by the 10 %, measured from B's values (tensors) or norms (statistics)."""
+    run_step("resnet", "float32", tmp_path / "a", seed=1, dumper_options={"mode": mode})
+    run_step("resnet", "bfloat16", tmp_path / "healthy", seed=1, dumper_options={"mode": mode})
+    run_step("resnet", "bfloat16", tmp_path / "b", seed=1, dumper_options={"mode": mode},
+             plant={"include": ["layer1"], "where": "grad_output", "scale": 1.1})
+    healthy = compare_dumps(tmp_path / "a", tmp_path / "healthy")
+    linked = healthy["transit_rel_diff"].notna()
+    assert linked.sum() > 20 and (healthy.loc[linked, "transit_rel_diff"] == 0).all()
+    assert summarize(healthy).ok
+    result = compare_dumps(tmp_path / "a", tmp_path / "b")
+    first = summarize(result).first
+    assert _named(first, "layer1") and first.row["kind"] == "grad_output"
+    assert first.row["transit_from"] == "layer2.Sequential#0 grad_input[0]"
+    assert first.row["transit_rel_diff"] == pytest.approx(0.1, rel=1e-3)
+    assert first.row["reason"].startswith(
+        f"B changed its values by {first.row['transit_rel_diff']:.3g} (rel) since layer2")
+    if mode == "tensors":  # hidden from its error figures
+        assert first.row["rel_error"] <= first.row["hidden_rel_error"]
 
 
 @pytest.mark.slow
