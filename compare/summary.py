@@ -122,6 +122,10 @@ class Divergence:
         elif self.verdict == st.WEIGHTS:
             lines.append("  this module's weights differ before the step: compare an earlier step "
                          "(or the checkpoints) to find where")
+        elif r.get("transit_rel_diff", 0) > 0 and r.get("transit_from"):
+            lines.append(f"  the difference arose between {r['transit_from']} and this "
+                         f"{r['kind']}: in the code between the two (their enclosing module's "
+                         f"own code, a hook, or a communication)")
         else:
             origin = f"{self.parent}'s own code" if self.parent else "the code calling the model"
             lines.append(f"  the difference is already in this {r['kind']}: it arose outside any "

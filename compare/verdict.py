@@ -34,6 +34,8 @@ A record is
   expected, and downstream of a failing record, whose consequences are only news when they
   more than double; ``STATS_GAIN`` times more for records judged from statistics; with room
   for errors spread over few elements, ``SAMPLING_SPREADS``);
+  also where B changed a tensor that A hands on unchanged between two records by more than a
+  cast to its dtype may (:mod:`compare.transit`: an error between modules, found exactly);
 - ``inherited`` when not, but it carries an error from a failing (or inherited) source beyond
   what it would carry from healthy sources;
 - ``close`` otherwise, ``equal`` when bit-identical.
@@ -524,8 +526,10 @@ class _Judgement:
         self.hidden[i] = math.sqrt(max(bound ** 2 - level ** 2 - self._last_bit(i) ** 2, 0.0))
         if r.transit[i] <= r.transit_floor[i]:
             self.hidden[i] = min(self.hidden[i], r.transit_floor[i])
-        if (r.transit[i] > r.transit_floor[i] or r.err[i] > bound
-                or self._scale_moves(i, level)):
+        elif r.transit[i] > r.transit_floor[i]:  # what it adds is that change, at least
+            self.added[i] = max(self.added[i], r.transit[i])
+            return st.DIFF
+        if r.err[i] > bound or self._scale_moves(i, level):
             return st.DIFF
         return st.INHERITED if self.tainted[i] and r.err[i] > envelope else st.CLOSE
 

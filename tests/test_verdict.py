@@ -273,6 +273,10 @@ def test_a_gradient_changed_between_modules_is_found_exactly(tmp_path, mode):
         f"B changed its values by {first.row['transit_rel_diff']:.3g} (rel) since layer2")
     if mode == "tensors":  # hidden from its error figures
         assert first.row["rel_error"] <= first.row["hidden_rel_error"]
+    out = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "b")])
+    assert out.exit_code == 1, out.output
+    assert ("the difference arose between layer2.Sequential#0 grad_input[0] and this "
+            "grad_output") in out.output
 
 
 @pytest.mark.slow
