@@ -3,9 +3,9 @@
 A call's output is the input of the calls that consume it (the input row's ``producer``), and
 the gradient a consumer sends back for that input is the gradient that arrives at the
 producer's output, unchanged where nothing else uses the tensor. Where A holds the same bits in
-both records of such a link (:func:`bits`; not all zeros), the code between them is the identity
-in A, and B runs the same code: in any precision it hands the values on unchanged, or cast
-to the later record's dtype. Where B's two records differ by more, B's code between them
+both records of such a link (:func:`identities`; not all zeros), the code between them is the identity
+in A, and B runs the same code: in any precision it hands the values on unchanged, or
+rounded through the dtypes it computes in. Where B's two records differ by more, B's code between them
 (functional code between modules, a hook, a communication, an in-place change) changed the
 values in B only, whatever error the values carried before. Per later record of a link:
 
@@ -16,7 +16,7 @@ values in B only, whatever error the values carried before. Per later record of 
 ``transit_from``
     the earlier record (:func:`compare.format.record_label`).
 
-The verdict (:mod:`compare.verdict`) allows what a cast may do. Records B ran on A's values
+The verdict (:mod:`compare.verdict`) allows what casts through B's lowest precision may do. Records B ran on A's values
 (a localizing re-run, ``injected``) and sharded records put together from parts have no link.
 """
 from __future__ import annotations
@@ -36,20 +36,26 @@ from .validation import hard_link
 TRANSIT_COLUMNS = ("transit_rel_diff", "transit_from")
 
 
-def bits(row, side: str) -> Optional[tuple]:
-    """What identifies a record's values on ``side`` ("a" or "b"), equal for equal bits: its
-    digest or checksum (a digest is the checksum its dataset would have), else its statistics
-    and sketch; None where nothing does, or its values are all zeros (which many tensors share)."""
-    get = lambda name: getattr(row, f"{name}_{side}")  # noqa: E731
-    shape = (get("dtype"), tuple(get("shape")))
-    word = get("digest") if get("digest") != fmt.NO_DIGEST else get("checksum")
-    if word != fmt.NO_CHECKSUM:
-        return (*shape, "bits", int(word)) if word != 0 else None
-    numbers = tuple(get(c) for c in (*fmt.STAT_COLUMNS, *fmt.SKETCH_COLUMNS))
-    norm = get("stat_norm")
-    if not norm > 0 or any(math.isnan(v) for v in numbers[:len(fmt.STAT_COLUMNS)]):
-        return None
-    return (*shape, "stats", tuple(-1.0 if math.isnan(v) else v for v in numbers))
+def identities(frame: pd.DataFrame, side: str) -> list[Optional[tuple]]:
+    """Per row, what identifies its values on ``side`` ("a" or "b"), equal for equal bits: its
+    dtype and shape with its digest or checksum (a digest is the checksum its dataset would
+    have), else with its statistics and sketch; None where nothing does, or its values are all
+    zeros (which many tensors share)."""
+    digest, checksum = (frame[f"{c}_{side}"].to_numpy(np.int64) for c in ("digest", "checksum"))
+    words = np.where(digest != fmt.NO_DIGEST, digest, checksum)
+    columns = [f"{c}_{side}" for c in (*fmt.STAT_COLUMNS, *fmt.SKETCH_COLUMNS)]
+    numbers = frame[columns].to_numpy(float)
+    stated = (numbers[:, fmt.STAT_COLUMNS.index("stat_norm")] > 0) & ~np.isnan(
+        numbers[:, :len(fmt.STAT_COLUMNS)]).any(axis=1)
+    numbers = np.nan_to_num(numbers, nan=-1.0)
+    out: list[Optional[tuple]] = []
+    for dtype, shape, word, known, figures in zip(frame[f"dtype_{side}"], frame[f"shape_{side}"],
+                                                 words, stated, numbers):
+        if word != fmt.NO_CHECKSUM:
+            out.append((dtype, tuple(shape), int(word)) if word != 0 else None)
+        else:
+            out.append((dtype, tuple(shape), tuple(figures)) if known else None)
+    return out
 
 
 def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
@@ -60,27 +66,23 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
                for side in ("a", "b")]
     both = pairs[(pairs["side"] == "both") & (pairs["injected_b"].fillna(0) == 0)
                  & (pairs["injected_a"].fillna(0) == 0) & ~sharded[0] & ~sharded[1]]
-    rows: dict[tuple, list] = {}
-    for row in both.itertuples():
-        step = (row.epoch, row.step, row.rank)
-        rows.setdefault((*step, int(row.call_a), row.kind), []).append(row)
-    out = []
-    for row in both[(both["kind"] == fmt.INPUT) & (both["producer_a"] >= 0)].itertuples():
-        step = (row.epoch, row.step, row.rank)
-        consumer, producer = int(row.call_a), int(row.producer_a)
-        sent = [r for r in rows.get((*step, consumer, fmt.GRAD_INPUT), ())
-                if r.index == row.index]
-        for earlier, later_kind in [(row, None)] + [(s, fmt.GRAD_OUTPUT) for s in sent]:
-            key = bits(earlier, "a")
-            if key is None:
-                continue
-            if later_kind is None:  # forward: the producer's output the input is
-                candidates = rows.get((*step, producer, fmt.OUTPUT), ())
-                out += [(c.Index, row.Index) for c in candidates if bits(c, "a") == key]
-            else:
-                candidates = rows.get((*step, producer, later_kind), ())
-                out += [(earlier.Index, c.Index) for c in candidates if bits(c, "a") == key]
-    return list(dict.fromkeys(out))
+    step = ["epoch", "step", "rank"]
+    flow = both.loc[(both["kind"] == fmt.INPUT) & (both["producer_a"] >= 0),
+                    [*step, "call_a", "index", "producer_a"]]
+    known = both.assign(identity=identities(both, "a"), row=both.index)
+    known = known[known["identity"].notna()]
+
+    def of(kind: str, call: str, row: str, extra=()) -> pd.DataFrame:
+        rows = known.loc[known["kind"] == kind, [*step, "call_a", *extra, "identity", "row"]]
+        return rows.rename(columns={"call_a": call, "row": row})
+    forward = of(fmt.INPUT, "call_a", "later", ["index"]).merge(
+        flow, on=[*step, "call_a", "index"]).merge(
+        of(fmt.OUTPUT, "producer_a", "earlier"), on=[*step, "producer_a", "identity"])
+    backward = of(fmt.GRAD_INPUT, "call_a", "earlier", ["index"]).merge(
+        flow, on=[*step, "call_a", "index"]).merge(
+        of(fmt.GRAD_OUTPUT, "producer_a", "later"), on=[*step, "producer_a", "identity"])
+    return list(dict.fromkeys(zip(pd.concat([forward["earlier"], backward["earlier"]]),
+                                  pd.concat([forward["later"], backward["later"]]))))
 
 
 def measure(pairs: pd.DataFrame, files_b: dict, chunk_elements: int) -> dict[int, dict]:
@@ -105,7 +107,7 @@ def measure(pairs: pd.DataFrame, files_b: dict, chunk_elements: int) -> dict[int
 
 def _difference(earlier: pd.Series, later: pd.Series, group_of, chunk_elements: int) -> float:
     """``transit_rel_diff`` of one link (NaN where B's records cannot say)."""
-    sent, got = (bits(r, "b") for r in (earlier, later))
+    sent, got = identities(pd.DataFrame([earlier, later]), "b")
     if sent is not None and sent == got:
         return 0.0
     if earlier["dataset_b"] and later["dataset_b"] and earlier["digest_b"] == fmt.NO_DIGEST \
@@ -118,7 +120,8 @@ def _difference(earlier: pd.Series, later: pd.Series, group_of, chunk_elements: 
             x, y = x.astype(np.float64, copy=False), y.astype(np.float64, copy=False)
             squares += (np.dot(y - x, y - x), np.dot(x, x))
         return math.sqrt(squares[0] / squares[1]) if squares[1] > 0 else math.inf
-    if sent is not None and got is not None and "bits" in (sent[2], got[2]):
+    if sent is not None and got is not None and not (
+            isinstance(sent[2], tuple) and isinstance(got[2], tuple)):
         return math.inf  # a digest: the bits differ, by how much it does not say
     norms = earlier["stat_norm_b"], later["stat_norm_b"]
     return abs(norms[1] - norms[0]) / norms[0] if norms[0] > 0 else math.nan

@@ -34,8 +34,9 @@ A record is
   expected, and downstream of a failing record, whose consequences are only news when they
   more than double; ``STATS_GAIN`` times more for records judged from statistics; with room
   for errors spread over few elements, ``SAMPLING_SPREADS``);
-  also where B changed a tensor that A hands on unchanged between two records by more than a
-  cast to its dtype may (:mod:`compare.transit`: an error between modules, found exactly);
+  also where B changed a tensor that A hands on unchanged between two records by more than
+  rounding through B's lowest precision may (:mod:`compare.transit`: an error between
+  modules, found exactly);
 - ``inherited`` when not, but it carries an error from a failing (or inherited) source beyond
   what it would carry from healthy sources;
 - ``close`` otherwise, ``equal`` when bit-identical.
@@ -72,7 +73,7 @@ from . import format as fmt
 from . import status as st
 from .centering import normalizes
 from .calibration import EXACT_GAIN, EXACT_LABEL, GAIN, Expectation, calibrate
-from .precision import precision_of, rounding_of
+from .precision import lowest, precision_of, rounding_of
 from .gains import adjoint_gains, bias_scales, linear_gains
 from .metrics import REORDERED_MARGIN
 from .routing import moved_rows
@@ -241,12 +242,13 @@ class _Records:
         self.weight_status = self._weight_statuses()
         self.unbounded = self._unbounded()
         # what B's code between two records of one tensor changed (compare.transit), and what
-        # a cast to this record's dtype may: one rounding, relatively, or at its scale an underflow
+        # casts may: one rounding to the lowest precision B computes in, relatively, or at the
+        # tensor's scale its underflow (code between modules may round through it and back)
         self.transit = frame["transit_rel_diff"].to_numpy(float)
-        rounding = [rounding_of(dtype) for dtype in frame["dtype_b"]]
+        cast = rounding_of(lowest(frame["dtype_b"][self.compared].unique()) if self.compared.any()
+                           else "float64")
         with np.errstate(divide="ignore"):
-            self.transit_floor = np.array([x.unit for x in rounding]) + np.array(
-                [x.underflow for x in rounding]) / frame["rms_a"].to_numpy(float)
+            self.transit_floor = cast.unit + cast.underflow / frame["rms_a"].to_numpy(float)
 
     def _merged_sources(self, frame: pd.DataFrame) -> list[np.ndarray]:
         sources = [s[self.compared[s]] for s in self.all_sources]

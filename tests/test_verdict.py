@@ -267,7 +267,8 @@ def test_a_gradient_changed_between_modules_is_found_exactly(tmp_path, mode):
     result = compare_dumps(tmp_path / "a", tmp_path / "b")
     first = summarize(result).first
     assert _named(first, "layer1") and first.row["kind"] == "grad_output"
-    assert first.row["transit_from"] == "layer2.Sequential#0 grad_input[0]"
+    sender = first.row["transit_from"]  # layer2, or its first block: one tensor
+    assert sender in ("layer2.Sequential#0 grad_input[0]", "layer2.0.BasicBlock#0 grad_input[0]")
     assert first.row["transit_rel_diff"] == pytest.approx(0.1, rel=1e-3)
     assert first.row["reason"].startswith(
         f"B changed its values by {first.row['transit_rel_diff']:.3g} (rel) since layer2")
@@ -275,8 +276,7 @@ def test_a_gradient_changed_between_modules_is_found_exactly(tmp_path, mode):
         assert first.row["rel_error"] <= first.row["hidden_rel_error"]
     out = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "b")])
     assert out.exit_code == 1, out.output
-    assert ("the difference arose between layer2.Sequential#0 grad_input[0] and this "
-            "grad_output") in out.output
+    assert f"the difference arose between {sender} and this grad_output" in out.output
 
 
 @pytest.mark.slow
@@ -844,3 +844,49 @@ def test_a_call_with_an_empty_input_beside_flipped_signs_is_judged(tmp_path):
             model(batch.requires_grad_()).pow(2).sum().backward()
     result = compare_dumps(tmp_path / "a", tmp_path / "b")
     assert len(result) and result["status"].notna().all()
+
+
+class _CastBetween(nn.Module):
+    """Two layers, the second in ``dtype``, and the parent's own code between them: a cast to
+    ``dtype`` (none where the first layer's output has it already), and a factor (none where
+    it is 1)."""
+
+    def __init__(self, dtype: torch.dtype, factor: float = 1.0):
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 32), nn.Linear(32, 4).to(dtype)
+        self.dtype, self.factor = dtype, factor
+
+    def forward(self, x):
+        h = self.first(x).to(self.dtype)
+        if self.factor != 1.0:
+            h = h * self.factor
+        return self.second(h).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_cast_between_modules_is_no_transit_error_and_a_factor_is(tmp_path, dtype):
+    """A hands ``first``'s output to ``second`` unchanged (the cast is a no-op in float32);
+    B, whose second layer computes in ``dtype``, casts it on the way: that rounding is no
+    error, nor the gradient's way back. B's code that also scales it by 1.05 changed it in
+    transit: an error between the modules, however the low precision hides it otherwise."""
+    batch = torch.randn(8, 16)
+
+    def run(name, cast, factor=1.0):
+        torch.manual_seed(0)
+        model = _CastBetween(cast, factor)
+        with HookerAndDumper(tmp_path / name).hooks(model, 0, 0):
+            model(batch).pow(2).mean().backward()
+        return tmp_path / name
+
+    a = run("a", torch.float32)
+    healthy = compare_dumps(a, run("cast", dtype))
+    moved = healthy[healthy["transit_rel_diff"] > 0]
+    assert list(zip(moved["module"], moved["kind"])) == [("second", "input")]
+    assert (moved["transit_rel_diff"] <= torch.finfo(dtype).eps / 2).all()
+    assert healthy["transit_rel_diff"].notna().sum() == 2  # and the gradient, unchanged
+    assert summarize(healthy).ok, summarize(healthy).verdict()
+    scaled = compare_dumps(a, run("scaled", dtype, 1.05))
+    first = summarize(scaled).first
+    assert first.row["module"] == "second" and first.row["kind"] == "input"
+    assert first.row["transit_from"] == "first.Linear#0 output[0]"
+    assert first.row["status"] == st.DIFF and 0.04 < first.row["transit_rel_diff"] < 0.06
