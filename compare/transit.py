@@ -2,12 +2,13 @@
 
 A call's output is the input of the calls that consume it (the input row's ``producer``), and
 the gradient a consumer sends back for that input is the gradient that arrives at the
-producer's output, unchanged where nothing else uses the tensor. Where A holds the same bits in
-both records of such a link (:func:`identities`; not all zeros), the code between them is the identity
-in A, and B runs the same code: in any precision it hands the values on unchanged, or
-rounded through the dtypes it computes in. Where B's two records differ by more, B's code between them
-(functional code between modules, a hook, a communication, an in-place change) changed the
-values in B only, whatever error the values carried before. Per later record of a link:
+producer's output, unchanged where nothing else uses the tensor. Where A holds the same bits
+in both records of such a link (:func:`identities`; not all zeros), the code between them is
+the identity in A, and B runs the same code: in any precision it hands the values on
+unchanged, or rounded through the dtypes it computes in. Where B's two records differ by
+more, B's code between them (functional code between modules, a hook, a communication, an
+in-place change) changed the values in B only, whatever error the values carried before.
+Per later record of a link:
 
 ``transit_rel_diff``
     ``||later_b - earlier_b|| / ||earlier_b||`` from B's values (the smallest over its links);
@@ -16,8 +17,9 @@ values in B only, whatever error the values carried before. Per later record of 
 ``transit_from``
     the earlier record (:func:`compare.format.record_label`).
 
-The verdict (:mod:`compare.verdict`) allows what casts through B's lowest precision may do. Records B ran on A's values
-(a localizing re-run, ``injected``) and sharded records put together from parts have no link.
+The verdict (:mod:`compare.verdict`) allows what casts through B's lowest precision may do.
+Records B ran on A's values (a localizing re-run, ``injected``) and sharded records put
+together from parts have no link.
 """
 from __future__ import annotations
 
