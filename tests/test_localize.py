@@ -192,6 +192,40 @@ def test_perturbation_scales_outputs_and_gradients(tmp_path):
     noisy.remove()
 
 
+def test_perturbation_of_what_a_module_sends_back(tmp_path):
+    """``where="grad_input"``: the module's own backward is wrong. Its forward, its own weight
+    gradient and the gradient arriving at it are untouched; what it sends back for its input,
+    as the dump records it, and everything upstream, are scaled; removal leaves no trace."""
+    torch.manual_seed(0)
+    model, x = Planted(), torch.randn(4, 6)
+
+    def run(name, **plant):
+        model.zero_grad()
+        handle = perturb(model, "mid", where="grad_input", **plant) if plant else None
+        with HookerAndDumper(tmp_path / name).hooks(model, 0, 0):
+            out = model(x)
+            out.sum().backward()
+        if handle is not None:
+            handle.remove()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, \
+            read_tensors(tmp_path / name)
+
+    out, grads, clean = run("clean")
+    planted_out, planted_grads, planted = run("planted", scale=3.0)
+    assert torch.equal(planted_out, out)
+    assert "forward" not in vars(model.mid)
+    for name in ("mid.weight", "mid.bias", "out.weight"):
+        assert torch.equal(planted_grads[name], grads[name])
+    assert torch.allclose(planted_grads["inp.weight"], 3 * grads["inp.weight"])
+    key = ("mid", 0, "grad_input", 0)
+    assert torch.equal(planted[("mid", 0, "grad_output", 0)], clean[("mid", 0, "grad_output", 0)])
+    assert torch.allclose(planted[key], 3 * clean[key])
+    assert torch.equal(planted[("act", 0, "grad_output", 0)], planted[key])  # handed on
+    with pytest.raises(ValueError, match="where must be one of 'output', 'grad_output', "
+                                         "'grad_input', got 'input'"):
+        perturb(model, "mid", where="input")
+
+
 def test_dataflow_edges_on_a_residual_network(tmp_path):
     model = OuterResidual()
     dumper = HookerAndDumper(tmp_path)
