@@ -245,6 +245,8 @@ def report(outcome: dict) -> None:
         for direction in DIRECTIONS:
             rows = [p for p in plants if (_set_of(p["arch"]), p["steps"], p["variant"],
                                           p["direction"]) == (set_, steps, variant, direction)]
+            if not rows:  # a direction not planted (--directions)
+                continue
             seen = [p for p in rows if p["visibility"] == "visible"]
             noise = sum(p["visibility"] == "noise" for p in rows)
             median = statistics.median([p["failing"] for p in seen]) if seen else float("nan")
