@@ -33,6 +33,7 @@ import pandas as pd
 
 from . import format as fmt
 from .dump import dataset_of, open_h5, read_chunks
+from .errors import DumpError
 from .validation import hard_link
 
 TRANSIT_COLUMNS = ("transit_rel_diff", "transit_from")
@@ -95,9 +96,14 @@ def measure(pairs: pd.DataFrame, files_b: dict, chunk_elements: int) -> dict[int
     try:
         for earlier, later in links(pairs):
             e, l = pairs.loc[earlier], pairs.loc[later]
-            diff = _difference(e, l, lambda key: _step_group(opened, files_b, key),
-                               chunk_elements)
-            if math.isnan(diff) or diff >= out.get(later, {}).get("transit_rel_diff", math.inf):
+            try:
+                diff = _difference(e, l, lambda key: _step_group(opened, files_b, key),
+                                   chunk_elements)
+            except (KeyError, OSError, RuntimeError) as exc:  # what h5py raises on damage
+                step = files_b[(e["epoch"], e["step"], e["rank"])]
+                raise DumpError(f"{step.path}: cannot read a tensor ({exc}); the file is "
+                                f"damaged") from exc
+            if math.isnan(diff) or (later in out and diff >= out[later]["transit_rel_diff"]):
                 continue
             out[later] = {"transit_rel_diff": diff, "transit_from": fmt.record_label(
                 e["module"], e["cls_a"], e["call_idx"], e["kind"], e["index"], e["occurrence"])}
@@ -112,19 +118,18 @@ def _difference(earlier: pd.Series, later: pd.Series, group_of, chunk_elements: 
     sent, got = identities(pd.DataFrame([earlier, later]), "b")
     if sent is not None and sent == got:
         return 0.0
-    if earlier["dataset_b"] and later["dataset_b"] and earlier["digest_b"] == fmt.NO_DIGEST \
-            and later["digest_b"] == fmt.NO_DIGEST:
+    rows = (earlier, later)
+    if all(r["dataset_b"] and r["digest_b"] == fmt.NO_DIGEST for r in rows):
         if tuple(earlier["shape_b"]) != tuple(later["shape_b"]):
             return math.inf
         group = group_of((earlier["epoch"], earlier["step"], earlier["rank"]))
         squares = np.zeros(2)
-        for x, y in zip(*(_values(group, r, chunk_elements) for r in (earlier, later))):
+        for x, y in zip(*(_values(group, r, chunk_elements) for r in rows)):
             x, y = x.astype(np.float64, copy=False), y.astype(np.float64, copy=False)
-            squares += (np.dot(y - x, y - x), np.dot(x, x))
+            squares += (np.square(y - x).sum(), np.square(x).sum())
         return math.sqrt(squares[0] / squares[1]) if squares[1] > 0 else math.inf
-    if sent is not None and got is not None and not (
-            isinstance(sent[2], tuple) and isinstance(got[2], tuple)):
-        return math.inf  # a digest: the bits differ, by how much it does not say
+    if all(r["digest_b"] != fmt.NO_DIGEST or r["dataset_b"] for r in rows):
+        return math.inf  # a digest stands for values: the bits differ, by how much it does not say
     norms = earlier["stat_norm_b"], later["stat_norm_b"]
     return abs(norms[1] - norms[0]) / norms[0] if norms[0] > 0 else math.nan
 

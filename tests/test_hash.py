@@ -102,3 +102,29 @@ def test_digests_against_statistics_cannot_be_compared(runs):
     result = _h5cmp(runs["hash"], runs["stats"])
     assert f"; {(~weights).sum()} of {len(frame)} records could not be compared (unsupported)" \
         in result.output.splitlines()[0]
+
+
+def test_a_gradient_changed_between_modules_is_seen_by_its_digests(tmp_path):
+    """Hash mode: A hands ``act``'s gradient on unchanged from ``mid``'s grad_input; B's two
+    digests of it differ where B scaled it on the way (by how much, digests do not say)."""
+    from dumper import HookerAndDumper, perturb
+    from helpers import Planted
+
+    def run(name, mode, plant=False):
+        torch.manual_seed(0)
+        model, x = Planted(), torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+        handle = perturb(model, "act", where="grad_output", scale=1.001) if plant else None
+        with HookerAndDumper(tmp_path / name, mode=mode).hooks(model, 0, 0):
+            model(x).sum().backward()
+        if handle is not None:
+            handle.remove()
+        return tmp_path / name
+
+    a = run("a", "tensors")
+    healthy = compare_dumps(a, run("healthy", "hash"))
+    linked = healthy[healthy["transit_rel_diff"].notna()]
+    assert len(linked) >= 4 and (linked["transit_rel_diff"] == 0).all()
+    planted = compare_dumps(a, run("planted", "hash", plant=True))
+    row = planted[(planted["module"] == "act") & (planted["kind"] == "grad_output")].iloc[0]
+    assert row["transit_rel_diff"] == float("inf") and row["status"] == "hash_mismatch"
+    assert row["transit_from"] == "mid.Linear#0 grad_input[0]"
