@@ -14,7 +14,7 @@ from . import status as st
 from .comparison import INCOMPLETE_STEPS
 from .sources import earlier_sources, parent_calls
 from .precision import precision_of
-from .verdict import USER_TOLERANCE
+from .verdict import IN_TRANSIT, USER_TOLERANCE
 
 SUSPECTS = 5  # suspects listed by the text summary
 # modules and ops whose results depend on random numbers, not only on their inputs
@@ -122,7 +122,7 @@ class Divergence:
         elif self.verdict == st.WEIGHTS:
             lines.append("  this module's weights differ before the step: compare an earlier step "
                          "(or the checkpoints) to find where")
-        elif r.get("transit_rel_diff", 0) > 0 and r.get("transit_from"):
+        elif str(r["reason"]).startswith(IN_TRANSIT):
             lines.append(f"  the difference arose between {r['transit_from']} and this "
                          f"{r['kind']}: in the code between the two (their enclosing module's "
                          f"own code, a hook, or a communication)")

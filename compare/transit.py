@@ -23,6 +23,7 @@ together from parts have no link.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 from typing import Iterator, Optional
@@ -81,7 +82,15 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
     forward = of(fmt.INPUT, "call_a", "later", ["index"]).merge(
         flow, on=[*step, "call_a", "index"]).merge(
         of(fmt.OUTPUT, "producer_a", "earlier"), on=[*step, "producer_a", "identity"])
-    backward = of(fmt.GRAD_INPUT, "call_a", "earlier", ["index"]).merge(
+    # a consumer that hands an input back as its output (in A: its output holds the input's
+    # bits) sends back for it the whole gradient of that tensor, other uses' included; in B,
+    # where it may make a new tensor (a cast that A did not need), only its own share
+    inputs, outputs = of(fmt.INPUT, "call_a", "input", ["index"]), of(fmt.OUTPUT, "call_a", "out")
+    handed_back = inputs.merge(outputs, on=[*step, "call_a", "identity"])[
+        [*step, "call_a", "index"]].drop_duplicates()
+    sent = of(fmt.GRAD_INPUT, "call_a", "earlier", ["index"]).merge(
+        handed_back, on=[*step, "call_a", "index"], how="left", indicator=True)
+    backward = sent[sent["_merge"] == "left_only"].drop(columns="_merge").merge(
         flow, on=[*step, "call_a", "index"]).merge(
         of(fmt.GRAD_OUTPUT, "producer_a", "later"), on=[*step, "producer_a", "identity"])
     return list(dict.fromkeys(zip(pd.concat([forward["earlier"], backward["earlier"]]),
@@ -119,17 +128,25 @@ def _difference(earlier: pd.Series, later: pd.Series, group_of, chunk_elements: 
     if sent is not None and sent == got:
         return 0.0
     rows = (earlier, later)
+    if tuple(earlier["shape_b"]) != tuple(later["shape_b"]):
+        return math.inf
     if all(r["dataset_b"] and r["digest_b"] == fmt.NO_DIGEST for r in rows):
-        if tuple(earlier["shape_b"]) != tuple(later["shape_b"]):
-            return math.inf
         group = group_of((earlier["epoch"], earlier["step"], earlier["rank"]))
         squares = np.zeros(2)
-        for x, y in zip(*(_values(group, r, chunk_elements) for r in rows)):
-            x, y = x.astype(np.float64, copy=False), y.astype(np.float64, copy=False)
-            squares += (np.square(y - x).sum(), np.square(x).sum())
+        # zip_longest: both readers end, which checks their checksums
+        for x, y in itertools.zip_longest(*(_values(group, r, chunk_elements) for r in rows)):
+            wide = np.complex128 if np.iscomplexobj(x) or np.iscomplexobj(y) else np.float64
+            x, y = x.astype(wide, copy=False), y.astype(wide, copy=False)
+            squares += (np.square(np.abs(y - x)).sum(), np.square(np.abs(x)).sum())
+        if squares[0] == 0:
+            return 0.0
         return math.sqrt(squares[0] / squares[1]) if squares[1] > 0 else math.inf
     if all(r["digest_b"] != fmt.NO_DIGEST or r["dataset_b"] for r in rows):
-        return math.inf  # a digest stands for values: the bits differ, by how much it does not say
+        # a digest stands for values: bits of one dtype differ, by how much it does not say
+        # (of two dtypes, a cast changes them: it cannot say)
+        same = earlier["dtype_b"] == later["dtype_b"] and earlier["encoding_b"] == later[
+            "encoding_b"]
+        return math.inf if same else math.nan
     norms = earlier["stat_norm_b"], later["stat_norm_b"]
     return abs(norms[1] - norms[0]) / norms[0] if norms[0] > 0 else math.nan
 

@@ -110,6 +110,7 @@ STATS_NOTE = ("; estimated from statistics (a difference that keeps min, max, me
               "norm cannot be seen)")
 
 WRONG_WEIGHTS = "the runs did not start from the same weights, or diverged at an earlier step"
+IN_TRANSIT = "B changed its values by"  # how the reason of a record changed in transit begins
 USER_TOLERANCE = "user_tolerance"  # attribute of a judged result: judged by the user's rtol/atol
 VERDICT_COLUMNS = ("rel_error", "input_rel_error", "added_rel_error", "expected_rel_error",
                    "added_ratio", "hidden_rel_error", "source", "same_as", "reason")
@@ -574,7 +575,7 @@ class _Judgement:
             return (f"outside the given tolerance, with sources within it (rel error {err:.3g}, "
                     f"inputs {err_in:.3g})")
         if r.transit[i] > r.transit_floor[i]:
-            return (f"B changed its values by {r.transit[i]:.3g} (rel) since "
+            return (f"{IN_TRANSIT} {r.transit[i]:.3g} (rel) since "
                     f"{r.frame.at[i, 'transit_from']}, which A hands on unchanged: the code "
                     f"between them (between modules, a hook, a communication) is not what it is "
                     f"in A")

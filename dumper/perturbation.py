@@ -1,11 +1,14 @@
 """Perturbations: plant a known error in chosen modules, for sensitivity checks and tests.
 
 The hooks run before every other forward hook of the module (``prepend=True``), so a dumper
-records the perturbed values as the module's own. Every hook registered here is kept in a
-handle list and removed by ``remove()``. (Reference injection is :mod:`dumper.injection`.)
+records the perturbed values as the module's own; a perturbation of what a module sends back
+wraps its ``forward`` instead (the change must happen inside the call). Every hook and wrap
+made here is kept in a handle list and undone by ``remove()``. (Reference injection is
+:mod:`dumper.injection`.)
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterable, Union
 
 import torch
@@ -92,19 +95,37 @@ def perturb(model: nn.Module, include: Union[str, Iterable[str]], **kwargs) -> P
 
 
 class _ForwardWrap:
-    """``module.forward`` run on ``change``'s copies of its arguments' leaves until
-    ``remove()``."""
+    """``module.forward`` run on ``change``'s copies of its arguments' tensors until
+    ``remove()``. A copy the module returns untouched (it hands an input back: nothing of its
+    own to perturb) is returned as the input itself; a module that changes an input in place
+    changes the copy. Removed in any order, a wrap only passes through; it leaves
+    ``module.forward`` as it found it where nothing replaced it since."""
 
     def __init__(self, module: nn.Module, change):
-        self._module, self._own = module, vars(module).get("forward")
+        self._module, self._found = module, vars(module).get("forward")
+        self.active = True
         forward = module.forward
 
-        def changed(*args, **kwargs):
-            return forward(*map_tensors(args, change), **map_tensors(kwargs, change))
-        module.forward = changed
+        @functools.wraps(forward)
+        def wrapped(*args, **kwargs):
+            if not self.active:
+                return forward(*args, **kwargs)
+            copies: dict[int, tuple[torch.Tensor, int]] = {}
+
+            def copied(leaf):
+                made = change(leaf)
+                if made is not leaf:
+                    copies[id(made)] = (leaf, made._version)
+                return made
+            out = forward(*map_tensors(args, copied), **map_tensors(kwargs, copied))
+            return map_tensors(out, lambda leaf: copies[id(leaf)][0] if id(leaf) in copies and (
+                leaf._version == copies[id(leaf)][1]) else leaf)
+        self._wrapped = module.forward = wrapped
 
     def remove(self) -> None:
-        if self._own is not None:
-            self._module.forward = self._own
-        else:
-            vars(self._module).pop("forward", None)
+        self.active = False
+        if vars(self._module).get("forward") is self._wrapped:
+            if self._found is not None:
+                self._module.forward = self._found
+            else:
+                del self._module.forward

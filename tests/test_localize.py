@@ -324,3 +324,32 @@ def test_injected_outputs_replace_a_wrong_module(tmp_path):
     result = compare_dumps(ref, fixed, kinds=["output"])
     downstream = result[result["module"].isin(["relu", "out", ""])]
     assert (downstream["status"] == "equal").all()
+
+
+def test_perturbations_of_what_modules_send_back_undo_in_any_order():
+    """Two such perturbations of one module multiply, each removal takes its own away
+    whatever the order; a module that hands its input back gets it, not a copy (nothing of
+    its own to perturb); ``forward`` keeps its signature."""
+    import inspect
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(3, 3), nn.Identity()), torch.randn(2, 3)
+
+    def gradient():
+        leaf = x.clone().requires_grad_()
+        model(leaf).sum().backward()
+        return leaf.grad
+
+    clean = gradient()
+    signature = inspect.signature(model[0].forward)
+    twice = perturb(model, "0", where="grad_input", scale=2.0)
+    thrice = perturb(model, "0", where="grad_input", scale=3.0)
+    assert inspect.signature(model[0].forward) == signature
+    assert torch.allclose(gradient(), 6 * clean)
+    twice.remove()
+    assert torch.allclose(gradient(), 3 * clean)
+    thrice.remove()
+    assert torch.equal(gradient(), clean)
+    handed = perturb(model, "1", where="grad_input", scale=5.0)
+    h = model[0](x)
+    assert model[1](h) is h
+    handed.remove()

@@ -890,3 +890,45 @@ def test_a_cast_between_modules_is_no_transit_error_and_a_factor_is(tmp_path, dt
     assert first.row["module"] == "second" and first.row["kind"] == "input"
     assert first.row["transit_from"] == "first.Linear#0 output[0]"
     assert first.row["status"] == st.DIFF and 0.04 < first.row["transit_rel_diff"] < 0.06
+
+
+class _HandsBack(nn.Module):
+    """``x.to(dtype)``: in float32 it hands its input back (the dumper then records the whole
+    gradient of that tensor as its grad_input); in another dtype it makes a new tensor."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x):
+        return x.to(self.dtype)
+
+
+class _ResidualCast(nn.Module):
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.inp, self.cast = nn.Linear(16, 32), _HandsBack(dtype)
+        self.block, self.out = nn.Linear(32, 32).to(dtype), nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(h + self.block(self.cast(h)).float())
+
+
+def test_a_module_that_hands_its_input_back_sends_no_transit_link(tmp_path):
+    """In A ``cast`` hands ``h`` back, so its grad_input is all of ``h``'s gradient, the
+    residual's share included, the same bits as ``inp``'s grad_output; in B it casts, and
+    sends back its share only. That is no link: the gradient did not pass through it alone."""
+    batch = torch.randn(8, 16)
+
+    def run(name, dtype):
+        torch.manual_seed(0)
+        model = _ResidualCast(dtype)
+        with HookerAndDumper(tmp_path / name).hooks(model, 0, 0):
+            model(batch).pow(2).mean().backward()
+        return tmp_path / name
+
+    result = compare_dumps(run("a", torch.float32), run("b", torch.bfloat16))
+    linked = result[result["transit_rel_diff"].notna()]
+    assert ("inp", "grad_output") not in set(zip(linked["module"], linked["kind"]))
+    assert ("cast", "input") in set(zip(linked["module"], linked["kind"]))  # forward: a link
