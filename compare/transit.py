@@ -82,12 +82,12 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
     forward = of(fmt.INPUT, "call_a", "later", ["index"]).merge(
         flow, on=[*step, "call_a", "index"]).merge(
         of(fmt.OUTPUT, "producer_a", "earlier"), on=[*step, "producer_a", "identity"])
-    # a consumer that hands an input back as its output (in A: its output holds the input's
-    # bits) sends back for it the whole gradient of that tensor, other uses' included; in B,
-    # where it may make a new tensor (a cast that A did not need), only its own share
-    inputs, outputs = of(fmt.INPUT, "call_a", "input", ["index"]), of(fmt.OUTPUT, "call_a", "out")
-    handed_back = inputs.merge(outputs, on=[*step, "call_a", "identity"])[
-        [*step, "call_a", "index"]].drop_duplicates()
+    # a consumer that hands an input back as its output (its output holds the input's bits)
+    # sends back for it the whole gradient of that tensor, other uses' included: where it does
+    # in A but not in B (a cast A did not need makes a new tensor), B's is its share only
+    handed_back = _handed_back(both, "a", step).merge(
+        _handed_back(both, "b", step), how="left", indicator=True)
+    handed_back = handed_back[handed_back["_merge"] == "left_only"].drop(columns="_merge")
     sent = of(fmt.GRAD_INPUT, "call_a", "earlier", ["index"]).merge(
         handed_back, on=[*step, "call_a", "index"], how="left", indicator=True)
     backward = sent[sent["_merge"] == "left_only"].drop(columns="_merge").merge(
@@ -95,6 +95,17 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
         of(fmt.GRAD_OUTPUT, "producer_a", "later"), on=[*step, "producer_a", "identity"])
     return list(dict.fromkeys(zip(pd.concat([forward["earlier"], backward["earlier"]]),
                                   pd.concat([forward["later"], backward["later"]]))))
+
+
+def _handed_back(rows: pd.DataFrame, side: str, step: list[str]) -> pd.DataFrame:
+    """``step`` keys, ``call_a`` and ``index`` of the inputs a call returns as an output with
+    the same bits on ``side``."""
+    known = rows.assign(identity=identities(rows, side))
+    known = known[known["identity"].notna()]
+    inputs = known.loc[known["kind"] == fmt.INPUT, [*step, "call_a", "index", "identity"]]
+    outputs = known.loc[known["kind"] == fmt.OUTPUT, [*step, "call_a", "identity"]]
+    return inputs.merge(outputs, on=[*step, "call_a", "identity"])[
+        [*step, "call_a", "index"]].drop_duplicates()
 
 
 def measure(pairs: pd.DataFrame, files_b: dict, chunk_elements: int) -> dict[int, dict]:
