@@ -122,14 +122,14 @@ class Divergence:
         elif self.verdict == st.WEIGHTS:
             lines.append("  this module's weights differ before the step: compare an earlier step "
                          "(or the checkpoints) to find where")
-        elif str(r["reason"]).startswith(IN_TRANSIT):
-            lines.append(f"  the difference arose between {r['transit_from']} and this "
-                         f"{r['kind']}: in the code between the two (their enclosing module's "
-                         f"own code, a hook, or a communication)")
         else:
             origin = f"{self.parent}'s own code" if self.parent else "the code calling the model"
-            lines.append(f"  the difference is already in this {r['kind']}: it arose outside any "
-                         f"hooked submodule (in {origin}, the loss, or the data)")
+            lines.append(
+                f"  the difference arose between {r['transit_from']} and this {r['kind']}: in "
+                f"the code between the two (their enclosing module's own code, a hook, or a "
+                f"communication)" if str(r["reason"]).startswith(IN_TRANSIT) else
+                f"  the difference is already in this {r['kind']}: it arose outside any "
+                f"hooked submodule (in {origin}, the loss, or the data)")
             hint = self._ops_hint()
             if hint is not None:
                 lines.append(f"  to see which of {self.parent}'s ops: dump both runs again with "
