@@ -74,10 +74,10 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
     flow = both.loc[(both["kind"] == fmt.INPUT) & (both["producer_a"] >= 0),
                     [*step, "call_a", "index", "producer_a"]]
     known = both.assign(identity=identities(both, "a"), row=both.index)
-    known = known[known["identity"].notna()]
 
     def of(kind: str, call: str, row: str, extra=()) -> pd.DataFrame:
-        rows = known.loc[known["kind"] == kind, [*step, "call_a", *extra, "identity", "row"]]
+        rows = known.loc[(known["kind"] == kind) & known["identity"].notna(),
+                         [*step, "call_a", *extra, "identity", "row"]]
         return rows.rename(columns={"call_a": call, "row": row})
     forward = of(fmt.INPUT, "call_a", "later", ["index"]).merge(
         flow, on=[*step, "call_a", "index"]).merge(
@@ -85,23 +85,25 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
     # a consumer that hands an input back as its output (its output holds the input's bits)
     # sends back for it the whole gradient of that tensor, other uses' included: where it does
     # in A but not in B (a cast A did not need makes a new tensor), B's is its share only
-    handed_back = _handed_back(both, "a", step).merge(
-        _handed_back(both, "b", step), how="left", indicator=True)
-    handed_back = handed_back[handed_back["_merge"] == "left_only"].drop(columns="_merge")
-    sent = of(fmt.GRAD_INPUT, "call_a", "earlier", ["index"]).merge(
-        handed_back, on=[*step, "call_a", "index"], how="left", indicator=True)
-    backward = sent[sent["_merge"] == "left_only"].drop(columns="_merge").merge(
-        flow, on=[*step, "call_a", "index"]).merge(
+    handed_back = _without(_handed_back(known, step),
+                           _handed_back(known.assign(identity=identities(known, "b")), step))
+    sent = _without(of(fmt.GRAD_INPUT, "call_a", "earlier", ["index"]), handed_back)
+    backward = sent.merge(flow, on=[*step, "call_a", "index"]).merge(
         of(fmt.GRAD_OUTPUT, "producer_a", "later"), on=[*step, "producer_a", "identity"])
     return list(dict.fromkeys(zip(pd.concat([forward["earlier"], backward["earlier"]]),
                                   pd.concat([forward["later"], backward["later"]]))))
 
 
-def _handed_back(rows: pd.DataFrame, side: str, step: list[str]) -> pd.DataFrame:
+def _without(rows: pd.DataFrame, keys: pd.DataFrame) -> pd.DataFrame:
+    """``rows`` whose values in ``keys``' columns are no row of ``keys``."""
+    marked = rows.merge(keys, on=list(keys.columns), how="left", indicator=True)
+    return marked[marked["_merge"] == "left_only"].drop(columns="_merge")
+
+
+def _handed_back(rows: pd.DataFrame, step: list[str]) -> pd.DataFrame:
     """``step`` keys, ``call_a`` and ``index`` of the inputs a call returns as an output with
-    the same bits on ``side``."""
-    known = rows.assign(identity=identities(rows, side))
-    known = known[known["identity"].notna()]
+    the same bits (``rows["identity"]``: one side's :func:`identities`)."""
+    known = rows[rows["identity"].notna()]
     inputs = known.loc[known["kind"] == fmt.INPUT, [*step, "call_a", "index", "identity"]]
     outputs = known.loc[known["kind"] == fmt.OUTPUT, [*step, "call_a", "identity"]]
     return inputs.merge(outputs, on=[*step, "call_a", "identity"])[

@@ -250,6 +250,7 @@ class _Records:
                            else "float64")
         with np.errstate(divide="ignore"):
             self.transit_floor = cast.unit + cast.underflow / frame["rms_a"].to_numpy(float)
+        self.in_transit = self.transit > self.transit_floor  # changed beyond that (NaN: no link)
 
     def _merged_sources(self, frame: pd.DataFrame) -> list[np.ndarray]:
         sources = [s[self.compared[s]] for s in self.all_sources]
@@ -527,11 +528,11 @@ class _Judgement:
         # an error up to this size, added here, passes for its inputs' error amplified, but
         # where what it adds is the change since a record of the same tensor, measured
         self.hidden[i] = math.sqrt(max(bound ** 2 - level ** 2 - self._last_bit(i) ** 2, 0.0))
-        if r.transit[i] <= r.transit_floor[i]:
-            self.hidden[i] = min(self.hidden[i], r.transit_floor[i])
-        elif r.transit[i] > r.transit_floor[i]:  # what it adds is that change, at least
+        if r.in_transit[i]:  # what it adds is that change, at least
             self.added[i] = max(self.added[i], r.transit[i])
             return st.DIFF
+        if r.transit[i] <= r.transit_floor[i]:
+            self.hidden[i] = min(self.hidden[i], r.transit_floor[i])
         if r.err[i] > bound or self._scale_moves(i, level):
             return st.DIFF
         return st.INHERITED if self.tainted[i] and r.err[i] > envelope else st.CLOSE
@@ -574,7 +575,7 @@ class _Judgement:
         if r.user_tol:
             return (f"outside the given tolerance, with sources within it (rel error {err:.3g}, "
                     f"inputs {err_in:.3g})")
-        if r.transit[i] > r.transit_floor[i]:
+        if r.in_transit[i]:
             return (f"{IN_TRANSIT} {r.transit[i]:.3g} (rel) since "
                     f"{r.frame.at[i, 'transit_from']}, which A hands on unchanged: the code "
                     f"between them (between modules, a hook, a communication) is not what it is "
