@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from . import format as fmt
-from .precision import computed_in, precision_of, rounding_of
+from .precision import precision_of, rounding_of
 from .sources import makers
 
 # How much a record may amplify the relative error of its sources without being blamed: where
@@ -41,14 +41,15 @@ class Expectation(NamedTuple):
 
 def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: np.ndarray,
               calibrating: np.ndarray, same_kernels: bool,
-              tf32: tuple[tuple[bool, bool], tuple[bool, bool]]) -> Expectation:
+              computed: tuple[pd.Series, pd.Series]) -> Expectation:
     """Per row, the expected added error of its group of comparable records (see the module
     docstring), and the gain allowed: how much such records amplify an error they receive (the
     upper quartile of ``rel_error / input_rel_error`` where the input's error dominates, at
     least 1, times ``GAIN``, at most ``MAX_GAIN``; at least ``EXACT_GAIN`` where no error is
-    expected: amplification is then all there is to allow for)."""
+    expected: amplification is then all there is to allow for). ``computed``: the dtype each
+    record was computed in, per side (:func:`compare.precision.computed_in`)."""
     direction = np.where(frame["kind"].isin(list(fmt.BACKWARD_KINDS)), "backward", "forward")
-    dtype_a, dtype_b = computed_in(frame, tf32)
+    dtype_a, dtype_b = computed
     pair = dtype_a + "/" + dtype_b
     pool_key = pd.Series(direction, index=frame.index) + " " + pair + " " + frame["kind"]
     maker = makers(frame)

@@ -141,6 +141,33 @@ class StepReader:
         self.close()
 
 
+class StepReaders:
+    """Step files opened once each, by key (e.g. ``(epoch, step, rank)``), and closed together
+    (a context manager)."""
+
+    def __init__(self, files: dict):
+        self._files, self._open = files, {}
+
+    def __getitem__(self, key) -> StepReader:
+        if key not in self._open:
+            self._open[key] = self._files[key].open()
+        return self._open[key]
+
+    def __enter__(self) -> "StepReaders":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for reader in self._open.values():
+            reader.close()
+
+
+def one_side(row: pd.Series, side: str) -> pd.Series:
+    """The index fields of side ``side`` ("a" or "b") of a row of paired records, named as in
+    an index row (for :meth:`StepReader.dataset`)."""
+    return pd.Series({k: row[f"{k}_{side}"] for k in ("group", "dataset", "dtype", "encoding",
+                                                        "shape", "checksum")})
+
+
 def dataset_of(path: Path, step_group: h5py.Group, group: str, name: str, dtype: str,
                encoding: str, shape: tuple) -> h5py.Dataset:
     """Dataset ``group/name`` of a step group, after checking it is what its index row says."""

@@ -12,6 +12,9 @@ from .metrics import METRIC_COLUMNS
 from .status import CLOSE, DIFF, EQUAL, NAN_MISMATCH
 from .tolerance import Tolerance
 
+# Statistics computed by different code (the dumper on the device, the reader from values)
+# agree to float64 rounding: estimates below this are no evidence of a difference.
+STATS_RESOLUTION = 1e-12
 STAT_NAMES = tuple(column.removeprefix("stat_") for column in fmt.STAT_COLUMNS)
 
 # The sketch of a tensor: SKETCH_SIZE sums of its elements with pseudo-random signs,

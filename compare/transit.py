@@ -25,17 +25,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from pathlib import Path
 from typing import Iterator, Optional
 
-import h5py
 import numpy as np
 import pandas as pd
 
 from . import format as fmt
-from .dump import dataset_of, open_h5, read_chunks
+from .dump import StepReader, StepReaders, one_side, read_chunks
 from .errors import DumpError
-from .validation import hard_link
 
 TRANSIT_COLUMNS = ("transit_rel_diff", "transit_from")
 
@@ -114,12 +111,11 @@ def measure(pairs: pd.DataFrame, files_b: dict, chunk_elements: int) -> dict[int
     """``TRANSIT_COLUMNS`` per later record of each link (:func:`links`), by row label;
     ``files_b``: B's step files by (epoch, step, rank)."""
     out: dict[int, dict] = {}
-    opened: dict[tuple, tuple] = {}
-    try:
+    with StepReaders(files_b) as readers:
         for earlier, later in links(pairs):
             e, l = pairs.loc[earlier], pairs.loc[later]
             try:
-                diff = _difference(e, l, lambda key: _step_group(opened, files_b, key),
+                diff = _difference(e, l, readers[(e["epoch"], e["step"], e["rank"])],
                                    chunk_elements)
             except (KeyError, OSError, RuntimeError) as exc:  # what h5py raises on damage
                 step = files_b[(e["epoch"], e["step"], e["rank"])]
@@ -129,13 +125,11 @@ def measure(pairs: pd.DataFrame, files_b: dict, chunk_elements: int) -> dict[int
                 continue
             out[later] = {"transit_rel_diff": diff, "transit_from": fmt.record_label(
                 e["module"], e["cls_a"], e["call_idx"], e["kind"], e["index"], e["occurrence"])}
-    finally:
-        for f, _ in opened.values():
-            f.close()
     return out
 
 
-def _difference(earlier: pd.Series, later: pd.Series, group_of, chunk_elements: int) -> float:
+def _difference(earlier: pd.Series, later: pd.Series, reader: StepReader, chunk_elements: int
+                ) -> float:
     """``transit_rel_diff`` of one link (NaN where B's records cannot say)."""
     sent, got = identities(pd.DataFrame([earlier, later]), "b")
     if sent is not None and sent == got:
@@ -144,10 +138,9 @@ def _difference(earlier: pd.Series, later: pd.Series, group_of, chunk_elements: 
     if tuple(earlier["shape_b"]) != tuple(later["shape_b"]):
         return math.inf
     if all(r["dataset_b"] and r["digest_b"] == fmt.NO_DIGEST for r in rows):
-        group = group_of((earlier["epoch"], earlier["step"], earlier["rank"]))
         squares = np.zeros(2)
         # zip_longest: both readers end, which checks their checksums
-        for x, y in itertools.zip_longest(*(_values(group, r, chunk_elements) for r in rows)):
+        for x, y in itertools.zip_longest(*(_values(reader, r, chunk_elements) for r in rows)):
             wide = np.complex128 if np.iscomplexobj(x) or np.iscomplexobj(y) else np.float64
             x, y = x.astype(wide, copy=False), y.astype(wide, copy=False)
             squares += (np.square(np.abs(y - x)).sum(), np.square(np.abs(x)).sum())
@@ -164,19 +157,7 @@ def _difference(earlier: pd.Series, later: pd.Series, group_of, chunk_elements: 
     return abs(norms[1] - norms[0]) / norms[0] if norms[0] > 0 else math.nan
 
 
-def _values(group: tuple, row: pd.Series, chunk_elements: int) -> Iterator[np.ndarray]:
-    path, step_group = group
-    ds = dataset_of(path, step_group, row["group_b"], row["dataset_b"], row["dtype_b"],
-                    row["encoding_b"], tuple(row["shape_b"]))
-    return read_chunks(ds, row["dtype_b"], row["encoding_b"], chunk_elements,
-                       int(row["checksum_b"]))
-
-
-def _step_group(opened: dict, files: dict, key: tuple) -> tuple[Path, h5py.Group]:
-    """B's step group of ``key``, its file opened once."""
-    if key not in opened:
-        step = files[key]
-        f = open_h5(step.path)
-        opened[key] = (f, (step.path, hard_link(step.path, f, step.group_name, "step group",
-                                                h5py.Group)))
-    return opened[key][1]
+def _values(reader: StepReader, row: pd.Series, chunk_elements: int) -> Iterator[np.ndarray]:
+    """B's values of ``row`` (``reader``: its step's :class:`compare.dump.StepReader`)."""
+    return read_chunks(reader.dataset(one_side(row, "b")), row["dtype_b"], row["encoding_b"],
+                       chunk_elements, int(row["checksum_b"]))

@@ -36,7 +36,10 @@ A record is
   for errors spread over few elements, ``SAMPLING_SPREADS``);
   also where B changed a tensor that A hands on unchanged between two records by more than
   rounding through B's lowest precision may (:mod:`compare.transit`: an error between
-  modules, found exactly);
+  modules, found exactly); and where B's own computation of a call, recomputed from its
+  records (:mod:`compare.recompute`: a ``Linear``, a 1x1 convolution, an elementwise
+  activation), is off by more than rounding in the dtype it computed in explains (a call
+  recomputed within that is no origin: ``inherited`` where its error exceeds the bound);
 - ``inherited`` when not, but it carries an error from a failing (or inherited) source beyond
   what it would carry from healthy sources;
 - ``close`` otherwise, ``equal`` when bit-identical.
@@ -73,13 +76,15 @@ from . import format as fmt
 from . import status as st
 from .centering import normalizes
 from .calibration import EXACT_GAIN, EXACT_LABEL, GAIN, Expectation, calibrate
-from .precision import lowest, precision_of, rounding_of
+from .precision import computed_in, lowest, precision_of, rounding_of
 from .gains import adjoint_gains, bias_scales, linear_gains
 from .metrics import REORDERED_MARGIN
+from .recompute import allowed as recompute_allowance
 from .routing import moved_rows
 from .scale import added_scale, scale_noise
 from .scale import describe as describe_scale
 from .sources import STEP_KEY, code_values, earlier_sources
+from .statistics import STATS_RESOLUTION
 from .sums import CallRows, cancelled
 
 # Errors estimated from statistics (min, max: single elements) scatter around the true one by
@@ -103,14 +108,12 @@ DECIDING_SHARE = 0.25  # least share of an input a ReLU-like decision passes gra
 # error a drift makes in a module's output can exceed the drift's share of the weights: up to
 # 2x in 99 %, 12x at most of 121 drifted Linear/Embedding records (5 architectures, 4 steps).
 WEIGHT_GAIN = 4.0
-# Statistics computed by different code (the dumper on the device, the reader from values)
-# agree to float64 rounding: estimates below this are no evidence of a difference.
-STATS_RESOLUTION = 1e-12
 STATS_NOTE = ("; estimated from statistics (a difference that keeps min, max, mean, std and "
               "norm cannot be seen)")
 
 WRONG_WEIGHTS = "the runs did not start from the same weights, or diverged at an earlier step"
 IN_TRANSIT = "B changed its values by"  # how the reason of a record changed in transit begins
+MISCOMPUTED = "B's values differ by"  # how the reason of a call B computed wrongly begins
 USER_TOLERANCE = "user_tolerance"  # attribute of a judged result: judged by the user's rtol/atol
 VERDICT_COLUMNS = ("rel_error", "input_rel_error", "added_rel_error", "expected_rel_error",
                    "added_ratio", "hidden_rel_error", "source", "same_as", "reason")
@@ -134,10 +137,12 @@ def judge(result: pd.DataFrame, rtol: Optional[float] = None, atol: Optional[flo
     where their sources are); ``tf32``: per side, whether float32 matmuls, and convolutions,
     may have used TF32 (:func:`compare.format.tf32_allowed`)."""
     frame = result.reset_index(drop=True)
-    records = _Records(frame, user_tol=rtol is not None or atol is not None)
+    computed = computed_in(frame, tf32)
+    records = _Records(frame, user_tol=rtol is not None or atol is not None,
+                       computed_b=computed[1])
     expected = calibrate(frame, records.err, records.err_in, records.added,
                          records.compared & records.has_sources & ~records.repeat,
-                         same_kernels, tf32)
+                         same_kernels, computed)
     judgement = _Judgement(records, expected)
     for i in np.lexsort((records.seq, frame["rank"].fillna(-1), frame["step"], frame["epoch"])):
         if records.compared[i]:
@@ -170,7 +175,7 @@ class _Records:
     """The rows of one comparison as arrays: errors, sources (records that are the same
     tensor merged), and what holds without a bound."""
 
-    def __init__(self, frame: pd.DataFrame, user_tol: bool):
+    def __init__(self, frame: pd.DataFrame, user_tol: bool, computed_b: pd.Series):
         self.frame, self.n, self.user_tol = frame, len(frame), user_tol
         n = self.n
         self.err = err = _rel_error(frame)
@@ -251,6 +256,17 @@ class _Records:
         with np.errstate(divide="ignore"):
             self.transit_floor = cast.unit + cast.underflow / frame["rms_a"].to_numpy(float)
         self.in_transit = self.transit > self.transit_floor  # changed beyond that (NaN: no link)
+        # what B's computation of a call added, recomputed from its records (compare.recompute),
+        # and what rounding in the dtype it computes in explains, relatively and near zero
+        self.recomputed = frame["recomputed_rel_err"].to_numpy(float)
+        unit, underflow = (np.array([getattr(rounding_of(d), f) for d in computed_b])
+                           for f in ("unit", "underflow"))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            self.recomputed_floor = recompute_allowance(
+                unit, frame["recomputed_spread"].to_numpy(float),
+                frame["recomputed_terms"].to_numpy(float)) + 2 * underflow / frame[
+                "rms_a"].to_numpy(float)
+        self.miscomputed = self.recomputed > self.recomputed_floor  # NaN: not recomputed
 
     def _merged_sources(self, frame: pd.DataFrame) -> list[np.ndarray]:
         sources = [s[self.compared[s]] for s in self.all_sources]
@@ -469,6 +485,11 @@ class _Judgement:
         elif self.status[i] == st.INHERITED and len(carrying):
             worst = carrying[np.argmax(r.err[carrying])]
             self.reason[i] = f"carries the error of {r.label[worst]} ({r.err[worst]:.3g})"
+        elif self.status[i] == st.INHERITED:
+            self.reason[i] = (f"B computes it from its own records as A's code does "
+                              f"(recomputed: {r.recomputed[i]:.3g}, rounding explains "
+                              f"{r.recomputed_floor[i]:.2g}): its difference comes with what it "
+                              f"is computed from")
         if r.reordered[i] and not r.user_tol:
             self.reason[i] = "; ".join(filter(None, [self.reason[i], (
                 f"B holds A's rows in another order (rel error {r.elementwise[i]:.3g} element "
@@ -531,8 +552,15 @@ class _Judgement:
         if r.in_transit[i]:  # what it adds is that change, at least
             self.added[i] = max(self.added[i], r.transit[i])
             return st.DIFF
+        if r.miscomputed[i]:  # what it adds is what B's computation of it added
+            self.added[i] = max(self.added[i], r.recomputed[i])
+            return st.DIFF
         if r.transit[i] <= r.transit_floor[i]:
             self.hidden[i] = min(self.hidden[i], r.transit_floor[i])
+        if r.recomputed[i] <= r.recomputed_floor[i]:  # B computed it as A's code does
+            self.hidden[i] = min(self.hidden[i], r.recomputed_floor[i])
+            return (st.INHERITED if r.err[i] > bound or (self.tainted[i] and r.err[i] > envelope)
+                    else st.CLOSE)
         if r.err[i] > bound or self._scale_moves(i, level):
             return st.DIFF
         return st.INHERITED if self.tainted[i] and r.err[i] > envelope else st.CLOSE
@@ -575,6 +603,12 @@ class _Judgement:
         if r.user_tol:
             return (f"outside the given tolerance, with sources within it (rel error {err:.3g}, "
                     f"inputs {err_in:.3g})")
+        if r.miscomputed[i]:
+            return (f"{MISCOMPUTED} {r.recomputed[i]:.3g} (rel) from what its own records give "
+                    f"({r.frame.at[i, 'cls']}: recomputed from its "
+                    f"{'input' if r.frame.at[i, 'kind'] == fmt.OUTPUT else 'incoming gradient'} "
+                    f"and weights), where rounding explains {r.recomputed_floor[i]:.2g}: this "
+                    f"call's own computation is not what it is in A")
         if r.in_transit[i]:
             return (f"{IN_TRANSIT} {r.transit[i]:.3g} (rel) since "
                     f"{r.frame.at[i, 'transit_from']}, which A hands on unchanged: the code "

@@ -1,0 +1,169 @@
+"""A call recomputed from its own records (compare.recompute): a module's own forward or
+backward error found exactly where the gradient already carries as much, no false alarm from
+the rounding of low precisions, and no figures where the formula or the weights are not
+known to hold."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from compare import compare_dumps, summarize
+from compare import status as st
+from compare.cli import main
+from compare.recompute import allowed
+from compare.verdict import MISCOMPUTED
+from dumper import HookerAndDumper
+
+from architectures import cannot_run, run_step
+
+COLUMNS = ["recomputed_rel_err", "recomputed_spread", "recomputed_terms"]
+
+
+def _unit(dtype: str) -> float:
+    return {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 2.0 ** -24}[dtype]
+
+
+@pytest.mark.parametrize("arch, module, dtype, scale", [
+    ("llama", "model.layers.0.mlp.up_proj", "bfloat16", 1.1),   # a Linear
+    ("llama", "model.layers.1.mlp.act_fn", "float16", 1.03),    # SiLU
+    ("mobilenet_v2", "mobilenet_v2.layer.1.expand_1x1.convolution", "bfloat16", 1.1),  # 1x1
+    ("mobilenet_v2", "mobilenet_v2.layer.2.conv_3x3.activation", "float16", 1.03),  # ReLU6
+])
+def test_a_calls_own_backward_error_is_found_exactly(tmp_path, arch, module, dtype, scale):
+    """A module whose own backward is off by ``scale`` (the gradient it sends back, scaled
+    inside its call) in a low-precision B whose gradients carry as much error already: its
+    grad_input is the first divergence, by ``scale - 1`` recomputed; the healthy pair's every
+    recomputed call lies within what rounding in B's dtype explains (no false alarm)."""
+    why = cannot_run(arch, dtype)
+    if why:
+        pytest.skip(f"torch cannot run {arch} under {dtype} here: {why}")
+    run_step(arch, "float32", tmp_path / "a", dumper_options={"params": True})
+    run_step(arch, dtype, tmp_path / "b")
+    run_step(arch, dtype, tmp_path / "p",
+             plant={"include": [module], "where": "grad_input", "scale": scale})
+    healthy = compare_dumps(tmp_path / "a", tmp_path / "b")
+    checked = healthy[healthy["recomputed_rel_err"].notna()]
+    assert len(checked) >= 10 and not (checked["status"] == st.DIFF).any()
+    # and near zero (float16 gradients of 5e-6 are subnormal) the spacing there, twice
+    underflow = float(torch.finfo(getattr(torch, dtype)).smallest_normal) * _unit(dtype)
+    floor = allowed(_unit(dtype), checked["recomputed_spread"].to_numpy(),
+                    checked["recomputed_terms"].to_numpy()) + 2 * underflow / checked[
+        "rms_a"].to_numpy()
+    assert (checked["recomputed_rel_err"].to_numpy() <= floor).all()
+    assert summarize(healthy).ok, summarize(healthy).verdict()
+    planted = compare_dumps(tmp_path / "a", tmp_path / "p")
+    first = summarize(planted).first
+    assert (first.row["module"], first.row["kind"]) == (module, "grad_input")
+    assert first.row["recomputed_rel_err"] == pytest.approx(scale - 1, rel=0.1)
+    assert first.row["reason"].startswith(f"{MISCOMPUTED} {first.row['recomputed_rel_err']:.3g}")
+
+
+def test_a_forward_error_and_the_cli_text(tmp_path):
+    """A Linear's output scaled by 1.1 in bfloat16: found at its output by recomputation, and
+    the CLI says so, naming what rounding explains."""
+    module = "model.layers.1.self_attn.o_proj"
+    run_step("llama", "float32", tmp_path / "a", dumper_options={"params": True})
+    run_step("llama", "bfloat16", tmp_path / "p",
+             plant={"include": [module], "where": "output", "scale": 1.1})
+    result = compare_dumps(tmp_path / "a", tmp_path / "p")
+    first = summarize(result).first
+    assert (first.row["module"], first.row["kind"]) == (module, "output")
+    assert first.row["recomputed_rel_err"] == pytest.approx(0.1, rel=0.1)
+    out = CliRunner().invoke(main, [str(tmp_path / "a"), str(tmp_path / "p")])
+    assert out.exit_code == 1
+    assert f"{MISCOMPUTED} {first.row['recomputed_rel_err']:.3g} (rel) from what its own " \
+           f"records give (Linear: recomputed from its input and weights)" in out.output
+
+
+class _Scaled(nn.Linear):
+    """A class named ``Linear`` that computes something else: ``2 (x Wᵀ + b)``."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+_Scaled.__name__ = "Linear"
+
+
+def _run(directory, model: nn.Module, batch: torch.Tensor, **options):
+    with HookerAndDumper(directory, **options).hooks(model, 0, 0):
+        model(batch).pow(2).mean().backward()
+    return directory
+
+
+def test_no_figures_where_the_formula_does_not_hold_in_a(tmp_path):
+    """A's own records show the class computes something else: no recomputation, and no
+    false alarm in a healthy pair."""
+    batch = torch.randn(8, 16)
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 16), _Scaled(16, 16))
+
+    result = compare_dumps(_run(tmp_path / "a", model(), batch, params=True),
+                           _run(tmp_path / "b", model(), batch))
+    assert list(result.loc[result["recomputed_rel_err"].notna(), "module"].unique()) == ["0"]
+    assert summarize(result).ok
+
+
+def test_weights_used_only_where_known_to_be_the_same(tmp_path):
+    """B's weights differ from A's (a wrong checkpoint: one Linear's weight x 1.01): A's cannot
+    stand for them, so that Linear has no figures from A's weights, and the divergence is
+    the weight's; with B's own values (``params=True``) B's computation is recomputed and
+    holds, so the output is no origin."""
+    batch = torch.randn(8, 16)
+
+    def model(factor: float):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+        with torch.no_grad():
+            m[2].weight.mul_(factor)
+        return m
+
+    a = _run(tmp_path / "a", model(1.0), batch, params=True)
+    without = compare_dumps(a, _run(tmp_path / "b", model(1.01), batch))
+    out = without[(without["module"] == "2") & (without["kind"] == "output")].iloc[0]
+    assert math.isnan(out["recomputed_rel_err"])
+    first = summarize(without).first
+    assert (first.row["module"], first.row["kind"]) == ("2", "param")
+    with_values = compare_dumps(a, _run(tmp_path / "bp", model(1.01), batch, params=True))
+    out = with_values[(with_values["module"] == "2") & (with_values["kind"] == "output")].iloc[0]
+    assert out["recomputed_rel_err"] < 1e-6 and out["status"] == st.INHERITED
+    assert summarize(with_values).first.row["kind"] == "param"
+
+
+def test_figures_match_a_hand_computation(tmp_path):
+    """``recomputed_rel_err`` of a float16 Linear's grad_input against the float64 product of
+    its recorded incoming gradient and weights, computed here by torch."""
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 8)
+    x = torch.randn(4, 32)
+    seen = {}
+
+    def run(directory, dtype):
+        model = nn.Sequential(layer).to(dtype)
+        inp = x.to(dtype, copy=True).requires_grad_()
+        with HookerAndDumper(directory, params=True).hooks(model, 0, 0):
+            out = model(inp)
+            out.register_hook(lambda g: seen.update({(dtype, "g"): g.double()}))
+            out.float().pow(2).sum().backward()
+        seen[dtype] = (seen[(dtype, "g")], model[0].weight.double(), inp.grad.double())
+        return directory
+
+    a = run(tmp_path / "a", torch.float32)
+    b = run(tmp_path / "b", torch.float16)
+    g, w, gx = seen[torch.float16]
+    want = g @ w
+    expected = float((gx - want).norm() / want.norm())
+    spread = float(((g ** 2) @ (w ** 2)).sum().sqrt() / want.norm())
+    result = compare_dumps(a, b)
+    row = result[(result["module"] == "0") & (result["kind"] == "grad_input")].iloc[0]
+    assert row["recomputed_rel_err"] == pytest.approx(expected, rel=1e-9)
+    assert row["recomputed_spread"] == pytest.approx(spread, rel=1e-9)
+    assert row["recomputed_terms"] == 8
+    assert np.isfinite(row["recomputed_rel_err"]) and row["status"] != st.DIFF
