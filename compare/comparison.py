@@ -29,7 +29,7 @@ from .pairing import (KEY, align_ranks, at_rank, outside_compiled_regions, pair_
 from .statistics import compare_stats, sketch_of_chunks, stats_of_chunks
 from .status import (DROPPED, EQUAL, HASH_MISMATCH, MISSING_IN_A, MISSING_IN_B, OP_ONLY_IN_A,
                      OP_ONLY_IN_B, REPLICA_MISMATCH, SHAPE_MISMATCH, UNSUPPORTED)
-from .recompute import RECOMPUTE_COLUMNS
+from .recompute import RECOMPUTE_COLUMNS, RECOMPUTE_FIGURES
 from .recompute import measure as measure_recomputed
 from .tolerance import pair_tolerance
 from .transit import TRANSIT_COLUMNS
@@ -42,7 +42,8 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 20  # elements read per dataset slice (4 MiB of fl
 PAIR_COLUMNS = [
     "epoch", "step", "rank", "seq", "call", "module", "cls", "call_idx", "micro_batch", "kind",
     "index", "occurrence", "path", "producer", "injected", "dtype_a", "dtype_b", "shape_a",
-    "shape_b", "status", *METRIC_COLUMNS, *TRANSIT_COLUMNS, *RECOMPUTE_COLUMNS, "rtol", "atol", "shard_rank",
+    "shape_b", "status", *METRIC_COLUMNS, *TRANSIT_COLUMNS, *RECOMPUTE_COLUMNS, "rtol", "atol",
+    "shard_rank",
 ]
 RESULT_COLUMNS = PAIR_COLUMNS + list(VERDICT_COLUMNS)
 # result.attrs key: the compared steps a dumper marked incomplete, as "B's step 0:1 (why)"
@@ -137,7 +138,7 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
                 progress(len(result))
     for row, figures in measure_transit(pairs, files_b, chunk_elements).items():
         metrics.setdefault(row, {}).update(figures)
-    for row, figures in measure_recomputed(pairs, files_a, files_b, metrics).items():
+    for row, figures in measure_recomputed(pairs, files_a, files_b, metrics, eps).items():
         metrics.setdefault(row, {}).update(figures)
     paired = files_a.keys() & files_b.keys()
     # compiled code (fused kernels) rounds otherwise than eager code, even in the same dtypes
@@ -458,11 +459,12 @@ def _result_frame(pairs: pd.DataFrame, metrics: dict[int, dict], base: dict[str,
         lone = (frame["side"] == side).to_numpy()
         frame.loc[lone & ~op, "status"] = missing
         frame.loc[lone & op, "status"] = op_only
-    for col in [*METRIC_COLUMNS, "transit_rel_diff", *RECOMPUTE_COLUMNS, "rtol", "atol", "shard_rank"]:
+    for col in [*METRIC_COLUMNS, "transit_rel_diff", *RECOMPUTE_FIGURES, "rtol", "atol",
+                "shard_rank"]:
         if col not in frame:
             frame[col] = np.nan
-    frame["transit_from"] = frame.get("transit_from", pd.Series("", index=frame.index)
-                                      ).fillna("")
+    for col in ("transit_from", "recomputed_dtype"):
+        frame[col] = frame.get(col, pd.Series("", index=frame.index)).fillna("")
     frame["reason"] = ""
     for side in ("b", "a"):  # A's, where both sides' replicas differ
         note = frame[f"replicas_differ_{side}"].fillna("")

@@ -1,14 +1,8 @@
 """A call recomputed from its own records: what B's computation of one call added.
 
-Where a module's class says what it computes, its output follows from its input and weights,
-and the gradient it sends back from the gradient that arrives and its input:
-
-- ``Linear``: ``y = x Wᵀ + b``, ``gx = g W``;
-- a 1x1 ``Conv2d`` that keeps the spatial size (stride 1, no padding, one group): the same
-  ``Linear`` on every pixel's channels;
-- the elementwise activations of :data:`ELEMENTWISE` (``ReLU``, ``ReLU6``, ``SiLU``,
-  ``Sigmoid``, ``Tanh``): ``y = f(x)``, ``gx = g f'(x)``.
-
+Where a module's class says what it computes (:mod:`compare.formulas`: ``Linear``, a 1x1
+``Conv2d``, elementwise activations, normalizations), its output follows from its input and
+weights, and the gradient it sends back from the gradient that arrives and its input.
 Recomputed in float64 from B's own records of the call, the difference is what B's
 computation of that call added, whatever error its operands carried: the error of a call's
 own forward or backward, measured exactly where the error figures of
@@ -18,24 +12,29 @@ error added to it). Per ``output[0]`` and ``grad_input[0]`` record of such a cal
 ``recomputed_rel_err``
     ``||b - f(b's operands)|| / ||f(b's operands)||``;
 ``recomputed_spread``
-    ``||sqrt(sum_k term_k²)|| / ||f(b's operands)||`` over the products ``term_k`` an element
-    sums (1 for an elementwise function): how far rounding the operands may move the
-    result, relative to it; more where the products cancel;
+    ``||sqrt(sum_k term_k²)|| / ||f(b's operands)||`` over the terms an element sums (1 for
+    an elementwise function): how far rounding the operands may move the result, relative
+    to it; more where the terms cancel;
 ``recomputed_terms``
-    the number of products an element sums (1 for an elementwise function).
+    the number of terms an element sums (1 for an elementwise function);
+``recomputed_dtype``
+    the lowest dtype of B's records it was recomputed from and of the record (a call may
+    round through any dtype it is given: an RMSNorm of a bfloat16 input rounds its
+    normalized values to bfloat16, then scales them by float32 weights).
 
-Rounding explains :func:`allowed` of it. Where B ran on A's values (``injected``: its record
-holds what B would have used), the call's operands are A's. B's weights are B's values (``params=True``), else A's
-where B's are known to be the same (B ran on A's, ``injected``; or their statistics and sketch
-agree to float64 rounding); calls whose weights are neither have no figures. So do calls where
-A's records do not follow the formula within A's rounding (a class of that name that computes
-something else; TF32 in A), records of statistics or digests, and tensors of more than
-:data:`MAX_ELEMENTS` elements (memory stays bounded).
+Rounding explains :func:`compare.formulas.allowed` of it. Where B ran on A's values
+(``injected``: its record holds what B would have used), the call's operands are A's. B's
+weights are B's values (``params=True``), else A's where B's are known to be the same (B ran
+on A's; or their statistics and sketch agree to float64 rounding); calls whose weights are
+neither have no figures. The formula is the first of the class's candidates that A's records
+follow within A's rounding: where none does (a class of that name that computes something
+else; TF32 in A), no figures; nor for records of statistics or digests, non-finite values,
+and tensors of more than :data:`MAX_ELEMENTS` elements (memory stays bounded).
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import pandas as pd
@@ -43,121 +42,13 @@ import pandas as pd
 from . import format as fmt
 from .dump import StepReaders, one_side, read_chunks
 from .errors import DumpError
+from .formulas import Operands, allowed, candidates
 from .precision import ROUNDING, lowest, rounding_of
 from .statistics import STATS_RESOLUTION
 
-RECOMPUTE_COLUMNS = ("recomputed_rel_err", "recomputed_spread", "recomputed_terms")
+RECOMPUTE_FIGURES = ("recomputed_rel_err", "recomputed_spread", "recomputed_terms")
+RECOMPUTE_COLUMNS = (*RECOMPUTE_FIGURES, "recomputed_dtype")
 MAX_ELEMENTS = 1 << 24  # per tensor: 128 MiB in float64
-# Each product of operands rounded once per operand and the result once, each rounding at
-# most the unit roundoff (its root mean square is u / sqrt(3)), the K products of an element
-# summed in the accumulator (a random walk: sqrt(K) roundings of it): twice that.
-ALLOWANCE = 2.0
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        return 1.0 / (1.0 + np.exp(-x))
-
-
-def _silu_grad(x: np.ndarray) -> np.ndarray:
-    s = _sigmoid(x)
-    return s * (1.0 + x * (1.0 - s))
-
-
-# class name: (f, f') in float64
-ELEMENTWISE: dict[str, tuple[Callable, Callable]] = {
-    "ReLU": (lambda x: np.maximum(x, 0.0), lambda x: (x > 0).astype(np.float64)),
-    "ReLU6": (lambda x: np.clip(x, 0.0, 6.0), lambda x: ((x > 0) & (x < 6)).astype(np.float64)),
-    "SiLU": (lambda x: x * _sigmoid(x), _silu_grad),
-    "SiLUActivation": (lambda x: x * _sigmoid(x), _silu_grad),
-    "Sigmoid": (_sigmoid, lambda x: _sigmoid(x) * (1.0 - _sigmoid(x))),
-    "Tanh": (np.tanh, lambda x: 1.0 - np.tanh(x) ** 2),
-}
-WEIGHTED = ("Linear", "Conv2d")
-
-
-def allowed(unit: np.ndarray, spread: np.ndarray, terms: np.ndarray) -> np.ndarray:
-    """What rounding explains of ``recomputed_rel_err`` for a call computed in a dtype of unit
-    roundoff ``unit`` (accumulating in float32, or finer where the dtype is)."""
-    accumulator = np.minimum(unit, ROUNDING["float32"].unit)
-    return ALLOWANCE * (unit * (1.0 + 2.0 * spread) + accumulator * np.sqrt(terms) * spread)
-
-
-class _Figures:
-    """Sums of one recomputation: squared difference, squared result, squared terms."""
-
-    def __init__(self, got: np.ndarray, want: np.ndarray, terms_squared: float, terms: int):
-        self.diff = float(np.square(got - want).sum())
-        self.norm = float(np.square(want).sum())
-        self.terms_squared, self.terms = terms_squared, terms
-
-    def columns(self) -> Optional[dict]:
-        if not (self.norm > 0 and math.isfinite(self.norm) and math.isfinite(self.diff)):
-            return None
-        return {"recomputed_rel_err": math.sqrt(self.diff / self.norm),
-                "recomputed_spread": math.sqrt(self.terms_squared / self.norm),
-                "recomputed_terms": float(self.terms)}
-
-
-def _as_rows(x: np.ndarray, width: int, channels_first: bool) -> np.ndarray:
-    """``x`` as rows of its ``width`` features (channels of an image batch moved last)."""
-    if channels_first:
-        x = np.moveaxis(x, 1, -1)
-    return x.reshape(-1, width)
-
-
-def _weighted(cls: str, kind: str, t: dict, weight: np.ndarray, bias: Optional[np.ndarray]
-              ) -> Optional[_Figures]:
-    """A ``Linear``'s (or 1x1 convolution's) ``kind`` record recomputed; ``t``: the call's
-    tensors by kind."""
-    conv = cls == "Conv2d"
-    x = t.get(fmt.INPUT)
-    if conv:
-        if weight.ndim != 4 or weight.shape[2:] != (1, 1) or x is None or x.ndim != 4 or \
-                weight.shape[1] != x.shape[1]:
-            return None
-        weight = weight.reshape(weight.shape[:2])
-    if weight.ndim != 2:
-        return None
-    out_features, in_features = weight.shape
-    if kind == fmt.OUTPUT:
-        y = t[fmt.OUTPUT]
-        if x is None or x.shape[-1 if not conv else 1] != in_features or (
-                conv and y.shape != (x.shape[0], out_features, *x.shape[2:])) or (
-                not conv and y.shape != (*x.shape[:-1], out_features)):
-            return None
-        rows = _as_rows(x, in_features, conv)
-        want = rows @ weight.T
-        squared = float(np.square(rows).sum(axis=0) @ np.square(weight).sum(axis=0))
-        if bias is not None:
-            want += bias
-            squared += len(rows) * float(np.square(bias).sum())
-        return _Figures(_as_rows(y, out_features, conv), want, squared,
-                        in_features + (bias is not None))
-    g, gx = t[fmt.GRAD_OUTPUT], t[fmt.GRAD_INPUT]
-    if (x is not None and gx.shape != x.shape) or g.ndim != gx.ndim or (
-            conv and g.shape != (gx.shape[0], out_features, *gx.shape[2:])) or (
-            not conv and g.shape != (*gx.shape[:-1], out_features)) or \
-            gx.shape[-1 if not conv else 1] != in_features:
-        return None
-    rows = _as_rows(g, out_features, conv)
-    squared = float(np.square(rows).sum(axis=0) @ np.square(weight).sum(axis=1))
-    return _Figures(_as_rows(gx, in_features, conv), rows @ weight, squared, out_features)
-
-
-def _elementwise(cls: str, kind: str, t: dict) -> Optional[_Figures]:
-    f, grad = ELEMENTWISE[cls]
-    x = t.get(fmt.INPUT)
-    if x is None:
-        return None
-    if kind == fmt.OUTPUT:
-        got, want = t[fmt.OUTPUT], f(x)
-    else:
-        got, want = t[fmt.GRAD_INPUT], t[fmt.GRAD_OUTPUT] * grad(x) if t[
-            fmt.GRAD_OUTPUT].shape == x.shape else None
-    if want is None or got.shape != want.shape:
-        return None
-    return _Figures(got, want, float(np.square(want).sum()), 1)
 
 
 # the records a check reads besides its own: forward from the input, backward from the
@@ -166,10 +57,12 @@ NEEDS = {fmt.OUTPUT: (fmt.INPUT,), fmt.GRAD_INPUT: (fmt.GRAD_OUTPUT, fmt.INPUT)}
 
 
 def recomputable(pairs: pd.DataFrame) -> pd.DataFrame:
-    """The rows of calls whose class :mod:`compare.recompute` knows, on both sides, the same
-    class in both, first occurrences, tensor index 0 (and the calls' weights); none put
-    together from shards."""
-    known = pairs["cls_a"].isin([*WEIGHTED, *ELEMENTWISE]) & (pairs["cls_a"] == pairs["cls_b"])
+    """The rows of calls whose class :func:`compare.formulas.candidates` knows, on both sides,
+    the same class in both, first occurrences, tensor index 0 (and the calls' weights); none
+    put together from shards."""
+    classes = pairs["cls_a"].drop_duplicates()
+    known = pairs["cls_a"].isin([c for c in classes if candidates(c)]) & (
+        pairs["cls_a"] == pairs["cls_b"])
     data = (pairs["index"] == 0) & (pairs["occurrence"] == 0) & pairs["kind"].isin(
         [fmt.INPUT, fmt.OUTPUT, fmt.GRAD_OUTPUT, fmt.GRAD_INPUT])
     weights = (pairs["kind"] == fmt.PARAM) & pairs["path_a"].isin(["weight", "bias"])
@@ -178,16 +71,18 @@ def recomputable(pairs: pd.DataFrame) -> pd.DataFrame:
     return pairs[known & (pairs["side"] == "both") & (data | weights) & whole[0] & whole[1]]
 
 
-def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, metrics: dict[int, dict]
-            ) -> dict[int, dict]:
+def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, metrics: dict[int, dict],
+            eps: dict[tuple, float]) -> dict[int, dict]:
     """``RECOMPUTE_COLUMNS`` per ``output[0]``/``grad_input[0]`` row label of the calls
     :func:`recomputable` gives; ``metrics``: the comparison's figures by row label (whether
-    B's weights are A's)."""
+    B's weights are A's); ``eps``: each normalization's, by ``(epoch, step, rank, module)``
+    (:func:`compare.centering.recorded_eps`)."""
     out: dict[int, dict] = {}
     rows = recomputable(pairs)
     with StepReaders(files_a) as readers_a, StepReaders(files_b) as readers_b:
         for key, call in rows.groupby(["epoch", "step", "rank", "call_a"], sort=False):
-            recomputed = _Call(call, {"a": readers_a, "b": readers_b}, metrics)
+            recomputed = _Call(call, {"a": readers_a, "b": readers_b}, metrics, eps.get(
+                (*key[:3], call["module"].iloc[0]), math.nan))
             for kind in (fmt.OUTPUT, fmt.GRAD_INPUT):
                 try:
                     label, figures = recomputed.check(kind)
@@ -204,46 +99,47 @@ class _Call:
     """One call's records, read on demand from both sides."""
 
     def __init__(self, rows: pd.DataFrame, readers: dict[str, StepReaders],
-                 metrics: dict[int, dict]):
-        self.metrics, self.readers = metrics, readers
-        self.cls = rows["cls_a"].iloc[0]
+                 metrics: dict[int, dict], eps: float):
+        self.metrics, self.readers, self.eps = metrics, readers, eps
+        self.formulas = candidates(rows["cls_a"].iloc[0])
         self.by_kind = {k: r for k, r in rows[rows["kind"] != fmt.PARAM].groupby("kind")}
         self.params = {p: r for p, r in rows[rows["kind"] == fmt.PARAM].groupby("path_a")}
         self.cache: dict[tuple, Optional[np.ndarray]] = {}
 
     def check(self, kind: str) -> tuple[Optional[int], Optional[dict]]:
+        """The row label of the call's ``kind`` record and B's figures, recomputed by the
+        first formula A's records follow within A's rounding; None, None where none does."""
         if kind not in self.by_kind or (kind == fmt.GRAD_INPUT and fmt.GRAD_OUTPUT not in
                                         self.by_kind):
             return None, None
         row = self.by_kind[kind].iloc[0]
         needed = [k for k in (kind, *NEEDS[kind]) if k in self.by_kind]
-        figures = {}
-        for side in ("a", "b"):
-            tensors = {k: self._operand(self.by_kind[k].iloc[0], side) if k != kind else
-                       self._tensor(row, side) for k in needed}
-            if any(v is None for v in tensors.values()):
-                return None, None
-            figures[side] = self._recompute(kind, tensors, side)
-            if figures[side] is None:
-                return None, None
-        a = figures["a"]
-        dtypes = [self.by_kind[k].iloc[0]["dtype_a"] for k in needed] + [
-            r.iloc[0]["dtype_a"] for r in self.params.values()]
-        limit = allowed(rounding_of(lowest(dtypes)).unit, a["recomputed_spread"],
-                        a["recomputed_terms"])
-        if not a["recomputed_rel_err"] <= limit:  # the formula does not hold in A
+        operands = {side: self._operands(kind, needed, side) for side in ("a", "b")}
+        if any(o is None for o in operands.values()):
             return None, None
-        return row.name, figures["b"]
+        dtype = {side: lowest([self.by_kind[k].iloc[0][f"dtype_{side}"] for k in needed] + [
+            r.iloc[0][f"dtype_{side}"] for r in self.params.values()]) for side in ("a", "b")}
+        unit = rounding_of(dtype["a"]).unit
+        for formula in self.formulas:
+            a = formula(kind, operands["a"])
+            a = None if a is None else a.columns()
+            if a is None or not a["recomputed_rel_err"] <= allowed(
+                    unit, a["recomputed_spread"], a["recomputed_terms"]):
+                continue  # not what A computes
+            b = formula(kind, operands["b"])
+            b = None if b is None else b.columns()
+            return (row.name, {**b, "recomputed_dtype": dtype["b"]}) if b else (None, None)
+        return None, None
 
-    def _recompute(self, kind: str, tensors: dict, side: str) -> Optional[dict]:
-        if self.cls in ELEMENTWISE:
-            figures = _elementwise(self.cls, kind, tensors)
-        else:
-            weight = self._weight("weight", side)
-            if weight is None or ("bias" in self.params and self._weight("bias", side) is None):
-                return None
-            figures = _weighted(self.cls, kind, tensors, weight, self._weight("bias", side))
-        return None if figures is None else figures.columns()
+    def _operands(self, kind: str, needed: list[str], side: str) -> Optional[Operands]:
+        """The call's records ``needed`` and parameters on ``side`` (None where one of them
+        is not known)."""
+        tensors = {k: self._operand(self.by_kind[k].iloc[0], side) if k != kind else
+                   self._tensor(self.by_kind[k].iloc[0], side) for k in needed}
+        params = {p: self._weight(p, side) for p in ("weight", "bias") if p in self.params}
+        if any(v is None for v in (*tensors.values(), *params.values())):
+            return None
+        return Operands(tensors, params.get("weight"), params.get("bias"), self.eps)
 
     def _operand(self, row: pd.Series, side: str) -> Optional[np.ndarray]:
         """What the call computed from on ``side``: where B ran on A's values (``injected``),
@@ -253,8 +149,6 @@ class _Call:
     def _weight(self, path: str, side: str) -> Optional[np.ndarray]:
         """The call's parameter ``path`` on ``side``: B's values, else A's where B's are
         known to be the same."""
-        if path not in self.params:
-            return None
         row = self.params[path].iloc[0]
         if side == "b" and not row["dataset_b"]:
             figures = self.metrics.get(row.name, {})

@@ -79,7 +79,7 @@ from .calibration import EXACT_GAIN, EXACT_LABEL, GAIN, Expectation, calibrate
 from .precision import computed_in, lowest, precision_of, rounding_of
 from .gains import adjoint_gains, bias_scales, linear_gains
 from .metrics import REORDERED_MARGIN
-from .recompute import allowed as recompute_allowance
+from .formulas import allowed as recompute_allowance
 from .routing import moved_rows
 from .scale import added_scale, scale_noise
 from .scale import describe as describe_scale
@@ -259,7 +259,10 @@ class _Records:
         # what B's computation of a call added, recomputed from its records (compare.recompute),
         # and what rounding in the dtype it computes in explains, relatively and near zero
         self.recomputed = frame["recomputed_rel_err"].to_numpy(float)
-        unit, underflow = (np.array([getattr(rounding_of(d), f) for d in computed_b])
+        # (the lower of the dtype the call computed in and the lowest it was given)
+        dtypes = [lowest([c, r]) if r else c for c, r in zip(
+            computed_b, frame["recomputed_dtype"].fillna(""))]
+        unit, underflow = (np.array([getattr(rounding_of(d), f) for d in dtypes])
                            for f in ("unit", "underflow"))
         with np.errstate(divide="ignore", invalid="ignore"):
             self.recomputed_floor = recompute_allowance(

@@ -15,7 +15,7 @@ from torch import nn
 from compare import compare_dumps, summarize
 from compare import status as st
 from compare.cli import main
-from compare.recompute import allowed
+from compare.formulas import allowed
 from compare.verdict import MISCOMPUTED
 from dumper import HookerAndDumper
 
@@ -33,6 +33,9 @@ def _unit(dtype: str) -> float:
     ("llama", "model.layers.1.mlp.act_fn", "float16", 1.03),    # SiLU
     ("mobilenet_v2", "mobilenet_v2.layer.1.expand_1x1.convolution", "bfloat16", 1.1),  # 1x1
     ("mobilenet_v2", "mobilenet_v2.layer.2.conv_3x3.activation", "float16", 1.03),  # ReLU6
+    ("mobilenet_v2", "mobilenet_v2.layer.3.expand_1x1.normalization", "bfloat16", 1.1),  # BN
+    ("gpt2", "transformer.h.1.ln_2", "float16", 1.03),           # LayerNorm
+    ("qwen3", "model.layers.0.self_attn.k_norm", "bfloat16", 1.1),  # RMSNorm of bfloat16
 ])
 def test_a_calls_own_backward_error_is_found_exactly(tmp_path, arch, module, dtype, scale):
     """A module whose own backward is off by ``scale`` (the gradient it sends back, scaled

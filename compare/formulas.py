@@ -1,0 +1,230 @@
+"""What known module classes compute, in float64, and how far rounding may move it.
+
+Each formula recomputes one record of a call (``output`` from the input, ``grad_input`` from
+the incoming gradient and the input) from :class:`Operands` and returns :class:`Figures`: the
+sums of the squared difference to the recorded values, of the squared result, and of the
+squared *terms* its elements sum (the products of a matrix product, the parts of a
+normalization's gradient), or None where the operands' shapes do not fit the formula.
+:func:`candidates` lists the formulas a class name may mean; :mod:`compare.recompute` keeps
+the first that A's own records follow.
+
+- ``Linear``: ``y = x Wᵀ + b``, ``gx = g W``; a 1x1 ``Conv2d`` that keeps the spatial size
+  (stride 1, no padding, one group): the same on every pixel's channels;
+- the elementwise activations of :data:`ELEMENTWISE`: ``y = f(x)``, ``gx = g f'(x)``;
+- normalizations (class names with ``LayerNorm``, ``RMSNorm`` or ``BatchNorm``; not
+  ``SyncBatchNorm`` or gated ones), at the module's recorded ``eps``: ``x̂ = (x - μ) / σ``
+  (``σ = sqrt(mean((x - μ)²) + eps)``; ``μ = 0`` for an RMSNorm), ``y = γ x̂ + β``,
+  ``gx = (ĝ - mean(ĝ) - x̂ mean(ĝ x̂)) / σ`` with ``ĝ = γ g`` (no ``mean(ĝ)`` for an RMSNorm),
+  over the trailing dimensions the weight spans, or per position over the channels
+  (ConvNeXt's channels-first LayerNorm), or per channel over the batch (a BatchNorm in
+  training). Where ``|μ|`` is large against ``σ``, subtracting it cancels: the terms grow by
+  ``1 + |μ| / σ``.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, NamedTuple, Optional
+
+import numpy as np
+
+from . import format as fmt
+from .precision import ROUNDING
+
+# Each term of an element rounded once per operand and the result once, each rounding at
+# most the unit roundoff (its root mean square is u / sqrt(3)), the K terms of an element
+# summed in the accumulator (a random walk: sqrt(K) roundings of it): twice that.
+ALLOWANCE = 2.0
+
+
+def allowed(unit: np.ndarray, spread: np.ndarray, terms: np.ndarray) -> np.ndarray:
+    """What rounding explains of a recomputed record's relative error, for a call computed in
+    a dtype of unit roundoff ``unit`` (accumulating in float32, or finer where the dtype is):
+    ``2 (u (1 + 2 spread) + u_acc sqrt(K) spread)``."""
+    accumulator = np.minimum(unit, ROUNDING["float32"].unit)
+    return ALLOWANCE * (unit * (1.0 + 2.0 * spread) + accumulator * np.sqrt(terms) * spread)
+
+
+class Operands(NamedTuple):
+    """A call's records by kind (``input``, ``output``, ``grad_output``, ``grad_input``) and
+    its parameters, float64; ``eps`` a normalization's (NaN: not recorded)."""
+
+    tensors: dict
+    weight: Optional[np.ndarray]
+    bias: Optional[np.ndarray]
+    eps: float
+
+
+class Figures:
+    """Sums of one recomputation: squared difference, squared result, squared terms; and
+    the number of terms an element sums."""
+
+    def __init__(self, got: np.ndarray, want: np.ndarray, terms_squared: float, terms: int):
+        self.diff = float(np.square(got - want).sum())
+        self.norm = float(np.square(want).sum())
+        self.terms_squared, self.terms = terms_squared, terms
+
+    def columns(self) -> Optional[dict]:
+        """``recomputed_rel_err``, ``recomputed_spread``, ``recomputed_terms`` (None where the
+        result is zero or not finite)."""
+        if not (self.norm > 0 and math.isfinite(self.norm) and math.isfinite(self.diff)):
+            return None
+        return {"recomputed_rel_err": math.sqrt(self.diff / self.norm),
+                "recomputed_spread": math.sqrt(self.terms_squared / self.norm),
+                "recomputed_terms": float(self.terms)}
+
+
+Formula = Callable[[str, Operands], Optional[Figures]]
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-x))
+
+
+def _silu_grad(x: np.ndarray) -> np.ndarray:
+    s = _sigmoid(x)
+    return s * (1.0 + x * (1.0 - s))
+
+
+# class name: (f, f') in float64
+ELEMENTWISE: dict[str, tuple[Callable, Callable]] = {
+    "ReLU": (lambda x: np.maximum(x, 0.0), lambda x: (x > 0).astype(np.float64)),
+    "ReLU6": (lambda x: np.clip(x, 0.0, 6.0), lambda x: ((x > 0) & (x < 6)).astype(np.float64)),
+    "SiLU": (lambda x: x * _sigmoid(x), _silu_grad),
+    "SiLUActivation": (lambda x: x * _sigmoid(x), _silu_grad),
+    "Sigmoid": (_sigmoid, lambda x: _sigmoid(x) * (1.0 - _sigmoid(x))),
+    "Tanh": (np.tanh, lambda x: 1.0 - np.tanh(x) ** 2),
+}
+WEIGHTED = ("Linear", "Conv2d")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm", "BatchNorm")
+NOT_NORMALIZATIONS = ("SyncBatchNorm", "Gated")
+
+
+def candidates(cls: str) -> list[Formula]:
+    """The formulas class name ``cls`` may mean, the likelier first."""
+    if cls in ELEMENTWISE:
+        return [functools.partial(_elementwise, *ELEMENTWISE[cls])]
+    if cls in WEIGHTED:
+        return [functools.partial(_weighted, cls == "Conv2d")]
+    if not any(n in cls for n in NORMALIZATIONS) or any(n in cls for n in NOT_NORMALIZATIONS):
+        return []
+    if "BatchNorm" in cls:
+        return [functools.partial(_normalized, "batch", True)]
+    centered = [False] if "RMSNorm" in cls else [True, False]  # T5's LayerNorm is an RMSNorm
+    return [functools.partial(_normalized, grouping, c) for grouping in ("last", "position")
+            for c in centered]
+
+
+def _as_rows(x: np.ndarray, width: int, channels_first: bool) -> np.ndarray:
+    """``x`` as rows of its ``width`` features (channels of an image batch moved last)."""
+    if channels_first:
+        x = np.moveaxis(x, 1, -1)
+    return x.reshape(-1, width)
+
+
+def _weighted(conv: bool, kind: str, ops: Operands) -> Optional[Figures]:
+    """A ``Linear`` (or 1x1 convolution, ``conv``)."""
+    t, weight, bias = ops.tensors, ops.weight, ops.bias
+    x, channel = t.get(fmt.INPUT), 1 if conv else -1
+    if weight is None:
+        return None
+    if conv:
+        if weight.ndim != 4 or weight.shape[2:] != (1, 1) or x is None or x.ndim != 4 or \
+                weight.shape[1] != x.shape[1]:
+            return None
+        weight = weight.reshape(weight.shape[:2])
+    if weight.ndim != 2:
+        return None
+    out_features, in_features = weight.shape
+
+    def shaped(values: np.ndarray, features: int, like: np.ndarray) -> bool:
+        """``values`` has ``like``'s shape with ``features`` in the channel dimension."""
+        want = list(like.shape)
+        want[channel] = features
+        return values.ndim == like.ndim and list(values.shape) == want
+
+    if kind == fmt.OUTPUT:
+        y = t[fmt.OUTPUT]
+        if x is None or x.shape[channel] != in_features or not shaped(y, out_features, x):
+            return None
+        rows = _as_rows(x, in_features, conv)
+        want = rows @ weight.T
+        squared = float(np.square(rows).sum(axis=0) @ np.square(weight).sum(axis=0))
+        if bias is not None:
+            want += bias
+            squared += len(rows) * float(np.square(bias).sum())
+        return Figures(_as_rows(y, out_features, conv), want, squared,
+                       in_features + (bias is not None))
+    g, gx = t[fmt.GRAD_OUTPUT], t[fmt.GRAD_INPUT]
+    if gx.shape[channel] != in_features or (x is not None and gx.shape != x.shape) or \
+            not shaped(g, out_features, gx):
+        return None
+    rows = _as_rows(g, out_features, conv)
+    squared = float(np.square(rows).sum(axis=0) @ np.square(weight).sum(axis=1))
+    return Figures(_as_rows(gx, in_features, conv), rows @ weight, squared, out_features)
+
+
+def _elementwise(f: Callable, grad: Callable, kind: str, ops: Operands) -> Optional[Figures]:
+    t = ops.tensors
+    x = t.get(fmt.INPUT)
+    if x is None:
+        return None
+    if kind == fmt.OUTPUT:
+        got, want = t[fmt.OUTPUT], f(x)
+    else:
+        if t[fmt.GRAD_OUTPUT].shape != x.shape:
+            return None
+        got, want = t[fmt.GRAD_INPUT], t[fmt.GRAD_OUTPUT] * grad(x)
+    if got.shape != want.shape:
+        return None
+    return Figures(got, want, float(np.square(want).sum()), 1)
+
+
+def _grouping(grouping: str, x: np.ndarray, params: tuple) -> Optional[tuple]:
+    """``(axes, parameter shape)`` of a normalization of ``x`` grouped so, with parameters of
+    shape ``params`` (``()``: none), or None where they do not fit."""
+    if grouping == "last":
+        span = params or x.shape[-1:]
+        if x.ndim < len(span) or x.shape[x.ndim - len(span):] != span:
+            return None
+        return tuple(range(x.ndim - len(span), x.ndim)), span
+    if x.ndim < 2 or (params and params != (x.shape[1],)):
+        return None
+    shape = (x.shape[1],) + (1,) * (x.ndim - 2)
+    return ((1,) if grouping == "position" else (0, *range(2, x.ndim))), shape
+
+
+def _normalized(grouping: str, centered: bool, kind: str, ops: Operands) -> Optional[Figures]:
+    """A LayerNorm, RMSNorm (not ``centered``) or BatchNorm over ``grouping``'s axes."""
+    t, weight, bias = ops.tensors, ops.weight, ops.bias
+    x = t.get(fmt.INPUT)
+    params = () if weight is None else weight.shape
+    fit = None if x is None or math.isnan(ops.eps) else _grouping(grouping, x, params)
+    if fit is None or (bias is not None and bias.shape != params):
+        return None
+    axes, shape = fit
+    gamma = 1.0 if weight is None else weight.reshape(shape)
+    mean = x.mean(axis=axes, keepdims=True) if centered else 0.0
+    centred = x - mean
+    sigma = np.sqrt(np.square(centred).mean(axis=axes, keepdims=True) + ops.eps)
+    xhat, lift = centred / sigma, 1.0 + np.abs(mean) / sigma
+    size = math.prod(x.shape[a] for a in axes)
+    if kind == fmt.OUTPUT:
+        y = t[fmt.OUTPUT]
+        if y.shape != x.shape:
+            return None
+        want = xhat * gamma + (0.0 if bias is None else bias.reshape(shape))
+        squared = np.square(xhat * gamma * lift) + (0.0 if bias is None else np.square(
+            bias.reshape(shape)))
+        return Figures(y, want, float(np.broadcast_to(squared, x.shape).sum()), size)
+    g, gx = t[fmt.GRAD_OUTPUT], t[fmt.GRAD_INPUT]
+    if g.shape != x.shape or gx.shape != x.shape:
+        return None
+    scaled = g * gamma
+    first = scaled.mean(axis=axes, keepdims=True) if centered else 0.0
+    second = (scaled * xhat).mean(axis=axes, keepdims=True)
+    want = (scaled - first - xhat * second) / sigma
+    squared = (np.square(scaled) + np.square(first) + np.square(xhat * second * lift)
+               ) / np.square(sigma)
+    return Figures(gx, want, float(np.broadcast_to(squared, x.shape).sum()), size)
