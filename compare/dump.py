@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Iterator, Mapping, Optional, Union
 
 import h5py
 from h5py import h5d, h5g, h5s
@@ -111,8 +111,9 @@ class StepReader:
         self._group = hard_link(step.path, h5, step.group_name, "step group", h5py.Group)
 
     def dataset(self, row) -> h5py.Dataset:
-        """The dataset of index row ``row`` (a namedtuple from ``itertuples`` or a Series)."""
-        fields = [row[k] if isinstance(row, pd.Series) else getattr(row, k)
+        """The dataset of index row ``row`` (a namedtuple from ``itertuples``, a Series or a
+        dict)."""
+        fields = [row[k] if isinstance(row, (pd.Series, dict)) else getattr(row, k)
                   for k in ("group", "dataset", "dtype", "encoding", "shape")]
         return dataset_of(self.step.path, self._group, *fields)
 
@@ -161,11 +162,11 @@ class StepReaders:
             reader.close()
 
 
-def one_side(row: pd.Series, side: str) -> pd.Series:
+def one_side(row: Mapping, side: str) -> dict:
     """The index fields of side ``side`` ("a" or "b") of a row of paired records, named as in
     an index row (for :meth:`StepReader.dataset`)."""
-    return pd.Series({k: row[f"{k}_{side}"] for k in ("group", "dataset", "dtype", "encoding",
-                                                        "shape", "checksum")})
+    return {k: row[f"{k}_{side}"] for k in ("group", "dataset", "dtype", "encoding", "shape",
+                                            "checksum")}
 
 
 def dataset_of(path: Path, step_group: h5py.Group, group: str, name: str, dtype: str,

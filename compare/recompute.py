@@ -79,10 +79,14 @@ def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, metrics: dict[int
     (:func:`compare.centering.recorded_eps`)."""
     out: dict[int, dict] = {}
     rows = recomputable(pairs)
+    records = rows.to_dict("index")
+    calls = rows.groupby(["epoch", "step", "rank", "call_a"], sort=False).groups
     with StepReaders(files_a) as readers_a, StepReaders(files_b) as readers_b:
-        for key, call in rows.groupby(["epoch", "step", "rank", "call_a"], sort=False):
-            recomputed = _Call(call, {"a": readers_a, "b": readers_b}, metrics, eps.get(
-                (*key[:3], call["module"].iloc[0]), math.nan))
+        for key, labels in calls.items():
+            call = {label: records[label] for label in labels}
+            module = next(iter(call.values()))["module"]
+            recomputed = _Call(call, {"a": readers_a, "b": readers_b}, metrics,
+                               eps.get((*key[:3], module), math.nan))
             for kind in (fmt.OUTPUT, fmt.GRAD_INPUT):
                 try:
                     label, figures = recomputed.check(kind)
@@ -98,12 +102,19 @@ def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, metrics: dict[int
 class _Call:
     """One call's records, read on demand from both sides."""
 
-    def __init__(self, rows: pd.DataFrame, readers: dict[str, StepReaders],
+    def __init__(self, rows: dict[int, dict], readers: dict[str, StepReaders],
                  metrics: dict[int, dict], eps: float):
+        """``rows``: the call's rows of :func:`recomputable` as dicts, by row label."""
         self.metrics, self.readers, self.eps = metrics, readers, eps
-        self.formulas = candidates(rows["cls_a"].iloc[0])
-        self.by_kind = {k: r for k, r in rows[rows["kind"] != fmt.PARAM].groupby("kind")}
-        self.params = {p: r for p, r in rows[rows["kind"] == fmt.PARAM].groupby("path_a")}
+        self.by_kind: dict[str, dict] = {}  # the call's records, and its parameters by name
+        self.params: dict[str, dict] = {}
+        for label, row in rows.items():
+            row = {**row, "label": label}
+            if row["kind"] == fmt.PARAM:
+                self.params.setdefault(row["path_a"], row)
+            else:
+                self.by_kind.setdefault(row["kind"], row)
+        self.formulas = candidates(next(iter(rows.values()))["cls_a"])
         self.cache: dict[tuple, Optional[np.ndarray]] = {}
 
     def check(self, kind: str) -> tuple[Optional[int], Optional[dict]]:
@@ -112,13 +123,13 @@ class _Call:
         if kind not in self.by_kind or (kind == fmt.GRAD_INPUT and fmt.GRAD_OUTPUT not in
                                         self.by_kind):
             return None, None
-        row = self.by_kind[kind].iloc[0]
+        row = self.by_kind[kind]
         needed = [k for k in (kind, *NEEDS[kind]) if k in self.by_kind]
         operands = {side: self._operands(kind, needed, side) for side in ("a", "b")}
         if any(o is None for o in operands.values()):
             return None, None
-        dtype = {side: lowest([self.by_kind[k].iloc[0][f"dtype_{side}"] for k in needed] + [
-            r.iloc[0][f"dtype_{side}"] for r in self.params.values()]) for side in ("a", "b")}
+        dtype = {side: lowest([self.by_kind[k][f"dtype_{side}"] for k in needed] + [
+            r[f"dtype_{side}"] for r in self.params.values()]) for side in ("a", "b")}
         unit = rounding_of(dtype["a"]).unit
         for formula in self.formulas:
             a = formula(kind, operands["a"])
@@ -128,20 +139,20 @@ class _Call:
                 continue  # not what A computes
             b = formula(kind, operands["b"])
             b = None if b is None else b.columns()
-            return (row.name, {**b, "recomputed_dtype": dtype["b"]}) if b else (None, None)
+            return (row["label"], {**b, "recomputed_dtype": dtype["b"]}) if b else (None, None)
         return None, None
 
     def _operands(self, kind: str, needed: list[str], side: str) -> Optional[Operands]:
         """The call's records ``needed`` and parameters on ``side`` (None where one of them
         is not known)."""
-        tensors = {k: self._operand(self.by_kind[k].iloc[0], side) if k != kind else
-                   self._tensor(self.by_kind[k].iloc[0], side) for k in needed}
+        tensors = {k: self._operand(self.by_kind[k], side) if k != kind else
+                   self._tensor(self.by_kind[k], side) for k in needed}
         params = {p: self._weight(p, side) for p in ("weight", "bias") if p in self.params}
         if any(v is None for v in (*tensors.values(), *params.values())):
             return None
         return Operands(tensors, params.get("weight"), params.get("bias"), self.eps)
 
-    def _operand(self, row: pd.Series, side: str) -> Optional[np.ndarray]:
+    def _operand(self, row: dict, side: str) -> Optional[np.ndarray]:
         """What the call computed from on ``side``: where B ran on A's values (``injected``),
         A's (its record holds what B would have used)."""
         return self._tensor(row, "a" if side == "b" and row["injected_b"] == 1 else side)
@@ -149,18 +160,18 @@ class _Call:
     def _weight(self, path: str, side: str) -> Optional[np.ndarray]:
         """The call's parameter ``path`` on ``side``: B's values, else A's where B's are
         known to be the same."""
-        row = self.params[path].iloc[0]
+        row = self.params[path]
         if side == "b" and not row["dataset_b"]:
-            figures = self.metrics.get(row.name, {})
+            figures = self.metrics.get(row["label"], {})
             same = row["injected_b"] == 1 or max(figures.get("stat_rel_diff", math.inf),
                                                   figures.get("rel_err_from_stats", math.inf)
                                                   ) < STATS_RESOLUTION
             side = "a" if same else side
         return self._tensor(row, side)
 
-    def _tensor(self, row: pd.Series, side: str) -> Optional[np.ndarray]:
+    def _tensor(self, row: dict, side: str) -> Optional[np.ndarray]:
         """``row``'s values on ``side`` in float64, or None where it holds none to use."""
-        key = (row.name, side)
+        key = (row["label"], side)
         if key not in self.cache:
             self.cache[key] = None
             shape = tuple(int(n) for n in row[f"shape_{side}"])

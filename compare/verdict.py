@@ -38,7 +38,7 @@ A record is
   rounding through B's lowest precision may (:mod:`compare.transit`: an error between
   modules, found exactly); and where B's own computation of a call, recomputed from its
   records (:mod:`compare.recompute`: a ``Linear``, a 1x1 convolution, an elementwise
-  activation), is off by more than rounding in the dtype it computed in explains (a call
+  activation, a normalization), is off by more than rounding in the dtype it computed in explains (a call
   recomputed within that is no origin: ``inherited`` where its error exceeds the bound);
 - ``inherited`` when not, but it carries an error from a failing (or inherited) source beyond
   what it would carry from healthy sources;
@@ -560,7 +560,9 @@ class _Judgement:
             return st.DIFF
         if r.transit[i] <= r.transit_floor[i]:
             self.hidden[i] = min(self.hidden[i], r.transit_floor[i])
-        if r.recomputed[i] <= r.recomputed_floor[i]:  # B computed it as A's code does
+        # B computed it as A's code does, within rounding: where that is all the difference
+        # expected (not where records are expected bit-identical: any change is news there)
+        if r.recomputed[i] <= r.recomputed_floor[i] and self.expected.label[i] != EXACT_LABEL:
             self.hidden[i] = min(self.hidden[i], r.recomputed_floor[i])
             return (st.INHERITED if r.err[i] > bound or (self.tainted[i] and r.err[i] > envelope)
                     else st.CLOSE)

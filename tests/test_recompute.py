@@ -170,3 +170,36 @@ def test_figures_match_a_hand_computation(tmp_path):
     assert row["recomputed_spread"] == pytest.approx(spread, rel=1e-9)
     assert row["recomputed_terms"] == 8
     assert np.isfinite(row["recomputed_rel_err"]) and row["status"] != st.DIFF
+
+
+class _NudgedLinear(nn.Linear):
+    """A ``Linear`` whose results are 2**-21 (8 float32 units) larger: a kernel change within
+    what float32 rounding of its 32-term products explains, beyond the last bits."""
+
+    def forward(self, x):
+        return super().forward(x) * (1 + 2.0 ** -21)
+
+
+_NudgedLinear.__name__ = "Linear"
+
+
+def test_a_kernel_change_within_rounding_is_still_news_where_bits_are_expected_equal(tmp_path):
+    """Both runs float32 on the same kernels, B's middle Linear computed otherwise: its own
+    computation is right within rounding (recomputed), but where records are expected to be
+    bit-identical any change is the finding, and it is still reported there."""
+    batch = torch.randn(64, 32)
+
+    def model(middle: type) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), middle(32, 32), nn.ReLU(),
+                             nn.Linear(32, 4))
+
+    result = compare_dumps(_run(tmp_path / "a", model(nn.Linear), batch, params=True),
+                           _run(tmp_path / "b", model(_NudgedLinear), batch))
+    middle = result[(result["module"] == "2") & (result["kind"] == "output")].iloc[0]
+    assert 0 < middle["rel_error"] < 1e-6
+    assert middle["recomputed_rel_err"] <= allowed(2.0 ** -24, middle["recomputed_spread"],
+                                                   middle["recomputed_terms"])
+    first = summarize(result).first
+    assert (first.row["module"], first.row["kind"], first.row["status"]) == (
+        "2", "output", st.DIFF)
