@@ -60,8 +60,8 @@ def recomputable(pairs: pd.DataFrame) -> pd.DataFrame:
     """The rows of calls whose class :func:`compare.formulas.candidates` knows, on both sides,
     the same class in both, first occurrences, tensor index 0 (and the calls' weights); none
     put together from shards."""
-    classes = pairs["cls_a"].drop_duplicates()
-    known = pairs["cls_a"].isin([c for c in classes if candidates(c)]) & (
+    classes = pairs["cls_a"].dropna().unique()  # NaN: recorded in B only
+    known = pairs["cls_a"].isin([c for c in classes if candidates(str(c))]) & (
         pairs["cls_a"] == pairs["cls_b"])
     data = (pairs["index"] == 0) & (pairs["occurrence"] == 0) & pairs["kind"].isin(
         [fmt.INPUT, fmt.OUTPUT, fmt.GRAD_OUTPUT, fmt.GRAD_INPUT])

@@ -38,8 +38,9 @@ A record is
   rounding through B's lowest precision may (:mod:`compare.transit`: an error between
   modules, found exactly); and where B's own computation of a call, recomputed from its
   records (:mod:`compare.recompute`: a ``Linear``, a 1x1 convolution, an elementwise
-  activation, a normalization), is off by more than rounding in the dtype it computed in explains (a call
-  recomputed within that is no origin: ``inherited`` where its error exceeds the bound);
+  activation, a normalization), is off by more than rounding in the dtype it computed in
+  explains (a bound, not a typical figure: a call recomputed within it is still judged by the
+  rule above, and what could hide in it is at most that bound);
 - ``inherited`` when not, but it carries an error from a failing (or inherited) source beyond
   what it would carry from healthy sources;
 - ``close`` otherwise, ``equal`` when bit-identical.
@@ -488,11 +489,6 @@ class _Judgement:
         elif self.status[i] == st.INHERITED and len(carrying):
             worst = carrying[np.argmax(r.err[carrying])]
             self.reason[i] = f"carries the error of {r.label[worst]} ({r.err[worst]:.3g})"
-        elif self.status[i] == st.INHERITED:
-            self.reason[i] = (f"B computes it from its own records as A's code does "
-                              f"(recomputed: {r.recomputed[i]:.3g}, rounding explains "
-                              f"{r.recomputed_floor[i]:.2g}): its difference comes with what it "
-                              f"is computed from")
         if r.reordered[i] and not r.user_tol:
             self.reason[i] = "; ".join(filter(None, [self.reason[i], (
                 f"B holds A's rows in another order (rel error {r.elementwise[i]:.3g} element "
@@ -560,12 +556,8 @@ class _Judgement:
             return st.DIFF
         if r.transit[i] <= r.transit_floor[i]:
             self.hidden[i] = min(self.hidden[i], r.transit_floor[i])
-        # B computed it as A's code does, within rounding: where that is all the difference
-        # expected (not where records are expected bit-identical: any change is news there)
-        if r.recomputed[i] <= r.recomputed_floor[i] and self.expected.label[i] != EXACT_LABEL:
+        if r.recomputed[i] <= r.recomputed_floor[i]:  # B computed it as A's code does
             self.hidden[i] = min(self.hidden[i], r.recomputed_floor[i])
-            return (st.INHERITED if r.err[i] > bound or (self.tainted[i] and r.err[i] > envelope)
-                    else st.CLOSE)
         if r.err[i] > bound or self._scale_moves(i, level):
             return st.DIFF
         return st.INHERITED if self.tainted[i] and r.err[i] > envelope else st.CLOSE

@@ -66,7 +66,11 @@ def test_a_localizing_rerun_names_the_planted_module(tmp_path, pair, arch, steps
         run_step(arch, prec_b, free, plant=plant, **common)
         run_step(arch, prec_b, injected, plant=plant, dumper_options=inject, **common)
         table = localize(a, free, injected)
-        assert _origins(table) == {(module, where)}, table[table["verdict"] == ORIGIN]
+        # a forward plant (a hook scaling the output) scales the gradient the module sends
+        # back as well: recomputed from its records, its backward is wrong too
+        origins = _origins(table)
+        assert (module, where) in origins and {m for m, _ in origins} == {module}, table[
+            table["verdict"] == ORIGIN]
 
 
 def test_injecting_a_run_into_its_own_configuration_reproduces_it(tmp_path):

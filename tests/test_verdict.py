@@ -304,7 +304,10 @@ def test_a_later_step_says_what_two_dumps_cannot_tell_and_the_rerun_names_it(tmp
                                        "--injected", str(tmp_path / "c")])
     assert rerun.exit_code == 1
     assert "origin: step 0:3 forward layer1.1.bn1.BatchNorm2d#0 output[0]" in rerun.output
-    assert " 1 origin" in rerun.output
+    # the plant (a hook scaling the output) scales the gradient sent back too: recomputed, the
+    # BatchNorm's backward is wrong as well
+    assert " 2 origin" in rerun.output
+    assert "origin: step 0:3 backward layer1.1.bn1.BatchNorm2d#0 grad_input[0]" in rerun.output
 
 
 def test_a_bias_no_gradient_reaches_hides_nothing_at_its_scale(tmp_path):
