@@ -2,8 +2,9 @@
 comparison was computed in (autocast and TF32 compute in less than a record's dtype says)."""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
+import numpy as np
 import pandas as pd
 
 from . import format as fmt
@@ -40,6 +41,19 @@ AUTOCAST_DTYPES = ("bfloat16", "float16")
 # module's float32 output, e.g. rotary tables in a float64 model, says nothing of its matmuls)
 LOWERED_BY_CODE = (*AUTOCAST_DTYPES, "tensorfloat32")
 
+
+
+def rounded(values: np.ndarray, dtype: str) -> Optional[np.ndarray]:
+    """Real ``values`` rounded to ``dtype`` (to nearest, ties to even), as float64; None for
+    a dtype this cannot round to (float8, float4: not needed so far)."""
+    if dtype in ("float64", "float32", "float16"):
+        return values.astype(dtype).astype(np.float64)
+    if dtype == "bfloat16":  # the upper half of float32's bits, rounded
+        bits = values.astype(np.float32).view(np.uint32)
+        bits = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+                ) & np.uint32(0xFFFF0000)
+        return bits.view(np.float32).astype(np.float64)
+    return None
 
 
 def rounding_of(dtype: str) -> Rounding:

@@ -203,3 +203,16 @@ def test_a_kernel_change_within_rounding_is_still_news_where_bits_are_expected_e
     first = summarize(result).first
     assert (first.row["module"], first.row["kind"], first.row["status"]) == (
         "2", "output", st.DIFF)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_rounding_an_injected_operand_matches_torch(dtype):
+    """What a re-run casts A's values to (compare.precision.rounded, torch-free) is torch's
+    cast, bit for bit: ties, subnormals and large values included."""
+    from compare.precision import rounded
+    values = torch.cat([torch.randn(10000, dtype=torch.float64) * 10.0 ** torch.randint(
+        -9, 4, (10000,), dtype=torch.float64), torch.tensor([1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8,
+                                                             2.0 ** -130, -0.0])])
+    want = values.to(torch.float32).to(getattr(torch, dtype)).double().numpy()
+    got = rounded(values.to(torch.float32).double().numpy(), dtype)
+    assert np.array_equal(got, want)
