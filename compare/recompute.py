@@ -166,16 +166,16 @@ class _Call:
         return self._tensor(row, side)
 
     def _weight(self, path: str, side: str) -> Optional[np.ndarray]:
-        """The call's parameter ``path`` on ``side``: B's values, else A's where B's are
-        known to be the same."""
+        """The call's parameter ``path`` on ``side``: B's values, A's where B ran on them
+        (:meth:`_operand`), else A's where B's are known to be the same (statistics and
+        sketch equal to float64 rounding)."""
         row = self.params[path]
-        if side == "b" and not row["dataset_b"]:
+        if side == "b" and not row["dataset_b"] and row["injected_b"] != 1:
             figures = self.metrics.get(row["label"], {})
-            same = row["injected_b"] == 1 or max(figures.get("stat_rel_diff", math.inf),
-                                                  figures.get("rel_err_from_stats", math.inf)
-                                                  ) < STATS_RESOLUTION
-            side = "a" if same else side
-        return self._tensor(row, side)
+            if max(figures.get("stat_rel_diff", math.inf),
+                   figures.get("rel_err_from_stats", math.inf)) < STATS_RESOLUTION:
+                side = "a"
+        return self._operand(row, side)
 
     def _tensor(self, row: dict, side: str) -> Optional[np.ndarray]:
         """``row``'s values on ``side`` in float64, or None where it holds none to use."""

@@ -155,7 +155,7 @@ def test_figures_match_a_hand_computation(tmp_path):
             out = model(inp)
             out.register_hook(lambda g: seen.update({(dtype, "g"): g.double()}))
             out.float().pow(2).sum().backward()
-        seen[dtype] = (seen[(dtype, "g")], model[0].weight.double(), inp.grad.double())
+        seen[dtype] = (seen[(dtype, "g")], model[0].weight.detach().double(), inp.grad.double())
         return directory
 
     a = run(tmp_path / "a", torch.float32)
