@@ -138,7 +138,9 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
                 progress(len(result))
     for row, figures in measure_transit(pairs, files_b, chunk_elements).items():
         metrics.setdefault(row, {}).update(figures)
-    for row, figures in measure_recomputed(pairs, files_a, files_b, metrics, eps).items():
+    eps_b = recorded_eps(dump_b.index) if mapping is None else {}  # B's under A's names
+    for row, figures in measure_recomputed(pairs, files_a, files_b, metrics,
+                                           recorded_eps(dump_a.index), eps_b).items():
         metrics.setdefault(row, {}).update(figures)
     paired = files_a.keys() & files_b.keys()
     # compiled code (fused kernels) rounds otherwise than eager code, even in the same dtypes

@@ -6,7 +6,7 @@ sums of the squared difference to the recorded values, of the squared result, an
 squared *terms* its elements sum (the products of a matrix product, the parts of a
 normalization's gradient), or None where the operands' shapes do not fit the formula.
 :func:`candidates` lists the formulas a class name may mean; :mod:`compare.recompute` keeps
-the first that A's own records follow.
+the one that A's own records follow best.
 
 - ``Linear``: ``y = x Wᵀ + b``, ``gx = g W``; a 1x1 ``Conv2d`` that keeps the spatial size
   (stride 1, no padding, one group): the same on every pixel's channels;

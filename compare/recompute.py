@@ -27,8 +27,8 @@ Rounding explains :func:`compare.formulas.allowed` of it. Where B ran on A's val
 to the dtype B holds them in. B's
 weights are B's values (``params=True``), else A's where B's are known to be the same (B ran
 on A's; or their statistics and sketch agree to float64 rounding); calls whose weights are
-neither have no figures. The formula is the first of the class's candidates that A's records
-follow within A's rounding: where none does (a class of that name that computes something
+neither have no figures. The formula is the class's candidate that A's records follow best
+within A's rounding (each side at its own recorded ``eps``): where none does (a class of that name that computes something
 else; TF32 in A), no figures; nor for records of statistics or digests, non-finite values,
 and tensors of more than :data:`MAX_ELEMENTS` elements (memory stays bounded).
 """
@@ -43,13 +43,14 @@ import pandas as pd
 from . import format as fmt
 from .dump import StepReaders, one_side, read_chunks
 from .errors import DumpError
-from .formulas import Operands, allowed, candidates
-from .precision import ROUNDING, lowest, rounded, rounding_of
+from .formulas import ELEMENTWISE, Operands, allowed, candidates
+from .precision import lowest, rounded, rounding_of
 from .statistics import STATS_RESOLUTION
 
 RECOMPUTE_FIGURES = ("recomputed_rel_err", "recomputed_spread", "recomputed_terms")
 RECOMPUTE_COLUMNS = (*RECOMPUTE_FIGURES, "recomputed_dtype")
 MAX_ELEMENTS = 1 << 24  # per tensor: 128 MiB in float64
+FLOATS = ("float64", "float32", "float16", "bfloat16")  # what is recomputed from
 
 
 # the records a check reads besides its own: forward from the input, backward from the
@@ -73,11 +74,12 @@ def recomputable(pairs: pd.DataFrame) -> pd.DataFrame:
 
 
 def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, metrics: dict[int, dict],
-            eps: dict[tuple, float]) -> dict[int, dict]:
+            eps_a: dict[tuple, float], eps_b: dict[tuple, float]) -> dict[int, dict]:
     """``RECOMPUTE_COLUMNS`` per ``output[0]``/``grad_input[0]`` row label of the calls
     :func:`recomputable` gives; ``metrics``: the comparison's figures by row label (whether
-    B's weights are A's); ``eps``: each normalization's, by ``(epoch, step, rank, module)``
-    (:func:`compare.centering.recorded_eps`)."""
+    B's weights are A's); ``eps_a``, ``eps_b``: each side's normalizations', by ``(epoch,
+    step, rank, module)`` (:func:`compare.centering.recorded_eps`; B's under A's names, or
+    empty where they differ: then A's)."""
     out: dict[int, dict] = {}
     rows = recomputable(pairs)
     records = rows.to_dict("index")
@@ -86,8 +88,10 @@ def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, metrics: dict[int
         for key, labels in calls.items():
             call = {label: records[label] for label in labels}
             module = next(iter(call.values()))["module"]
-            recomputed = _Call(call, {"a": readers_a, "b": readers_b}, metrics,
-                               eps.get((*key[:3], module), math.nan))
+            at = (*key[:3], module)
+            eps = {"a": eps_a.get(at, math.nan)}
+            eps["b"] = eps_b.get(at, eps["a"])
+            recomputed = _Call(call, {"a": readers_a, "b": readers_b}, metrics, eps)
             for kind in (fmt.OUTPUT, fmt.GRAD_INPUT):
                 try:
                     label, figures = recomputed.check(kind)
@@ -100,12 +104,23 @@ def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, metrics: dict[int
     return out
 
 
+def _columns(formula, kind: str, operands: Operands) -> Optional[dict]:
+    """``formula``'s figures, or None where the operands do not fit it (shapes it does not
+    expect, e.g. a parameter of another shape than the class's)."""
+    try:
+        figures = formula(kind, operands)
+    except (ValueError, IndexError):  # numpy: operands of shapes the formula cannot take
+        return None
+    return None if figures is None else figures.columns()
+
+
 class _Call:
     """One call's records, read on demand from both sides."""
 
     def __init__(self, rows: dict[int, dict], readers: dict[str, StepReaders],
-                 metrics: dict[int, dict], eps: float):
-        """``rows``: the call's rows of :func:`recomputable` as dicts, by row label."""
+                 metrics: dict[int, dict], eps: dict[str, float]):
+        """``rows``: the call's rows of :func:`recomputable` as dicts, by row label; ``eps``:
+        the module's per side (NaN: not recorded)."""
         self.metrics, self.readers, self.eps = metrics, readers, eps
         self.by_kind: dict[str, dict] = {}  # the call's records, and its parameters by name
         self.params: dict[str, dict] = {}
@@ -115,12 +130,13 @@ class _Call:
                 self.params.setdefault(row["path_a"], row)
             else:
                 self.by_kind.setdefault(row["kind"], row)
-        self.formulas = candidates(next(iter(rows.values()))["cls_a"])
+        cls = next(iter(rows.values()))["cls_a"]
+        self.formulas, self.weighted = candidates(cls), cls not in ELEMENTWISE
         self.cache: dict[tuple, Optional[np.ndarray]] = {}
 
     def check(self, kind: str) -> tuple[Optional[int], Optional[dict]]:
         """The row label of the call's ``kind`` record and B's figures, recomputed by the
-        first formula A's records follow within A's rounding; None, None where none does."""
+        formula A's records follow best within A's rounding; None, None where none does."""
         if kind not in self.by_kind or (kind == fmt.GRAD_INPUT and fmt.GRAD_OUTPUT not in
                                         self.by_kind):
             return None, None
@@ -132,16 +148,18 @@ class _Call:
         dtype = {side: lowest([self.by_kind[k][f"dtype_{side}"] for k in needed] + [
             r[f"dtype_{side}"] for r in self.params.values()]) for side in ("a", "b")}
         unit = rounding_of(dtype["a"]).unit
+        fits = []  # (how far within A's rounding, formula) of the formulas A's records follow
         for formula in self.formulas:
-            a = formula(kind, operands["a"])
-            a = None if a is None else a.columns()
-            if a is None or not a["recomputed_rel_err"] <= allowed(
-                    unit, a["recomputed_spread"], a["recomputed_terms"]):
-                continue  # not what A computes
-            b = formula(kind, operands["b"])
-            b = None if b is None else b.columns()
-            return (row["label"], {**b, "recomputed_dtype": dtype["b"]}) if b else (None, None)
-        return None, None
+            a = _columns(formula, kind, operands["a"])
+            if a is not None:
+                ratio = a["recomputed_rel_err"] / allowed(unit, a["recomputed_spread"],
+                                                          a["recomputed_terms"])
+                if ratio <= 1:
+                    fits.append((ratio, len(fits), formula))
+        if not fits:
+            return None, None  # not what A computes
+        b = _columns(min(fits)[2], kind, operands["b"])
+        return (row["label"], {**b, "recomputed_dtype": dtype["b"]}) if b else (None, None)
 
     def _operands(self, kind: str, needed: list[str], side: str) -> Optional[Operands]:
         """The call's records ``needed`` and parameters on ``side`` (None where one of them
@@ -151,7 +169,9 @@ class _Call:
         params = {p: self._weight(p, side) for p in ("weight", "bias") if p in self.params}
         if any(v is None for v in (*tensors.values(), *params.values())):
             return None
-        return Operands(tensors, params.get("weight"), params.get("bias"), self.eps)
+        if not params and self.weighted and self.by_kind[kind]["call_idx"] > 0:
+            return None  # its weights are recorded at the module's first call only
+        return Operands(tensors, params.get("weight"), params.get("bias"), self.eps[side])
 
     def _operand(self, row: dict, side: str) -> Optional[np.ndarray]:
         """What the call computed from on ``side``: where B ran on A's values (``injected``),
@@ -183,7 +203,7 @@ class _Call:
         if key not in self.cache:
             self.cache[key] = None
             shape = tuple(int(n) for n in row[f"shape_{side}"])
-            floating = row[f"dtype_{side}"] in ROUNDING
+            floating = row[f"dtype_{side}"] in FLOATS
             if row[f"dataset_{side}"] and floating and 0 < math.prod(shape) <= MAX_ELEMENTS \
                     and row[f"digest_{side}"] == fmt.NO_DIGEST:
                 reader = self.readers[side][(row["epoch"], row["step"], row["rank"])]
