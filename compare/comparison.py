@@ -16,7 +16,7 @@ import pandas as pd
 
 from . import cluster
 from .centering import Centering, normalized_sizes, per_channel, recorded_eps
-from .dump import Dump, PathLike, dataset_of, load_dump, open_h5, read_chunks
+from .dump import Dump, PathLike, dataset_of, load_dump, open_h5, read_chunks, reading
 from .errors import DumpError
 from . import format as fmt
 from .alignment import align_ops
@@ -313,7 +313,7 @@ def _run_task(task: tuple) -> dict[int, dict]:
                           for path, f, group in ((path_a, fa, group_a), (path_b, fb, group_b)))
         pieces = _pair_pieces(side_a, side_b, values, chunk_elements)
         blocks = PartReader(chunk_elements)
-        try:
+        with reading(f"{path_a} / {path_b}"), contextlib.closing(blocks):
             for r in records:
                 if r.assembled and not (r.dropped or r.unsupported):
                     out[r.row] = _compare_assembled(side_a, side_b, r, rtol, atol, blocks,
@@ -338,11 +338,6 @@ def _run_task(task: tuple) -> dict[int, dict]:
                     out[ref.row] = {**(acc or ErrorAccumulator(tol)).result(),
                                     "rtol": tol.rtol, "atol": tol.atol}
                     acc = None
-        except (KeyError, OSError, RuntimeError) as exc:  # what h5py raises on damaged files
-            raise DumpError(f"{path_a} / {path_b}: cannot read a tensor ({exc}); the file is "
-                            f"damaged") from exc
-        finally:
-            blocks.close()
     return out
 
 

@@ -1,6 +1,7 @@
 """Lazy reading of dumps: a step file, or a directory of step files, and their index."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -165,8 +166,17 @@ class StepReaders:
 def one_side(row: Mapping, side: str) -> dict:
     """The index fields of side ``side`` ("a" or "b") of a row of paired records, named as in
     an index row (for :meth:`StepReader.dataset`)."""
-    return {k: row[f"{k}_{side}"] for k in ("group", "dataset", "dtype", "encoding", "shape",
-                                            "checksum")}
+    return {k: row[f"{k}_{side}"] for k in ("group", "dataset", "dtype", "encoding", "shape")}
+
+
+@contextlib.contextmanager
+def reading(where: str) -> Iterator[None]:
+    """What h5py raises reading a damaged file (``KeyError``, ``OSError``, ``RuntimeError``)
+    as one :class:`DumpError` naming ``where`` (the file, or the files, being read)."""
+    try:
+        yield
+    except (KeyError, OSError, RuntimeError) as exc:
+        raise DumpError(f"{where}: cannot read a tensor ({exc}); the file is damaged") from exc
 
 
 def dataset_of(path: Path, step_group: h5py.Group, group: str, name: str, dtype: str,

@@ -31,6 +31,8 @@ import numpy as np
 from . import format as fmt
 from .precision import ROUNDING
 
+# the columns of Figures.columns
+RECOMPUTE_FIGURES = ("recomputed_rel_err", "recomputed_spread", "recomputed_terms")
 # Each term of an element rounded once per operand and the result once, each rounding at
 # most the unit roundoff (its root mean square is u / sqrt(3)), the K terms of an element
 # summed in the accumulator (a random walk: sqrt(K) roundings of it): twice that.

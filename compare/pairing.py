@@ -75,6 +75,13 @@ def tensor_rows(dump: Dump, steps: Optional[Iterable[str]] = None) -> pd.DataFra
                        replicas_differ="")
 
 
+def from_shards(pairs: pd.DataFrame) -> pd.Series:
+    """Per row of paired records, whether either side's tensor is put together from its
+    ranks' shards (``parts``, :mod:`compare.assembly`) rather than stored whole."""
+    return pd.concat([pairs[f"parts_{side}"].map(lambda p: isinstance(p, tuple) and len(p) > 0)
+                      for side in ("a", "b")], axis=1).any(axis=1)
+
+
 def select(rows: pd.DataFrame, modules: Optional[Iterable[str]] = None,
            kinds: Optional[Iterable[str]] = None) -> pd.DataFrame:
     """``rows`` of modules matching a glob of ``modules`` (path or key) and of ``kinds``."""

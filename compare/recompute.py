@@ -41,13 +41,12 @@ import numpy as np
 import pandas as pd
 
 from . import format as fmt
-from .dump import StepReaders, one_side, read_chunks
-from .errors import DumpError
-from .formulas import ELEMENTWISE, Operands, allowed, candidates
+from .dump import StepReaders, one_side, read_chunks, reading
+from .pairing import from_shards
+from .formulas import RECOMPUTE_FIGURES, ELEMENTWISE, Operands, allowed, candidates
 from .precision import lowest, rounded, rounding_of
 from .statistics import STATS_RESOLUTION
 
-RECOMPUTE_FIGURES = ("recomputed_rel_err", "recomputed_spread", "recomputed_terms")
 RECOMPUTE_COLUMNS = (*RECOMPUTE_FIGURES, "recomputed_dtype")
 MAX_ELEMENTS = 1 << 24  # per tensor: 128 MiB in float64
 FLOATS = ("float64", "float32", "float16", "bfloat16")  # what is recomputed from
@@ -68,9 +67,7 @@ def recomputable(pairs: pd.DataFrame) -> pd.DataFrame:
     data = (pairs["index"] == 0) & (pairs["occurrence"] == 0) & pairs["kind"].isin(
         [fmt.INPUT, fmt.OUTPUT, fmt.GRAD_OUTPUT, fmt.GRAD_INPUT])
     weights = (pairs["kind"] == fmt.PARAM) & pairs["path_a"].isin(["weight", "bias"])
-    whole = [~pairs[f"parts_{side}"].map(lambda p: isinstance(p, tuple) and len(p) > 0)
-             for side in ("a", "b")]  # not put together from shards
-    return pairs[known & (pairs["side"] == "both") & (data | weights) & whole[0] & whole[1]]
+    return pairs[known & (pairs["side"] == "both") & (data | weights) & ~from_shards(pairs)]
 
 
 def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, metrics: dict[int, dict],
@@ -93,12 +90,8 @@ def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, metrics: dict[int
             eps["b"] = eps_b.get(at, eps["a"])
             recomputed = _Call(call, {"a": readers_a, "b": readers_b}, metrics, eps)
             for kind in (fmt.OUTPUT, fmt.GRAD_INPUT):
-                try:
+                with reading(" or ".join(str(f[key[:3]].path) for f in (files_a, files_b))):
                     label, figures = recomputed.check(kind)
-                except (KeyError, OSError, RuntimeError) as exc:  # what h5py raises on damage
-                    paths = " or ".join(str(f[key[:3]].path) for f in (files_a, files_b))
-                    raise DumpError(f"{paths}: cannot read a tensor ({exc}); the file is "
-                                    f"damaged") from exc
                 if figures is not None:
                     out[label] = figures
     return out

@@ -31,8 +31,8 @@ import numpy as np
 import pandas as pd
 
 from . import format as fmt
-from .dump import StepReader, StepReaders, one_side, read_chunks
-from .errors import DumpError
+from .dump import StepReader, StepReaders, one_side, read_chunks, reading
+from .pairing import from_shards
 
 TRANSIT_COLUMNS = ("transit_rel_diff", "transit_from")
 
@@ -63,10 +63,8 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
     """``(earlier, later)`` row labels of ``pairs`` whose records hold one tensor handed on, with
     the same bits in A: a call's output and a consumer's input, the consumer's grad_input for
     that input and the call's grad_output."""
-    sharded = [pairs[f"parts_{side}"].map(lambda p: isinstance(p, tuple) and len(p) > 0)
-               for side in ("a", "b")]
     both = pairs[(pairs["side"] == "both") & (pairs["injected_b"].fillna(0) == 0)
-                 & (pairs["injected_a"].fillna(0) == 0) & ~sharded[0] & ~sharded[1]]
+                 & (pairs["injected_a"].fillna(0) == 0) & ~from_shards(pairs)]
     step = ["epoch", "step", "rank"]
     flow = both.loc[(both["kind"] == fmt.INPUT) & (both["producer_a"] >= 0),
                     [*step, "call_a", "index", "producer_a"]]
@@ -114,13 +112,9 @@ def measure(pairs: pd.DataFrame, files_b: dict, chunk_elements: int) -> dict[int
     with StepReaders(files_b) as readers:
         for earlier, later in links(pairs):
             e, l = pairs.loc[earlier], pairs.loc[later]
-            try:
-                diff = _difference(e, l, readers[(e["epoch"], e["step"], e["rank"])],
-                                   chunk_elements)
-            except (KeyError, OSError, RuntimeError) as exc:  # what h5py raises on damage
-                step = files_b[(e["epoch"], e["step"], e["rank"])]
-                raise DumpError(f"{step.path}: cannot read a tensor ({exc}); the file is "
-                                f"damaged") from exc
+            key = (e["epoch"], e["step"], e["rank"])
+            with reading(str(files_b[key].path)):
+                diff = _difference(e, l, readers[key], chunk_elements)
             if math.isnan(diff) or (later in out and diff >= out[later]["transit_rel_diff"]):
                 continue
             out[later] = {"transit_rel_diff": diff, "transit_from": fmt.record_label(
