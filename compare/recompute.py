@@ -28,9 +28,11 @@ to the dtype B holds them in. B's
 weights are B's values (``params=True``), else A's where B's are known to be the same (B ran
 on A's; or their statistics and sketch agree to float64 rounding); calls whose weights are
 neither have no figures. The formula is the class's candidate that A's records follow best
-within A's rounding (each side at its own recorded ``eps``): where none does (a class of that name that computes something
-else; TF32 in A), no figures; nor for records of statistics or digests, non-finite values,
-and tensors of more than :data:`MAX_ELEMENTS` elements (memory stays bounded).
+within A's rounding (each side at its own recorded ``eps``): where none does (a class of that
+name that computes something else; TF32 in A), no figures; nor for records of statistics or
+digests, non-finite values, and weights of more than :data:`MAX_ELEMENTS` elements. A large
+call is recomputed on every k-th slice of its records' first dimension
+(:data:`SAMPLE_ELEMENTS`): time and memory stay bounded.
 """
 from __future__ import annotations
 
@@ -43,12 +45,19 @@ import pandas as pd
 from . import format as fmt
 from .dump import StepReaders, one_side, read_chunks, reading
 from .pairing import from_shards
-from .formulas import RECOMPUTE_FIGURES, ELEMENTWISE, Operands, allowed, candidates
+from .formulas import (ELEMENTWISE, RECOMPUTE_FIGURES, WEIGHTED, Operands, allowed,
+                       candidates)
 from .precision import lowest, rounded, rounding_of
 from .statistics import STATS_RESOLUTION
 
 RECOMPUTE_COLUMNS = (*RECOMPUTE_FIGURES, "recomputed_dtype")
-MAX_ELEMENTS = 1 << 24  # per tensor: 128 MiB in float64
+MAX_ELEMENTS = 1 << 24  # per weight: 128 MiB in float64
+# A call is recomputed on at most this many elements of each of its records, and a weighted
+# call with at most this many products: beyond that, on every k-th slice of its records'
+# first dimension (a batch's samples: every formula but a BatchNorm's treats them apart),
+# the same slices in every record and on both sides; memory and time stay bounded.
+SAMPLE_ELEMENTS = 1 << 21
+SAMPLE_PRODUCTS = 1 << 28
 FLOATS = ("float64", "float32", "float16", "bfloat16")  # what is recomputed from
 
 
@@ -125,7 +134,29 @@ class _Call:
                 self.by_kind.setdefault(row["kind"], row)
         cls = next(iter(rows.values()))["cls_a"]
         self.formulas, self.weighted = candidates(cls), cls not in ELEMENTWISE
+        self.stride = self._stride(whole="BatchNorm" in cls,
+                                   products=cls in WEIGHTED and "weight" in self.params)
         self.cache: dict[tuple, Optional[np.ndarray]] = {}
+
+    def _stride(self, whole: bool, products: bool) -> Optional[int]:
+        """Every how many slices of the first dimension the call is recomputed on
+        (``SAMPLE_ELEMENTS``, ``SAMPLE_PRODUCTS``); None where not even one slice fits, or
+        where the formula needs every slice (``whole``) and they do not all fit."""
+        shapes = [tuple(int(n) for n in row[f"shape_{side}"]) for row in self.by_kind.values()
+                  for side in ("a", "b")]
+        if any(len(s) == 0 for s in shapes):  # 0-d: no slices, the tensor is one element
+            return 1
+        per_slice = max(math.prod(s[1:]) for s in shapes)
+        if products:  # a product's multiply-adds per slice: its elements times the outputs
+            weight = self.params["weight"]["shape_a"]
+            cost = per_slice * int(weight[0])
+            fit = min(SAMPLE_ELEMENTS // per_slice, SAMPLE_PRODUCTS // max(cost, 1))
+        else:
+            fit = SAMPLE_ELEMENTS // per_slice
+        slices = max(s[0] for s in shapes)
+        if fit < 1 or (whole and fit < slices):
+            return None
+        return -(-slices // fit)
 
     def check(self, kind: str) -> tuple[Optional[int], Optional[dict]]:
         """The row label of the call's ``kind`` record and B's figures, recomputed by the
@@ -191,20 +222,37 @@ class _Call:
         return self._operand(row, side)
 
     def _tensor(self, row: dict, side: str) -> Optional[np.ndarray]:
-        """``row``'s values on ``side`` in float64, or None where it holds none to use."""
+        """``row``'s values on ``side`` in float64, or None where it holds none to use; a
+        record (not a parameter) on every ``stride``-th slice of its first dimension."""
         key = (row["label"], side)
         if key not in self.cache:
             self.cache[key] = None
             shape = tuple(int(n) for n in row[f"shape_{side}"])
-            floating = row[f"dtype_{side}"] in FLOATS
-            if row[f"dataset_{side}"] and floating and 0 < math.prod(shape) <= MAX_ELEMENTS \
-                    and row[f"digest_{side}"] == fmt.NO_DIGEST:
+            weight = row["kind"] == fmt.PARAM
+            stride = 1 if weight else self.stride
+            usable = (row[f"dataset_{side}"] and row[f"dtype_{side}"] in FLOATS and
+                      row[f"digest_{side}"] == fmt.NO_DIGEST and stride is not None and
+                      0 < math.prod(shape) <= (MAX_ELEMENTS if weight else math.inf))
+            if usable:
                 reader = self.readers[side][(row["epoch"], row["step"], row["rank"])]
                 ds = reader.dataset(one_side(row, side))
-                values = np.concatenate(list(read_chunks(
-                    ds, row[f"dtype_{side}"], row[f"encoding_{side}"], MAX_ELEMENTS,
-                    int(row[f"checksum_{side}"]))))
-                if not np.iscomplexobj(values):
-                    values = values.astype(np.float64).reshape(shape)
-                    self.cache[key] = values if np.isfinite(values).all() else None
+                values = _every(read_chunks(ds, row[f"dtype_{side}"], row[f"encoding_{side}"],
+                                            SAMPLE_ELEMENTS, int(row[f"checksum_{side}"])),
+                                shape, stride)
+                if not np.iscomplexobj(values) and np.isfinite(values).all():
+                    self.cache[key] = values.astype(np.float64)
         return self.cache[key]
+
+
+def _every(pieces, shape: tuple, stride: int) -> np.ndarray:
+    """Every ``stride``-th slice of the first dimension of a tensor of ``shape`` read in
+    ``pieces`` of whole slices (:func:`compare.dump.read_chunks`), all of them read (its
+    checksum is checked at the end)."""
+    if not shape:
+        return np.concatenate(list(pieces)).reshape(shape)
+    kept, start = [], 0
+    for piece in pieces:
+        piece = piece.reshape(-1, *shape[1:])
+        kept.append(piece[(-start) % stride::stride])
+        start += len(piece)
+    return np.concatenate(kept)

@@ -216,3 +216,33 @@ def test_rounding_an_injected_operand_matches_torch(dtype):
     want = values.to(torch.float32).to(getattr(torch, dtype)).double().numpy()
     got = rounded(values.to(torch.float32).double().numpy(), dtype)
     assert np.array_equal(got, want)
+
+
+def test_a_large_call_is_recomputed_on_every_kth_slice(tmp_path, monkeypatch):
+    """Beyond ``SAMPLE_ELEMENTS`` a call is recomputed on every k-th slice of its first
+    dimension, the same in every record and on both sides (read in pieces, across their
+    boundaries): the figure is the hand-computed error of those rows."""
+    import compare.recompute as recompute
+    monkeypatch.setattr(recompute, "SAMPLE_ELEMENTS", 32 * 8)  # 8 rows of 32: every 8th row
+    torch.manual_seed(0)
+    x = torch.randn(64, 32)
+    rows = (torch.arange(64) % 3 == 0).float()[:, None]  # B's error: 1 % in every third row
+
+    def run(directory, planted: bool):
+        torch.manual_seed(1)
+        layer = nn.Linear(32, 16)
+        if planted:
+            layer.register_forward_hook(lambda m, args, out: out * (1 + 0.01 * rows))
+        _run(directory, nn.Sequential(layer), x, params=True)
+        with torch.no_grad():  # (not layer(x): its hook would scale it)
+            want = nn.functional.linear(x, layer.weight, layer.bias)
+        return want, want * (1 + 0.01 * rows)
+
+    run(tmp_path / "a", False)
+    want, got = run(tmp_path / "b", True)
+    sampled = slice(0, None, 8)
+    expected = float((got[sampled] - want[sampled]).double().norm() / want[sampled].double().norm())
+    result = compare_dumps(tmp_path / "a", tmp_path / "b")
+    row = result[(result["module"] == "0") & (result["kind"] == "output")].iloc[0]
+    assert row["recomputed_rel_err"] == pytest.approx(expected, rel=1e-3)
+    assert expected != pytest.approx(float((got - want).norm() / want.norm()), rel=1e-2)
