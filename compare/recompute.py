@@ -144,6 +144,8 @@ class _Call:
         where the formula needs every slice (``whole``) and they do not all fit."""
         shapes = [tuple(int(n) for n in row[f"shape_{side}"]) for row in self.by_kind.values()
                   for side in ("a", "b")]
+        if not shapes:  # parameters only: nothing of the call to recompute
+            return None
         if any(len(s) == 0 for s in shapes):  # 0-d: no slices, the tensor is one element
             return 1
         per_slice = max(math.prod(s[1:]) for s in shapes)
