@@ -39,12 +39,17 @@ RECOMPUTE_FIGURES = ("recomputed_rel_err", "recomputed_spread", "recomputed_term
 ALLOWANCE = 2.0
 
 
-def allowed(unit: np.ndarray, spread: np.ndarray, terms: np.ndarray) -> np.ndarray:
+def allowed(unit: np.ndarray, spread: np.ndarray, terms: np.ndarray,
+            underflow: np.ndarray = 0.0, scale: np.ndarray = 1.0) -> np.ndarray:
     """What rounding explains of a recomputed record's relative error, for a call computed in
-    a dtype of unit roundoff ``unit`` (accumulating in float32, or finer where the dtype is):
-    ``2 (u (1 + 2 spread) + u_acc sqrt(K) spread)``."""
+    a dtype of unit roundoff ``unit`` and smallest step ``underflow`` (accumulating in float32,
+    or finer where the dtype is), of a result whose root mean square is ``scale``:
+    ``2 (u (1 + 2 spread) + u_acc sqrt(K) spread + underflow / scale)``."""
     accumulator = np.minimum(unit, ROUNDING["float32"].unit)
-    return ALLOWANCE * (unit * (1.0 + 2.0 * spread) + accumulator * np.sqrt(terms) * spread)
+    with np.errstate(divide="ignore"):
+        near_zero = np.divide(underflow, scale)
+    return ALLOWANCE * (unit * (1.0 + 2.0 * spread) + accumulator * np.sqrt(terms) * spread
+                        + near_zero)
 
 
 class Operands(NamedTuple):

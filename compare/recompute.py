@@ -173,13 +173,15 @@ class _Call:
             return None, None
         dtype = {side: lowest([self.by_kind[k][f"dtype_{side}"] for k in needed] + [
             r[f"dtype_{side}"] for r in self.params.values()]) for side in ("a", "b")}
-        unit = rounding_of(dtype["a"]).unit
+        rounding = rounding_of(dtype["a"])
+        scale = self.metrics.get(row["label"], {}).get("rms_a", math.inf)
         fits = []  # (how far within A's rounding, formula) of the formulas A's records follow
         for formula in self.formulas:
             a = _columns(formula, kind, operands["a"])
             if a is not None:
-                ratio = a["recomputed_rel_err"] / allowed(unit, a["recomputed_spread"],
-                                                          a["recomputed_terms"])
+                ratio = a["recomputed_rel_err"] / allowed(
+                    rounding.unit, a["recomputed_spread"], a["recomputed_terms"],
+                    rounding.underflow, scale if scale > 0 else math.inf)
                 if ratio <= 1:
                     fits.append((ratio, len(fits), formula))
         if not fits:

@@ -265,11 +265,11 @@ class _Records:
             computed_b, frame["recomputed_dtype"].fillna(""))]
         unit, underflow = (np.array([getattr(rounding_of(d), f) for d in dtypes])
                            for f in ("unit", "underflow"))
-        with np.errstate(divide="ignore", invalid="ignore"):
+        with np.errstate(invalid="ignore"):
             self.recomputed_floor = recompute_allowance(
                 unit, frame["recomputed_spread"].to_numpy(float),
-                frame["recomputed_terms"].to_numpy(float)) + 2 * underflow / frame[
-                "rms_a"].to_numpy(float)
+                frame["recomputed_terms"].to_numpy(float), underflow,
+                frame["rms_a"].to_numpy(float))
         self.miscomputed = self.recomputed > self.recomputed_floor  # NaN: not recomputed
 
     def _merged_sources(self, frame: pd.DataFrame) -> list[np.ndarray]:
