@@ -43,11 +43,13 @@ def allowed(unit: np.ndarray, spread: np.ndarray, terms: np.ndarray,
             underflow: np.ndarray = 0.0, scale: np.ndarray = 1.0) -> np.ndarray:
     """What rounding explains of a recomputed record's relative error, for a call computed in
     a dtype of unit roundoff ``unit`` and smallest step ``underflow`` (accumulating in float32,
-    or finer where the dtype is), of a result whose root mean square is ``scale``:
-    ``2 (u (1 + 2 spread) + u_acc sqrt(K) spread + underflow / scale)``."""
+    or finer where the dtype is), of a result whose root mean square is ``scale`` (0 or NaN:
+    not known, no near-zero term): ``2 (u (1 + 2 spread) + u_acc sqrt(K) spread + underflow
+    / scale)``."""
     accumulator = np.minimum(unit, ROUNDING["float32"].unit)
-    with np.errstate(divide="ignore"):
-        near_zero = np.divide(underflow, scale)
+    scale = np.asarray(scale, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        near_zero = np.where(scale > 0, np.divide(underflow, scale), 0.0)
     return ALLOWANCE * (unit * (1.0 + 2.0 * spread) + accumulator * np.sqrt(terms) * spread
                         + near_zero)
 

@@ -30,14 +30,15 @@ on A's; or their statistics and sketch agree to float64 rounding); calls whose w
 neither have no figures. The formula is the class's candidate that A's records follow best
 within A's rounding (each side at its own recorded ``eps``): where none does (a class of that
 name that computes something else; TF32 in A), no figures; nor for records of statistics or
-digests, non-finite values, and weights of more than :data:`MAX_ELEMENTS` elements. A large
-call is recomputed on every k-th slice of its records' first dimension
-(:data:`SAMPLE_ELEMENTS`): time and memory stay bounded.
+digests, non-finite values (among those recomputed), and weights of more than
+:data:`MAX_ELEMENTS` elements. A large call is recomputed on every k-th of the samples its
+formula treats apart (:data:`SAMPLE_ELEMENTS`, :data:`SAMPLE_PRODUCTS`; a BatchNorm's
+channels): time and memory stay bounded.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import pandas as pd
@@ -53,9 +54,8 @@ from .statistics import STATS_RESOLUTION
 RECOMPUTE_COLUMNS = (*RECOMPUTE_FIGURES, "recomputed_dtype")
 MAX_ELEMENTS = 1 << 24  # per weight: 128 MiB in float64
 # A call is recomputed on at most this many elements of each of its records, and a weighted
-# call with at most this many products: beyond that, on every k-th slice of its records'
-# first dimension (a batch's samples: every formula but a BatchNorm's treats them apart),
-# the same slices in every record and on both sides; memory and time stay bounded.
+# call with at most this many products: beyond that, on every k-th of the samples its formula
+# treats apart (_Call._sampling), the same in every record and on both sides.
 SAMPLE_ELEMENTS = 1 << 21
 SAMPLE_PRODUCTS = 1 << 28
 FLOATS = ("float64", "float32", "float16", "bfloat16")  # what is recomputed from
@@ -64,6 +64,16 @@ FLOATS = ("float64", "float32", "float16", "bfloat16")  # what is recomputed fro
 # the records a check reads besides its own: forward from the input, backward from the
 # gradient that arrives (and the input, for an elementwise function)
 NEEDS = {fmt.OUTPUT: (fmt.INPUT,), fmt.GRAD_INPUT: (fmt.GRAD_OUTPUT, fmt.INPUT)}
+
+
+class _Sampling(NamedTuple):
+    """Which slices of a call's records it is recomputed on: every ``stride``-th of the
+    samples along its leading ``axes`` flattened into one (0: whole), or every
+    ``stride``-th channel (axis 1) and parameter element (``channels``: a BatchNorm)."""
+
+    axes: int
+    channels: bool
+    stride: int
 
 
 def recomputable(pairs: pd.DataFrame) -> pd.DataFrame:
@@ -133,38 +143,60 @@ class _Call:
             else:
                 self.by_kind.setdefault(row["kind"], row)
         cls = next(iter(rows.values()))["cls_a"]
-        self.formulas, self.weighted = candidates(cls), cls not in ELEMENTWISE
-        self.stride = self._stride(whole="BatchNorm" in cls,
-                                   products=cls in WEIGHTED and "weight" in self.params)
+        self.formulas, self.takes_weights = candidates(cls), cls not in ELEMENTWISE
+        self.sampling = self._sampling(cls)
         self.cache: dict[tuple, Optional[np.ndarray]] = {}
 
-    def _stride(self, whole: bool, products: bool) -> Optional[int]:
-        """Every how many slices of the first dimension the call is recomputed on
-        (``SAMPLE_ELEMENTS``, ``SAMPLE_PRODUCTS``); None where not even one slice fits, or
-        where the formula needs every slice (``whole``) and they do not all fit."""
+    def _sampling(self, cls: str) -> Optional[_Sampling]:
+        """Which slices of the call's records it is recomputed on (``SAMPLE_ELEMENTS``,
+        ``SAMPLE_PRODUCTS``): every k-th of the samples its formula treats apart (the rows of
+        a Linear's leading axes, the elements of an activation, the images of a 1x1
+        convolution, the positions of a normalization), or, for a BatchNorm, every k-th
+        channel; None where not even one fits, or the records' samples do not line up."""
         shapes = [tuple(int(n) for n in row[f"shape_{side}"]) for row in self.by_kind.values()
                   for side in ("a", "b")]
-        if not shapes:  # parameters only: nothing of the call to recompute
+        ndims = {len(s) for s in shapes}
+        if len(ndims) != 1:  # parameters only (nothing to recompute), or records that differ
             return None
-        if any(len(s) == 0 for s in shapes):  # 0-d: no slices, the tensor is one element
-            return 1
-        per_slice = max(math.prod(s[1:]) for s in shapes)
-        if products:  # a product's multiply-adds per slice: its elements times the outputs
-            weight = self.params["weight"]["shape_a"]
-            cost = per_slice * int(weight[0])
-            fit = min(SAMPLE_ELEMENTS // per_slice, SAMPLE_PRODUCTS // max(cost, 1))
-        else:
-            fit = SAMPLE_ELEMENTS // per_slice
-        slices = max(s[0] for s in shapes)
-        if fit < 1 or (whole and fit < slices):
+        ndim = ndims.pop()
+        channels = "BatchNorm" in cls and ndim >= 2
+        axes = 0 if channels else self._sample_axes(cls, ndim, shapes)
+        samples = {s[1] if channels else math.prod(s[:axes]) for s in shapes}
+        per_sample = max(math.prod(s) for s in shapes) // max(max(samples), 1)
+        if len(samples) != 1 or per_sample == 0:
             return None
-        return -(-slices // fit)
+        fit = SAMPLE_ELEMENTS // per_sample
+        weight = self.params.get("weight")
+        if cls in WEIGHTED and weight is not None:  # multiply-adds per sample: in x out each
+            fit = min(fit, SAMPLE_PRODUCTS // max(1, per_sample * min(
+                int(n) for n in weight["shape_a"][:2])))
+        count = samples.pop()
+        if fit < 1 or (not channels and axes == 0 and fit < count):
+            return None
+        return _Sampling(axes, channels, -(-count // fit))
+
+    def _sample_axes(self, cls: str, ndim: int, shapes: list[tuple]) -> int:
+        """How many leading axes of the call's records hold samples its formula treats apart
+        (0: it needs them whole)."""
+        if "BatchNorm" in cls:
+            return 0
+        if cls in ELEMENTWISE:
+            return ndim
+        if cls in WEIGHTED:
+            return 1 if cls == "Conv2d" else max(ndim - 1, 0)
+        # a LayerNorm or RMSNorm: over the trailing axes its weight spans, else per row or
+        # position (channels first): never the axes it normalizes over
+        weight = self.params.get("weight")
+        span = tuple(int(n) for n in weight["shape_a"]) if weight else ()
+        if span and len(span) < ndim and all(s[ndim - len(span):] == span for s in shapes):
+            return ndim - len(span)
+        return max(0, min(1, ndim - 1))
 
     def check(self, kind: str) -> tuple[Optional[int], Optional[dict]]:
         """The row label of the call's ``kind`` record and B's figures, recomputed by the
         formula A's records follow best within A's rounding; None, None where none does."""
-        if kind not in self.by_kind or (kind == fmt.GRAD_INPUT and fmt.GRAD_OUTPUT not in
-                                        self.by_kind):
+        if self.sampling is None or kind not in self.by_kind or (
+                kind == fmt.GRAD_INPUT and fmt.GRAD_OUTPUT not in self.by_kind):
             return None, None
         row = self.by_kind[kind]
         needed = [k for k in (kind, *NEEDS[kind]) if k in self.by_kind]
@@ -174,14 +206,14 @@ class _Call:
         dtype = {side: lowest([self.by_kind[k][f"dtype_{side}"] for k in needed] + [
             r[f"dtype_{side}"] for r in self.params.values()]) for side in ("a", "b")}
         rounding = rounding_of(dtype["a"])
-        scale = self.metrics.get(row["label"], {}).get("rms_a", math.inf)
+        scale = self.metrics.get(row["label"], {}).get("rms_a", math.nan)
         fits = []  # (how far within A's rounding, formula) of the formulas A's records follow
         for formula in self.formulas:
             a = _columns(formula, kind, operands["a"])
             if a is not None:
                 ratio = a["recomputed_rel_err"] / allowed(
                     rounding.unit, a["recomputed_spread"], a["recomputed_terms"],
-                    rounding.underflow, scale if scale > 0 else math.inf)
+                    rounding.underflow, scale)
                 if ratio <= 1:
                     fits.append((ratio, len(fits), formula))
         if not fits:
@@ -197,7 +229,7 @@ class _Call:
         params = {p: self._weight(p, side) for p in ("weight", "bias") if p in self.params}
         if any(v is None for v in (*tensors.values(), *params.values())):
             return None
-        if not params and self.weighted and self.by_kind[kind]["call_idx"] > 0:
+        if not params and self.takes_weights and self.by_kind[kind]["call_idx"] > 0:
             return None  # its weights are recorded at the module's first call only
         return Operands(tensors, params.get("weight"), params.get("bias"), self.eps[side])
 
@@ -226,37 +258,46 @@ class _Call:
         return self._operand(row, side)
 
     def _tensor(self, row: dict, side: str) -> Optional[np.ndarray]:
-        """``row``'s values on ``side`` in float64, or None where it holds none to use; a
-        record (not a parameter) on every ``stride``-th slice of its first dimension."""
+        """``row``'s values on ``side`` in float64, or None where it holds none to use; only
+        the samples of :attr:`sampling` (a record's with its sampled axes flattened into one;
+        a BatchNorm's parameters at the channels sampled)."""
         key = (row["label"], side)
         if key not in self.cache:
             self.cache[key] = None
             shape = tuple(int(n) for n in row[f"shape_{side}"])
-            weight = row["kind"] == fmt.PARAM
-            stride = 1 if weight else self.stride
+            param, sampling = row["kind"] == fmt.PARAM, self.sampling
             usable = (row[f"dataset_{side}"] and row[f"dtype_{side}"] in FLOATS and
-                      row[f"digest_{side}"] == fmt.NO_DIGEST and stride is not None and
-                      0 < math.prod(shape) <= (MAX_ELEMENTS if weight else math.inf))
+                      row[f"digest_{side}"] == fmt.NO_DIGEST and sampling is not None and
+                      0 < math.prod(shape) <= (MAX_ELEMENTS if param else math.inf))
             if usable:
                 reader = self.readers[side][(row["epoch"], row["step"], row["rank"])]
                 ds = reader.dataset(one_side(row, side))
-                values = _every(read_chunks(ds, row[f"dtype_{side}"], row[f"encoding_{side}"],
-                                            SAMPLE_ELEMENTS, int(row[f"checksum_{side}"])),
-                                shape, stride)
+                pieces = read_chunks(ds, row[f"dtype_{side}"], row[f"encoding_{side}"],
+                                     SAMPLE_ELEMENTS, int(row[f"checksum_{side}"]))
+                if param:  # whole, a BatchNorm's at the channels sampled
+                    values = np.concatenate(list(pieces))
+                    values = values[::sampling.stride] if sampling.channels else values.reshape(
+                        shape)
+                else:
+                    values = _sampled(pieces, shape, sampling)
                 if not np.iscomplexobj(values) and np.isfinite(values).all():
                     self.cache[key] = values.astype(np.float64)
         return self.cache[key]
 
 
-def _every(pieces, shape: tuple, stride: int) -> np.ndarray:
-    """Every ``stride``-th slice of the first dimension of a tensor of ``shape`` read in
-    ``pieces`` of whole slices (:func:`compare.dump.read_chunks`), all of them read (its
-    checksum is checked at the end)."""
-    if not shape:
+def _sampled(pieces, shape: tuple, sampling: _Sampling) -> np.ndarray:
+    """A tensor of ``shape`` read in ``pieces`` of whole slices of its first axis
+    (:func:`compare.dump.read_chunks`), all of them read (its checksum is checked at the
+    end): every ``stride``-th channel (axis 1), or its sampled leading axes flattened into one
+    and every ``stride``-th of them kept."""
+    if sampling.channels:
+        return np.concatenate([piece.reshape(-1, *shape[1:])[:, ::sampling.stride]
+                               for piece in pieces])
+    if sampling.axes == 0:
         return np.concatenate(list(pieces)).reshape(shape)
     kept, start = [], 0
     for piece in pieces:
-        piece = piece.reshape(-1, *shape[1:])
-        kept.append(piece[(-start) % stride::stride])
+        piece = piece.reshape(-1, *shape[sampling.axes:])
+        kept.append(piece[(-start) % sampling.stride::sampling.stride])
         start += len(piece)
     return np.concatenate(kept)

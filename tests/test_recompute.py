@@ -218,31 +218,72 @@ def test_rounding_an_injected_operand_matches_torch(dtype):
     assert np.array_equal(got, want)
 
 
-def test_a_large_call_is_recomputed_on_every_kth_slice(tmp_path, monkeypatch):
-    """Beyond ``SAMPLE_ELEMENTS`` a call is recomputed on every k-th slice of its first
-    dimension, the same in every record and on both sides (read in pieces, across their
-    boundaries): the figure is the hand-computed error of those rows."""
+def _rows(out: torch.Tensor) -> torch.Tensor:
+    """Every third row of ``out``'s leading axes (flattened) marked 1."""
+    rows = (torch.arange(out.numel() // out.shape[-1]) % 3 == 0).float()
+    return rows.reshape(*out.shape[:-1], 1)
+
+
+def _channels(out: torch.Tensor) -> torch.Tensor:
+    """Every even channel (axis 1) of ``out`` marked 1."""
+    return (torch.arange(out.shape[1]) % 2 == 0).float().reshape(1, -1, 1, 1)
+
+
+@pytest.mark.parametrize("make, shape, elements, sampled", [
+    # 2-D: 32 features a row, 6 rows fit: every 11th of 64 rows (pieces of 6 and 12 rows)
+    (lambda: nn.Linear(32, 16), (64, 32), 32 * 6, lambda t: t.reshape(-1, t.shape[-1])[::11]),
+    # 3-D: one slice of the first axis (16 rows) is already more: rows of both leading axes
+    (lambda: nn.Linear(32, 16), (4, 16, 32), 32 * 6,
+     lambda t: t.reshape(-1, t.shape[-1])[::11]),
+    # a BatchNorm normalizes across the batch: every 3rd of its 8 channels (4 x 36 each)
+    (lambda: nn.BatchNorm2d(8), (4, 8, 6, 6), 144 * 3, lambda t: t[:, ::3]),
+])
+def test_a_large_call_is_recomputed_on_every_kth_sample(tmp_path, monkeypatch, make, shape,
+                                                        elements, sampled):
+    """Beyond ``SAMPLE_ELEMENTS`` a call is recomputed on every k-th of the samples its formula
+    treats apart (a Linear's rows of all leading axes, a BatchNorm's channels), the same in
+    every record and on both sides, read in pieces across their boundaries: the figure is the
+    hand-computed error of those samples, not the whole tensor's."""
     import compare.recompute as recompute
-    monkeypatch.setattr(recompute, "SAMPLE_ELEMENTS", 32 * 8)  # 8 rows of 32: every 8th row
+    monkeypatch.setattr(recompute, "SAMPLE_ELEMENTS", elements)
     torch.manual_seed(0)
-    x = torch.randn(64, 32)
-    rows = (torch.arange(64) % 3 == 0).float()[:, None]  # B's error: 1 % in every third row
+    x = torch.randn(*shape)
+    mark = _channels if isinstance(make(), nn.BatchNorm2d) else _rows
 
     def run(directory, planted: bool):
         torch.manual_seed(1)
-        layer = nn.Linear(32, 16)
-        if planted:
-            layer.register_forward_hook(lambda m, args, out: out * (1 + 0.01 * rows))
+        layer = make()
+        if planted:  # B's error: 1 % in the marked rows or channels
+            layer.register_forward_hook(lambda m, args, out: out * (1 + 0.01 * mark(out)))
         _run(directory, nn.Sequential(layer), x, params=True)
-        with torch.no_grad():  # (not layer(x): its hook would scale it)
-            want = nn.functional.linear(x, layer.weight, layer.bias)
-        return want, want * (1 + 0.01 * rows)
+        with torch.no_grad():  # what the layer computes (not layer(x): its hook would scale it)
+            want = (nn.functional.linear(x, layer.weight, layer.bias)
+                    if isinstance(layer, nn.Linear) else nn.functional.batch_norm(
+                        x, None, None, layer.weight, layer.bias, training=True, eps=layer.eps))
+        return want.double(), (want * (1 + 0.01 * mark(want))).double()
 
     run(tmp_path / "a", False)
     want, got = run(tmp_path / "b", True)
-    sampled = slice(0, None, 8)
-    expected = float((got[sampled] - want[sampled]).double().norm() / want[sampled].double().norm())
+    expected = float((sampled(got) - sampled(want)).norm() / sampled(want).norm())
     result = compare_dumps(tmp_path / "a", tmp_path / "b")
     row = result[(result["module"] == "0") & (result["kind"] == "output")].iloc[0]
     assert row["recomputed_rel_err"] == pytest.approx(expected, rel=1e-3)
     assert expected != pytest.approx(float((got - want).norm() / want.norm()), rel=1e-2)
+
+
+def test_empty_records_have_no_figures(tmp_path):
+    """Calls on tensors with no elements (a Linear to 0 features, a ReLU of its output) have
+    nothing to recompute: no figures, and the comparison goes on."""
+    batch = torch.randn(8, 16)
+
+    def run(directory):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 0), nn.ReLU())
+        with HookerAndDumper(directory, params=True).hooks(model, 0, 0):
+            model(batch)  # forward only: an empty output has no gradient to send back
+        return directory
+
+    result = compare_dumps(run(tmp_path / "a"), run(tmp_path / "b"))
+    assert set(result["module"]) >= {"0", "1"}
+    assert result["recomputed_rel_err"].isna().all()
+    assert summarize(result).ok
