@@ -15,6 +15,12 @@ one-process B: sharded tensors put together (target: within 1.3x of (2)'s time, 
 bound); (4) compare_dumps on a Dask LocalCluster of 1 and of 2 worker processes (one thread
 each) on the many-small layout, the cluster started and warmed up before the clock (target: 2
 workers >= 1.6x faster than 1 on this 2-core machine).
+
+Issue 20, also in the same rounds: (5) the pass that recomputes calls from their own records
+(``compare.recompute``) on a real model's dumps of about --size-mb: two Linears, a ReLU and
+a LayerNorm on a (batch, 512, 1024) input, A float32 with ``params=True``, B under bfloat16
+autocast; compare_dumps with the pass and without it (target: time within 1.5x, peak memory
+unchanged: a large call is recomputed on a sample of its rows).
 """
 from __future__ import annotations
 
@@ -54,6 +60,27 @@ def build(directory: Path, n_tensors: int, elements: int, noise: float) -> None:
     with dumper.hooks(model, 0, 0):
         for i, m in enumerate(model):
             m(i)
+
+
+def build_model_pair(directory: Path, size_mb: int) -> None:
+    """(5): A (float32, weights' values) and B (bfloat16 autocast) of one training step of a
+    model whose calls the recomputation pass knows, about ``size_mb`` per side."""
+    import torch
+    from torch import nn
+    from dumper import HookerAndDumper
+
+    tokens, features = 512, 1024
+    batch = max(1, size_mb * (1 << 20) // (20 * 4 * tokens * features))  # ~20 records a side
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(features, features), nn.ReLU(),
+                          nn.Linear(features, features), nn.LayerNorm(features))
+    x = torch.randn(batch, tokens, features)
+    for side, autocast in (("a", False), ("b", True)):
+        with HookerAndDumper(directory / side, params=not autocast).hooks(model, 0, 0):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = model(x)
+            y.float().pow(2).mean().backward()
+        model.zero_grad()
 
 
 def build_rank(directory: Path, n_tensors: int, elements: int) -> None:
@@ -113,6 +140,9 @@ def child(mode: str, a: str, b: str, jobs: int) -> None:
                                dashboard_address=None, silence_logs=logging.ERROR)
         client = Client(cluster)
         compare_dumps(a, b, client=client, steps=["0"])  # warm up: workers import compare
+    if mode == "without-recompute":  # (5): the same comparison, the recomputation pass left out
+        import compare.comparison
+        compare.comparison.measure_recomputed = lambda *args: {}
     start = time.perf_counter()
     nbytes = 0
     if mode == "read":
@@ -144,6 +174,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--no-sharded", action="store_true", help="skip (3)")
     parser.add_argument("--no-dask", action="store_true", help="skip (4)")
+    parser.add_argument("--no-recompute", action="store_true", help="skip (5)")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--build-rank", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -197,8 +228,26 @@ def main() -> None:
                              f"workers {mbs['dask2']:.0f} MB/s: speed-up "
                              f"{mbs['dask2'] / mbs['dask1']:.2f}x (target >= 1.6x); local "
                              f"jobs={args.jobs} {mbs['compare']:.0f} MB/s")
+        if not args.no_recompute:
+            recompute_line(Path(tmp, "model"), args)
     for line in extra:
         print(line)
+
+
+def recompute_line(directory: Path, args) -> None:
+    """(5): compare_dumps with the recomputation pass and without it, interleaved."""
+    build_model_pair(directory, args.size_mb)
+    runs: dict[str, list] = {"compare": [], "without-recompute": []}
+    for _ in range(args.repeat):
+        for mode in runs:
+            runs[mode].append(measure(mode, directory / "a", directory / "b", args.jobs))
+    seconds = {mode: statistics.median(r["seconds"] for r in rs) for mode, rs in runs.items()}
+    rss = {mode: max(r["peak_rss_mb"] for r in rs) for mode, rs in runs.items()}
+    print(f"model dumps (Linear, ReLU, Linear, LayerNorm; float32 vs bfloat16 autocast): "
+          f"with the recomputation pass {seconds['compare']:.1f} s, peak RSS "
+          f"{rss['compare']:.0f} MB; without {seconds['without-recompute']:.1f} s, "
+          f"{rss['without-recompute']:.0f} MB: time "
+          f"{seconds['compare'] / seconds['without-recompute']:.2f}x (target <= 1.5x)")
 
 
 if __name__ == "__main__":
