@@ -198,8 +198,8 @@ def _grouping(grouping: str, x: np.ndarray, params: tuple) -> Optional[tuple]:
         if x.ndim < len(span) or x.shape[x.ndim - len(span):] != span:
             return None
         return tuple(range(x.ndim - len(span), x.ndim)), span
-    if x.ndim < 2 or (params and params != (x.shape[1],)):
-        return None
+    if x.ndim < (3 if grouping == "position" else 2) or (params and params != (x.shape[1],)):
+        return None  # (per position of a 2-D input is per row: "last" already)
     shape = (x.shape[1],) + (1,) * (x.ndim - 2)
     return ((1,) if grouping == "position" else (0, *range(2, x.ndim))), shape
 

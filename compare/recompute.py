@@ -40,11 +40,13 @@ from __future__ import annotations
 import math
 from typing import NamedTuple, Optional
 
+import h5py
 import numpy as np
 import pandas as pd
 
 from . import format as fmt
-from .dump import StepReaders, one_side, read_chunks, reading
+from .decoding import decode
+from .dump import StepReaders, one_side, reading
 from .pairing import from_shards
 from .formulas import (ELEMENTWISE, RECOMPUTE_FIGURES, WEIGHTED, Operands, allowed,
                        candidates)
@@ -56,7 +58,7 @@ MAX_ELEMENTS = 1 << 24  # per weight: 128 MiB in float64
 # A call is recomputed on at most this many elements of each of its records, and a weighted
 # call with at most this many products: beyond that, on every k-th of the samples its formula
 # treats apart (_Call._sampling), the same in every record and on both sides.
-SAMPLE_ELEMENTS = 1 << 21
+SAMPLE_ELEMENTS = 1 << 20
 SAMPLE_PRODUCTS = 1 << 28
 FLOATS = ("float64", "float32", "float16", "bfloat16")  # what is recomputed from
 
@@ -149,10 +151,10 @@ class _Call:
 
     def _sampling(self, cls: str) -> Optional[_Sampling]:
         """Which slices of the call's records it is recomputed on (``SAMPLE_ELEMENTS``,
-        ``SAMPLE_PRODUCTS``): every k-th of the samples its formula treats apart (the rows of
-        a Linear's leading axes, the elements of an activation, the images of a 1x1
-        convolution, the positions of a normalization), or, for a BatchNorm, every k-th
-        channel; None where not even one fits, or the records' samples do not line up."""
+        ``SAMPLE_PRODUCTS``): every k-th of the samples its formula treats apart, as coarse
+        as fit (slices of the first axis, else the rows of more leading axes, down to a
+        Linear's rows or an activation's elements), or, for a BatchNorm, every k-th channel;
+        None where not even one fits, or the records' samples do not line up."""
         shapes = [tuple(int(n) for n in row[f"shape_{side}"]) for row in self.by_kind.values()
                   for side in ("a", "b")]
         ndims = {len(s) for s in shapes}
@@ -160,20 +162,21 @@ class _Call:
             return None
         ndim = ndims.pop()
         channels = "BatchNorm" in cls and ndim >= 2
-        axes = 0 if channels else self._sample_axes(cls, ndim, shapes)
-        samples = {s[1] if channels else math.prod(s[:axes]) for s in shapes}
-        per_sample = max(math.prod(s) for s in shapes) // max(max(samples), 1)
-        if len(samples) != 1 or per_sample == 0:
-            return None
-        fit = SAMPLE_ELEMENTS // per_sample
-        weight = self.params.get("weight")
-        if cls in WEIGHTED and weight is not None:  # multiply-adds per sample: in x out each
-            fit = min(fit, SAMPLE_PRODUCTS // max(1, per_sample * min(
-                int(n) for n in weight["shape_a"][:2])))
-        count = samples.pop()
-        if fit < 1 or (not channels and axes == 0 and fit < count):
-            return None
-        return _Sampling(axes, channels, -(-count // fit))
+        finest = 0 if channels else self._sample_axes(cls, ndim, shapes)
+        for axes in range(min(1, finest), finest + 1):  # the coarsest samples first
+            samples = {s[1] if channels else math.prod(s[:axes]) for s in shapes}
+            count = samples.pop()
+            per_sample = max(math.prod(s) for s in shapes) // max(count, 1)
+            if samples or per_sample == 0:
+                return None
+            fit = SAMPLE_ELEMENTS // per_sample
+            weight = self.params.get("weight")
+            if cls in WEIGHTED and weight is not None:  # multiply-adds a sample: in x out each
+                fit = min(fit, SAMPLE_PRODUCTS // max(1, per_sample * min(
+                    int(n) for n in weight["shape_a"][:2])))
+            if fit >= 1:
+                return _Sampling(axes, channels, -(-count // fit))
+        return None
 
     def _sample_axes(self, cls: str, ndim: int, shapes: list[tuple]) -> int:
         """How many leading axes of the call's records hold samples its formula treats apart
@@ -272,32 +275,31 @@ class _Call:
             if usable:
                 reader = self.readers[side][(row["epoch"], row["step"], row["rank"])]
                 ds = reader.dataset(one_side(row, side))
-                pieces = read_chunks(ds, row[f"dtype_{side}"], row[f"encoding_{side}"],
-                                     SAMPLE_ELEMENTS, int(row[f"checksum_{side}"]))
-                if param:  # whole, a BatchNorm's at the channels sampled
-                    values = np.concatenate(list(pieces))
-                    values = values[::sampling.stride] if sampling.channels else values.reshape(
-                        shape)
-                else:
-                    values = _sampled(pieces, shape, sampling)
+                values = decode(_sampled(ds, shape, sampling, param), row[f"dtype_{side}"],
+                                row[f"encoding_{side}"])
                 if not np.iscomplexobj(values) and np.isfinite(values).all():
                     self.cache[key] = values.astype(np.float64)
         return self.cache[key]
 
 
-def _sampled(pieces, shape: tuple, sampling: _Sampling) -> np.ndarray:
-    """A tensor of ``shape`` read in ``pieces`` of whole slices of its first axis
-    (:func:`compare.dump.read_chunks`), all of them read (its checksum is checked at the
-    end): every ``stride``-th channel (axis 1), or its sampled leading axes flattened into one
-    and every ``stride``-th of them kept."""
+def _sampled(ds: h5py.Dataset, shape: tuple, sampling: _Sampling, param: bool) -> np.ndarray:
+    """The stored values of ``ds`` (of ``shape``) that ``sampling`` keeps, and no others read:
+    a parameter whole (a BatchNorm's at the channels kept); a record's every ``stride``-th
+    channel, or its sampled leading axes flattened into one and every ``stride``-th kept.
+    (Not checked against its checksum: the comparison read and checked every byte before.)"""
+    k = sampling.stride
+    if param:
+        return ds[()].reshape(-1)[::k] if sampling.channels else np.asarray(ds[()])
     if sampling.channels:
-        return np.concatenate([piece.reshape(-1, *shape[1:])[:, ::sampling.stride]
-                               for piece in pieces])
-    if sampling.axes == 0:
-        return np.concatenate(list(pieces)).reshape(shape)
-    kept, start = [], 0
-    for piece in pieces:
-        piece = piece.reshape(-1, *shape[sampling.axes:])
-        kept.append(piece[(-start) % sampling.stride::sampling.stride])
-        start += len(piece)
+        return ds[:, ::k]
+    if sampling.axes <= 1:
+        return ds[::k] if sampling.axes else np.asarray(ds[()])
+    rows = math.prod(shape[1:sampling.axes])  # in one slice of the first axis
+    kept = []
+    for index in range(shape[0]):
+        first = -(index * rows) % k  # the slice's first row kept
+        if first < rows:
+            piece = ds[index, first::k] if sampling.axes == 2 else ds[index].reshape(
+                -1, *shape[sampling.axes:])[first::k]
+            kept.append(piece.reshape(-1, *shape[sampling.axes:]))
     return np.concatenate(kept)

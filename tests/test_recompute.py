@@ -235,19 +235,21 @@ def _channels(out: torch.Tensor) -> torch.Tensor:
     # 3-D: one slice of the first axis (16 rows) is already more: rows of both leading axes
     (lambda: nn.Linear(32, 16), (4, 16, 32), 32 * 6,
      lambda t: t.reshape(-1, t.shape[-1])[::11]),
+    # an activation: down to single elements where no row fits, every 39th of 192
+    (lambda: nn.ReLU(), (4, 6, 8), 5, lambda t: t.reshape(-1)[::39]),
     # a BatchNorm normalizes across the batch: every 3rd of its 8 channels (4 x 36 each)
     (lambda: nn.BatchNorm2d(8), (4, 8, 6, 6), 144 * 3, lambda t: t[:, ::3]),
 ])
 def test_a_large_call_is_recomputed_on_every_kth_sample(tmp_path, monkeypatch, make, shape,
                                                         elements, sampled):
     """Beyond ``SAMPLE_ELEMENTS`` a call is recomputed on every k-th of the samples its formula
-    treats apart (a Linear's rows of all leading axes, a BatchNorm's channels), the same in
-    every record and on both sides, read in pieces across their boundaries: the figure is the
-    hand-computed error of those samples, not the whole tensor's."""
+    treats apart (slices of the first axis, a Linear's rows of all leading axes, an
+    activation's elements, a BatchNorm's channels), the same in every record and on both
+    sides: the figure is the hand-computed error of those samples, not the whole tensor's."""
     import compare.recompute as recompute
     monkeypatch.setattr(recompute, "SAMPLE_ELEMENTS", elements)
     torch.manual_seed(0)
-    x = torch.randn(*shape)
+    x = torch.randn(*shape, requires_grad=True)  # (a ReLU alone has no weights to train)
     mark = _channels if isinstance(make(), nn.BatchNorm2d) else _rows
 
     def run(directory, planted: bool):
@@ -258,7 +260,8 @@ def test_a_large_call_is_recomputed_on_every_kth_sample(tmp_path, monkeypatch, m
         _run(directory, nn.Sequential(layer), x, params=True)
         with torch.no_grad():  # what the layer computes (not layer(x): its hook would scale it)
             want = (nn.functional.linear(x, layer.weight, layer.bias)
-                    if isinstance(layer, nn.Linear) else nn.functional.batch_norm(
+                    if isinstance(layer, nn.Linear) else torch.relu(x)
+                    if isinstance(layer, nn.ReLU) else nn.functional.batch_norm(
                         x, None, None, layer.weight, layer.bias, training=True, eps=layer.eps))
         return want.double(), (want * (1 + 0.01 * mark(want))).double()
 
