@@ -154,9 +154,12 @@ class _Call:
         ``SAMPLE_PRODUCTS``): every k-th of the samples its formula treats apart, as coarse
         as fit (slices of the first axis, else the rows of more leading axes, down to a
         Linear's rows or an activation's elements), or, for a BatchNorm, every k-th channel;
-        None where not even one fits, or the records' samples do not line up."""
-        shapes = [tuple(int(n) for n in row[f"shape_{side}"]) for row in self.by_kind.values()
-                  for side in ("a", "b")]
+        None where not even one fits, or the records' samples do not line up (shapes that
+        differ between the sides: the comparison did not read those values)."""
+        rows = [*self.by_kind.values(), *self.params.values()]
+        if any(_shape(r, "a") != _shape(r, "b") for r in rows):
+            return None
+        shapes = [_shape(row, "a") for row in self.by_kind.values()]
         ndims = {len(s) for s in shapes}
         if len(ndims) != 1:  # parameters only (nothing to recompute), or records that differ
             return None
@@ -267,7 +270,7 @@ class _Call:
         key = (row["label"], side)
         if key not in self.cache:
             self.cache[key] = None
-            shape = tuple(int(n) for n in row[f"shape_{side}"])
+            shape = _shape(row, side)
             param, sampling = row["kind"] == fmt.PARAM, self.sampling
             usable = (row[f"dataset_{side}"] and row[f"dtype_{side}"] in FLOATS and
                       row[f"digest_{side}"] == fmt.NO_DIGEST and sampling is not None and
@@ -283,10 +286,12 @@ class _Call:
 
 
 def _sampled(ds: h5py.Dataset, shape: tuple, sampling: _Sampling, param: bool) -> np.ndarray:
-    """The stored values of ``ds`` (of ``shape``) that ``sampling`` keeps, and no others read:
-    a parameter whole (a BatchNorm's at the channels kept); a record's every ``stride``-th
-    channel, or its sampled leading axes flattened into one and every ``stride``-th kept.
-    (Not checked against its checksum: the comparison read and checked every byte before.)"""
+    """The stored values of ``ds`` (of ``shape``) that ``sampling`` keeps: a parameter whole
+    (a BatchNorm's at the channels kept); a record's every ``stride``-th channel, or its
+    sampled leading axes flattened into one and every ``stride``-th kept. Up to two sampled
+    axes only the kept values are read (strided selections); beyond, the second axis in
+    blocks (bounded memory). Not checked against its checksum: the comparison read and
+    checked every value of records of equal shapes before."""
     k = sampling.stride
     if param:
         return ds[()].reshape(-1)[::k] if sampling.channels else np.asarray(ds[()])
@@ -294,12 +299,25 @@ def _sampled(ds: h5py.Dataset, shape: tuple, sampling: _Sampling, param: bool) -
         return ds[:, ::k]
     if sampling.axes <= 1:
         return ds[::k] if sampling.axes else np.asarray(ds[()])
-    rows = math.prod(shape[1:sampling.axes])  # in one slice of the first axis
+    axes, trailing = sampling.axes, shape[sampling.axes:]
+    rows = math.prod(shape[1:axes])  # in one slice of the first axis
+    per_row = math.prod(shape[2:axes])  # rows in one index of the second axis
+    block = max(1, SAMPLE_ELEMENTS // max(1, per_row * math.prod(trailing)))
     kept = []
     for index in range(shape[0]):
-        first = -(index * rows) % k  # the slice's first row kept
-        if first < rows:
-            piece = ds[index, first::k] if sampling.axes == 2 else ds[index].reshape(
-                -1, *shape[sampling.axes:])[first::k]
-            kept.append(piece.reshape(-1, *shape[sampling.axes:]))
+        if axes == 2:  # its rows are the second axis: one strided selection
+            first = -(index * rows) % k
+            if first < rows:
+                kept.append(ds[index, first::k].reshape(-1, *trailing))
+            continue
+        for start in range(0, shape[1], block):  # read in bounded blocks of the second axis
+            first = -(index * rows + start * per_row) % k
+            if first < min(block, shape[1] - start) * per_row:
+                part = ds[index, start:start + block].reshape(-1, *trailing)
+                kept.append(part[first::k])
     return np.concatenate(kept)
+
+
+def _shape(row: dict, side: str) -> tuple:
+    """``row``'s shape on ``side``."""
+    return tuple(int(n) for n in row[f"shape_{side}"])

@@ -230,11 +230,13 @@ def _channels(out: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("make, shape, elements, sampled", [
-    # 2-D: 32 features a row, 6 rows fit: every 11th of 64 rows (pieces of 6 and 12 rows)
+    # 2-D: 32 features a row, 6 rows fit: every 11th of 64 rows
     (lambda: nn.Linear(32, 16), (64, 32), 32 * 6, lambda t: t.reshape(-1, t.shape[-1])[::11]),
     # 3-D: one slice of the first axis (16 rows) is already more: rows of both leading axes
     (lambda: nn.Linear(32, 16), (4, 16, 32), 32 * 6,
      lambda t: t.reshape(-1, t.shape[-1])[::11]),
+    # more rows apart than a slice of the first axis holds: every 6th row, some slices none
+    (lambda: nn.Linear(8, 4), (4, 3, 8), 16, lambda t: t.reshape(-1, t.shape[-1])[::6]),
     # an activation: down to single elements where no row fits, every 39th of 192
     (lambda: nn.ReLU(), (4, 6, 8), 5, lambda t: t.reshape(-1)[::39]),
     # a BatchNorm normalizes across the batch: every 3rd of its 8 channels (4 x 36 each)
@@ -272,6 +274,8 @@ def test_a_large_call_is_recomputed_on_every_kth_sample(tmp_path, monkeypatch, m
     row = result[(result["module"] == "0") & (result["kind"] == "output")].iloc[0]
     assert row["recomputed_rel_err"] == pytest.approx(expected, rel=1e-3)
     assert expected != pytest.approx(float((got - want).norm() / want.norm()), rel=1e-2)
+    backward = result[(result["module"] == "0") & (result["kind"] == "grad_input")]
+    assert backward["recomputed_rel_err"].notna().all() and len(backward) == 1
 
 
 def test_empty_records_have_no_figures(tmp_path):
