@@ -176,7 +176,7 @@ class _Call:
             weight = self.params.get("weight")
             if cls in WEIGHTED and weight is not None:  # multiply-adds a sample: in x out each
                 fit = min(fit, SAMPLE_PRODUCTS // max(1, per_sample * min(
-                    int(n) for n in weight["shape_a"][:2])))
+                    _shape(weight, "a")[:2])))
             if fit >= 1:
                 return _Sampling(axes, channels, -(-count // fit))
         return None
@@ -193,7 +193,7 @@ class _Call:
         # a LayerNorm or RMSNorm: over the trailing axes its weight spans, else per row or
         # position (channels first): never the axes it normalizes over
         weight = self.params.get("weight")
-        span = tuple(int(n) for n in weight["shape_a"]) if weight else ()
+        span = _shape(weight, "a") if weight else ()
         if span and len(span) < ndim and all(s[ndim - len(span):] == span for s in shapes):
             return ndim - len(span)
         return max(0, min(1, ndim - 1))
