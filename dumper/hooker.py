@@ -22,6 +22,7 @@ from .calls import (Modules, compiled_regions, hook_target, named_modules, runs_
                     unhookable_roots)
 from .capture import StepCapture
 from .claim import PublishedFiles, StepClaim, StepConflictError
+from .collector import CollectorPause
 from .consumers import Consumer, Consumers
 from .injection import LOCALIZING, Injector, StepReference
 from .memory import trim_heap
@@ -95,6 +96,11 @@ class HookerAndDumper:
     every hooked module call, after what arrived is recorded; or an :class:`Injector` choosing
     other kinds or modules. ``compare.localize`` (``h5cmp A B --injected C``) then tells each
     module's own error. The run's numerics change in those steps, by design.
+
+    ``pause_gc`` (default True) turns Python's automatic cyclic garbage collection off from
+    ``register_hooks`` of a dumped step to its ``remove_hooks`` (:mod:`dumper.collector`): the
+    step's many short-lived objects would otherwise trigger full collections of the whole
+    process. A collector the user turned off stays off.
     """
 
     def __init__(self, file_path: Union[str, os.PathLike] = "dumps/", epochs: WindowSpec = None,
@@ -107,7 +113,7 @@ class HookerAndDumper:
                  on_nonfinite: Optional[str] = None, nonfinite_history: int = 8,
                  inject: Union[str, os.PathLike, Dump, Injector, None] = None,
                  ops: Patterns = None, skip_ops: Optional[Iterable[str]] = None,
-                 publish: str = "auto"):
+                 publish: str = "auto", pause_gc: bool = True):
         self.directory = _prepare_directory(file_path)
         self.epochs = Window(epochs, "epochs")
         self.steps = Window(steps, "steps")
@@ -121,6 +127,8 @@ class HookerAndDumper:
             raise ValueError(f"publish must be one of {PUBLISH_MODES}, got {publish!r}")
         self.publish = publish
         self._publishing: deque[StepWriter] = deque()  # steps published in the background
+        self.pause_gc = bool(pause_gc)
+        self._gc_pause: Optional[CollectorPause] = None  # while a dumped step runs
         if max_bytes_in_flight <= 0:
             raise ValueError(f"max_bytes_in_flight must be positive, got {max_bytes_in_flight}")
         if when_full not in ("wait", "drop"):
@@ -224,13 +232,18 @@ class HookerAndDumper:
             return False
         injected_from = self.injector.describe() if self.injector else ""
         attrs = run_attrs(model, epoch, step, self.selection.mode, injected_from, tuple(compiled))
-        self._writer = StepWriter(claim, fmt.step_group_name(epoch, step), attrs,
-                                  self._maker.release, self.fsync, self._published.check,
-                                  self._consumers.for_step(epoch, step))
-        self._budget.on_pressure = self._writer.flush
-        self._maker.batch = StepBatch(self._pool)
-        self._capture = StepCapture(modules, self._writer.submit, self._maker, self.selection,
-                                    self.params, self._reference)
+        self._gc_pause = CollectorPause() if self.pause_gc else None  # before the hooks' objects
+        try:
+            self._writer = StepWriter(claim, fmt.step_group_name(epoch, step), attrs,
+                                      self._maker.release, self.fsync, self._published.check,
+                                      self._consumers.for_step(epoch, step))
+            self._budget.on_pressure = self._writer.flush
+            self._maker.batch = StepBatch(self._pool)
+            self._capture = StepCapture(modules, self._writer.submit, self._maker,
+                                        self.selection, self.params, self._reference)
+        except BaseException:
+            self._resume_gc()
+            raise
         self._start_sentinel(model)  # after the capture: a failing call's tensors are recorded
         return True
 
@@ -278,7 +291,13 @@ class HookerAndDumper:
             self._collect_published(block=False)  # an earlier background step's error
             return path
         finally:
+            self._resume_gc()  # once the step's records are written (or handed over)
             self._stop_sentinel()  # last: whatever its read raises, nothing is left behind
+
+    def _resume_gc(self) -> None:
+        pause, self._gc_pause = self._gc_pause, None
+        if pause is not None:
+            pause.resume()
 
     def _publish_step(self) -> Optional[Path]:
         capture, writer = self._capture, self._writer
@@ -363,6 +382,7 @@ class HookerAndDumper:
                 capture.remove()
                 writer.abort()
         finally:
+            self._resume_gc()
             self._close_reference()
             self._stop_sentinel()
 

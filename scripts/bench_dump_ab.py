@@ -9,7 +9,9 @@ load) trains ``--steps`` steps of ``scripts/bench_dump.py``'s model, each a plai
 a dumped one (``register_hooks``, the step, ``remove_hooks`` and, where the checkout has it,
 ``wait()`` for the file: everything the training thread waits for). Prints, per model and mode,
 the extra milliseconds of a dumped step over a plain one and per captured tensor, for both
-checkouts (median over rounds of each round's median), and their ratio.
+checkouts (median over rounds of each round's median), and their ratio; then the same from each
+round's *mean* step, which counts what a median leaves out: the full garbage collections that
+come every few dumped steps (what a training run's throughput sees).
 """
 from __future__ import annotations
 
@@ -49,7 +51,9 @@ with tempfile.TemporaryDirectory() as tmp:
                     | (index.get("digest", 0) != 0)).sum())
 skip = steps // 5  # warm-up
 print(json.dumps({"plain": statistics.median(plain[skip:]),
-                  "dumped": statistics.median(dumped[skip:]), "captured": captured}))
+                  "dumped": statistics.median(dumped[skip:]),
+                  "plain_mean": statistics.fmean(plain[skip:]),
+                  "dumped_mean": statistics.fmean(dumped[skip:]), "captured": captured}))
 """
 
 
@@ -77,22 +81,24 @@ def main() -> None:
                 for label, tree in trees.items():
                     runs.setdefault((model, mode, label), []).append(
                         measure(tree, model, mode, args.steps))
-    print(f"this checkout ({trees['this']}) against {trees['other']}: extra ms of a dumped step "
-          f"over a plain one (median of {args.rounds} rounds of {args.steps} steps), and per "
-          f"captured tensor")
-    print(f"{'model':<12} {'mode':<8} {'tensors':>7} {'plain ms':>9} {'this ms':>8} "
-          f"{'other ms':>9} {'this us/t':>10} {'other us/t':>11} {'this/other':>11}")
-    for model in args.models.split(","):
-        for mode in args.modes.split(","):
-            extra = {label: statistics.median(r["dumped"] - r["plain"]
-                                              for r in runs[(model, mode, label)]) * 1e3
-                     for label in trees}
-            plain = statistics.median(r["plain"] for label in trees
-                                      for r in runs[(model, mode, label)]) * 1e3
-            n = runs[(model, mode, "this")][0]["captured"]
-            print(f"{model:<12} {mode:<8} {n:>7} {plain:9.2f} {extra['this']:8.2f} "
-                  f"{extra['other']:9.2f} {extra['this'] / n * 1e3:10.1f} "
-                  f"{extra['other'] / n * 1e3:11.1f} {extra['this'] / extra['other']:11.2f}")
+    for average in ("median", "mean"):
+        print(f"this checkout ({trees['this']}) against {trees['other']}: extra ms of a dumped "
+              f"step over a plain one (median over {args.rounds} rounds of each round's "
+              f"{average} of {args.steps} steps), and per captured tensor")
+        print(f"{'model':<12} {'mode':<8} {'tensors':>7} {'plain ms':>9} {'this ms':>8} "
+              f"{'other ms':>9} {'this us/t':>10} {'other us/t':>11} {'this/other':>11}")
+        suffix = "" if average == "median" else "_mean"
+        for model in args.models.split(","):
+            for mode in args.modes.split(","):
+                extra = {label: statistics.median(r["dumped" + suffix] - r["plain" + suffix]
+                                                  for r in runs[(model, mode, label)]) * 1e3
+                         for label in trees}
+                plain = statistics.median(r["plain" + suffix] for label in trees
+                                          for r in runs[(model, mode, label)]) * 1e3
+                n = runs[(model, mode, "this")][0]["captured"]
+                print(f"{model:<12} {mode:<8} {n:>7} {plain:9.2f} {extra['this']:8.2f} "
+                      f"{extra['other']:9.2f} {extra['this'] / n * 1e3:10.1f} "
+                      f"{extra['other'] / n * 1e3:11.1f} {extra['this'] / extra['other']:11.2f}")
 
 
 if __name__ == "__main__":
