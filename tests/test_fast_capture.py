@@ -1,6 +1,7 @@
 """The asynchronous pipeline: bounded memory (wait / drop), statistics mode, and their compare."""
 from __future__ import annotations
 
+import math
 import os
 import threading
 import warnings
@@ -199,6 +200,40 @@ def test_statistics_of_cpu_tensors_equal_numpy_references(n, dtype, plant):
     assert got[5:] == pytest.approx(ref[5:], abs=0)  # counts exact
     np.testing.assert_allclose(got[:5], ref[:5], rtol=1e-12, equal_nan=True)
     assert ref[7] > 0 and (ref[6] == 2 if plant else ref[5] == ref[6] == 0)
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass (read as torch sees it, not by address)."""
+
+
+@pytest.mark.parametrize("view", ["offset", "strided", "transposed", "negative bit", "subclass",
+                                  "parameter"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_statistics_of_views_are_those_of_their_elements(view, dtype):
+    """Small CPU tensors are read by address: a view is described by its own elements (not
+    its storage's), exactly as its contiguous copy is, and a parameter stays resizable."""
+    base = torch.randn(40, 30, dtype=dtype)
+    t = {"offset": lambda: base[7:], "strided": lambda: base[::3, ::2],
+         "transposed": lambda: base.t(), "negative bit": lambda: torch._neg_view(base),
+         "subclass": lambda: base.as_subclass(_Marked),
+         "parameter": lambda: nn.Parameter(base.clone())}[view]()
+    got = tensor_stats(t)
+    assert t.untyped_storage().resizable()
+    copy = t.detach().clone().as_subclass(torch.Tensor)
+    assert got == tensor_stats(copy)
+    assert got == pytest.approx(stats_of_chunks([copy.double().reshape(-1).numpy()]), rel=1e-12)
+
+
+@pytest.mark.parametrize("value", [1e149, 1e151, 1e300, -1e300])
+def test_large_float64_values_give_no_numpy_warning(value):
+    """Squares of float64 values beyond 1e154 overflow: inf, silently (the norm says so)."""
+    t = torch.tensor([value, 1.0, -2.0], dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = tensor_stats(t)
+    assert got[:2] == (min(value, -2.0), max(value, 1.0))
+    assert got[4] == pytest.approx(math.sqrt(value ** 2 + 5)) if abs(value) < 1e154 else \
+        got[4] == math.inf
 
 
 class _EmptySlice(nn.Module):
