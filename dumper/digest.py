@@ -14,12 +14,19 @@ import torch
 
 from compare import format as fmt
 
+from .host_memory import tensor_bytes
+
 assert sys.byteorder == "little", "digests read a tensor's bytes as little-endian words"
 
 
 def tensor_digest(t: torch.Tensor) -> int:
     """The digest of ``t``. For a tensor on an accelerator this reads the result (a host sync);
-    the dumper batches those instead (:func:`word_sum`, :mod:`dumper.arena`)."""
+    the dumper batches those instead (:func:`word_sum`, :mod:`dumper.arena`). A plain CPU
+    tensor's bytes are summed in place by numpy (:mod:`dumper.host_memory`): the same sum,
+    without torch's half-dozen views and casts."""
+    memory = tensor_bytes(t.detach())
+    if memory is not None:
+        return fmt.data_checksum(memory)
     return fmt.fold_word_sum(int(word_sum(t)))
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import math
 import threading
@@ -13,6 +12,8 @@ import torch
 
 from compare.statistics import (SKETCH_COLUMNS_P, SKETCH_ROWS_Q, SKETCH_SIZE, sketch_signs,
                                 stats_from_sums)
+
+from .host_memory import tensor_bytes
 
 SMALL = 1 << 16  # CPU tensors up to this many elements are reduced with numpy: far fewer
 #                  dispatcher round trips than torch for the same eight numbers
@@ -96,9 +97,8 @@ def _float64_copy(x: torch.Tensor) -> np.ndarray:
     """A float64 copy of ``x`` (a CPU float tensor of at most ``SMALL`` elements), flat, as a
     numpy array: a fresh one when small (numpy's cast of the tensor's memory read in place,
     :func:`_host_view`; else one torch call), else this thread's scratch buffer (a fresh one
-    that large would be mapped and page-faulted anew each time). Never ``x.numpy()``: exposing
-    a tensor's storage to numpy marks it not resizable for good, and FSDP frees unsharded
-    parameters by resizing it."""
+    that large would be mapped and page-faulted anew each time). Never ``x.numpy()``
+    (:mod:`dumper.host_memory`)."""
     if x.numel() <= HEAP_COPY:
         view = _host_view(x)
         if view is not None:
@@ -113,15 +113,10 @@ _NUMPY_OF = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 def _host_view(x: torch.Tensor) -> Optional[np.ndarray]:
-    """The elements of ``x`` as a flat numpy array over its memory, read by address (the
-    storage is not touched, unlike ``x.numpy()``; valid while ``x`` lives), where ``x`` is a
-    plain contiguous CPU tensor of ``_NUMPY_OF``'s dtypes; else None. Half the time of a
-    torch cast for the small tensors most records are."""
-    if type(x) is not torch.Tensor or x.dtype not in _NUMPY_OF or not x.is_cpu or \
-            not x.is_contiguous() or x.is_neg():
-        return None
-    memory = (ctypes.c_char * (x.numel() * x.element_size())).from_address(x.data_ptr())
-    return np.frombuffer(memory, dtype=_NUMPY_OF[x.dtype])
+    """The elements of ``x`` as a flat numpy array over its memory (:mod:`dumper.host_memory`)
+    where ``x`` is one of ``_NUMPY_OF``'s dtypes and can be read so; else None."""
+    memory = tensor_bytes(x) if x.dtype in _NUMPY_OF else None
+    return None if memory is None else memory.view(_NUMPY_OF[x.dtype])
 
 
 def _small_cpu_stats(a: np.ndarray) -> tuple:

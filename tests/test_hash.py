@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from compare import compare_dumps, format as fmt
 from compare.cli import main
 from compare.dump import load_dump
-from dumper.digest import tensor_digest
+from dumper.digest import tensor_digest, word_sum
 from dumper.encoding import encode
 
 import architectures
@@ -32,6 +32,16 @@ def test_a_digest_is_the_checksum_its_dataset_would_have():
     for t in _cases():
         stored, _ = encode(t.contiguous())
         assert tensor_digest(t) == fmt.data_checksum(stored), (t.dtype, tuple(t.shape))
+
+
+def test_digests_read_in_place_are_torch_word_sums():
+    """A plain CPU tensor's digest is summed by numpy over its memory; the rest (views) by
+    torch: the same sum either way, the storage left resizable."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.nn.Parameter(torch.randn(9, 3, generator=gen))
+    for t in (*_cases(), weight):
+        assert tensor_digest(t) == fmt.fold_word_sum(int(word_sum(t))), (t.dtype, t.shape)
+        assert t.untyped_storage().resizable()
 
 
 def test_one_flipped_bit_changes_the_digest():
