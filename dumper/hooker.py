@@ -234,17 +234,22 @@ class HookerAndDumper:
         attrs = run_attrs(model, epoch, step, self.selection.mode, injected_from, tuple(compiled))
         self._gc_pause = CollectorPause() if self.pause_gc else None  # before the hooks' objects
         try:
-            self._writer = StepWriter(claim, fmt.step_group_name(epoch, step), attrs,
-                                      self._maker.release, self.fsync, self._published.check,
-                                      self._consumers.for_step(epoch, step))
+            try:
+                self._writer = StepWriter(claim, fmt.step_group_name(epoch, step), attrs,
+                                          self._maker.release, self.fsync,
+                                          self._published.check,
+                                          self._consumers.for_step(epoch, step))
+            except BaseException:
+                claim.release()
+                raise
             self._budget.on_pressure = self._writer.flush
             self._maker.batch = StepBatch(self._pool)
             self._capture = StepCapture(modules, self._writer.submit, self._maker,
                                         self.selection, self.params, self._reference)
-        except BaseException:
-            self._resume_gc()
+            self._start_sentinel(model)  # after the capture: a failing call's tensors recorded
+        except BaseException:  # nothing stays hooked, claimed or paused
+            self.abort_step()
             raise
-        self._start_sentinel(model)  # after the capture: a failing call's tensors are recorded
         return True
 
     def _start_sentinel(self, model: nn.Module) -> None:
@@ -380,6 +385,7 @@ class HookerAndDumper:
         try:
             if capture is not None:
                 capture.remove()
+            if writer is not None:
                 writer.abort()
         finally:
             self._resume_gc()

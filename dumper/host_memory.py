@@ -15,14 +15,24 @@ import torch
 
 
 def tensor_bytes(x: torch.Tensor) -> Optional[np.ndarray]:
-    """The bytes of ``x``'s elements in C order, as a flat uint8 array over its memory (valid
-    while ``x`` lives; never written), where ``x`` is a plain contiguous CPU tensor whose
-    bytes are its values (no negative or conjugate bit); else None."""
+    """The bytes of ``x``'s elements in C order, as a flat read-only uint8 array over its
+    memory (valid while ``x``'s storage is neither freed nor resized: read it at once), where
+    ``x`` is a plain contiguous CPU tensor whose memory holds its values (no negative or
+    conjugate bit, not a zero tensor without memory, not a wrapper without storage); else
+    None."""
     if type(x) is not torch.Tensor or not x.is_cpu or not x.is_contiguous() or x.is_neg() \
             or x.is_conj() or x.layout is not torch.strided:
         return None
     nbytes = x.numel() * x.element_size()
     if nbytes == 0:  # an empty tensor may have no address at all
-        return np.empty(0, dtype=np.uint8)
-    memory = (ctypes.c_char * nbytes).from_address(x.data_ptr())
-    return np.frombuffer(memory, dtype=np.uint8)
+        memory = np.empty(0, dtype=np.uint8)
+    else:
+        try:
+            address = x.data_ptr()
+        except RuntimeError:  # e.g. a functorch wrapper: no storage of its own
+            return None
+        if address == 0:  # torch's zero tensors (_efficientzerotensor) have no memory
+            return None
+        memory = np.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=np.uint8)
+    memory.flags.writeable = False
+    return memory

@@ -38,7 +38,7 @@ def tensor_stats(t: torch.Tensor) -> tuple:
     if n == 0:
         return stats_from_sums(math.nan, math.nan, 0.0, 0.0, 0, 0, 0, 0)
     if x.dtype in _NUMPY_FLOATS and x.is_cpu and n <= SMALL:
-        return _small_cpu_stats(_float64_copy(x))  # the common case, kept short
+        return _small_cpu_stats(_float64_copy(x), x.dtype)  # the common case, kept short
     x = reduced(x)
     if x.device.type == "cpu":
         return _cpu_stats(x.reshape(-1))
@@ -74,7 +74,7 @@ def stats_of_sums(raw: list[float], n: int) -> tuple:
     return stats_from_sums(lo, hi, total, sumsq, n, nan, inf, zero)
 
 
-_NUMPY_FLOATS = (torch.float32, torch.float64)
+_NUMPY_FLOATS = {torch.float32: np.float32, torch.float64: np.float64}  # numpy reads these
 _MIN, _MAX, _SUM = np.minimum.reduce, np.maximum.reduce, np.add.reduce
 _scratch = threading.local()  # per-thread buffers: hooks may run on several threads
 CHUNK = 1 << 18  # elements per pass over a chunk: scratch buffers stay small and in cache
@@ -109,31 +109,30 @@ def _float64_copy(x: torch.Tensor) -> np.ndarray:
     return wide.numpy()
 
 
-_NUMPY_OF = {torch.float32: np.float32, torch.float64: np.float64}
-
-
 def _host_view(x: torch.Tensor) -> Optional[np.ndarray]:
     """The elements of ``x`` as a flat numpy array over its memory (:mod:`dumper.host_memory`)
-    where ``x`` is one of ``_NUMPY_OF``'s dtypes and can be read so; else None."""
-    memory = tensor_bytes(x) if x.dtype in _NUMPY_OF else None
-    return None if memory is None else memory.view(_NUMPY_OF[x.dtype])
+    where ``x`` is one of ``_NUMPY_FLOATS`` and can be read so; else None."""
+    memory = tensor_bytes(x) if x.dtype in _NUMPY_FLOATS else None
+    return None if memory is None else memory.view(_NUMPY_FLOATS[x.dtype])
 
 
-def _small_cpu_stats(a: np.ndarray) -> tuple:
-    """Statistics of a small float64 array (``a`` is scratch: squared in place). Ufunc
-    reductions are called directly: for 2048 elements numpy's Python wrappers (``a.min()``,
-    ``np.einsum``) took a third of the time. No BLAS: numpy's OpenBLAS threads spin after a
-    call, taking a core from training."""
+def _small_cpu_stats(a: np.ndarray, source: torch.dtype) -> tuple:
+    """Statistics of a small float64 array (``a`` is scratch: squared in place) holding the
+    values of a ``source`` tensor. Ufunc reductions are called directly: for 2048 elements
+    numpy's Python wrappers (``a.min()``, ``np.einsum``) took a third of the time. No BLAS:
+    numpy's OpenBLAS threads spin after a call, taking a core from training."""
     lo, hi = float(_MIN(a)), float(_MAX(a))
     finite = math.isfinite(lo) and math.isfinite(hi)
     nan = inf = 0.0
     if not finite:
         nan, inf = float(np.count_nonzero(np.isnan(a))), float(np.count_nonzero(np.isinf(a)))
     zero = float(a.size - np.count_nonzero(a))
-    # inf - inf is the NaN the counts explain, and overflow gives inf: numpy must not warn.
-    # Values within +-1e150 neither overflow nor are infinite: no error state needed (1.4 us)
-    quiet = np.errstate(all="ignore") if not (finite and -1e150 < lo and hi < 1e150) \
-        else contextlib.nullcontext()
+    # inf - inf is the NaN the counts explain, overflow gives inf and underflow 0: numpy must
+    # neither warn nor raise, whatever np.seterr the user chose. Finite float32 values widened
+    # to float64 can do none of these (their squares lie within 1e-90 and 2e77), so they need
+    # no error state (1.4 us)
+    quiet = contextlib.nullcontext() if finite and source == torch.float32 else \
+        np.errstate(all="ignore")
     with quiet:
         total = float(_SUM(a))
         sumsq = float(_SUM(np.multiply(a, a, out=a)))
@@ -148,7 +147,7 @@ def _cpu_stats(x: torch.Tensor) -> tuple:
     both are finite, no zero outside [min, max]."""
     n = x.numel()
     if n <= SMALL:
-        return _small_cpu_stats(_float64_copy(x))
+        return _small_cpu_stats(_float64_copy(x), x.dtype)
     low, high = torch.aminmax(x)
     lo, hi = low.item(), high.item()
     finite = math.isfinite(lo) and math.isfinite(hi)
@@ -183,6 +182,11 @@ def _signs_on(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return tables
 
 
+# CPU tensors up to this many elements are sketched with numpy (no dispatcher, no BLAS);
+# beyond, torch's matrix product is faster (2-core CPU: level at 16384, 2.75x at 65536)
+SKETCH_SMALL = 1 << 14
+
+
 def tensor_sketch(t: torch.Tensor) -> tuple:
     """The sketch of ``t`` (``compare.statistics.sketch_of_chunks``, the definition the reader
     shares), in float64. For a tensor on an accelerator this reads the result (a host sync);
@@ -193,11 +197,6 @@ def tensor_sketch(t: torch.Tensor) -> tuple:
     if x.device.type == "cpu" and x.dtype in _NUMPY_FLOATS and x.numel() <= SKETCH_SMALL:
         return tuple(sketch_of_small(_float64_copy(x)).tolist())
     return tuple(sketch_on_device(x).tolist())
-
-
-# CPU tensors up to this many elements are sketched with numpy (no dispatcher, no BLAS);
-# beyond, torch's matrix product is faster (2-core CPU: level at 16384, 2.75x at 65536)
-SKETCH_SMALL = 1 << 14
 
 
 def sketch_of_small(x: np.ndarray) -> np.ndarray:

@@ -21,6 +21,7 @@ from dumper.claim import StepClaim
 from dumper.record import ByteBudget, CallInfo, Record
 from dumper.run_info import run_attrs
 from dumper.snapshot import Snapshot
+from dumper.host_memory import tensor_bytes
 from dumper.stats import tensor_stats
 
 from helpers import Planted, read_tensors
@@ -224,16 +225,48 @@ def test_statistics_of_views_are_those_of_their_elements(view, dtype):
     assert got == pytest.approx(stats_of_chunks([copy.double().reshape(-1).numpy()]), rel=1e-12)
 
 
-@pytest.mark.parametrize("value", [1e149, 1e151, 1e300, -1e300])
-def test_large_float64_values_give_no_numpy_warning(value):
-    """Squares of float64 values beyond 1e154 overflow: inf, silently (the norm says so)."""
-    t = torch.tensor([value, 1.0, -2.0], dtype=torch.float64)
-    with warnings.catch_warnings():
+@pytest.mark.parametrize("value", [1e149, 9.99e149, 1e151, 1e300, -1e300, 1e-160, 1e-320])
+@pytest.mark.parametrize("n", [3, 1 << 16])
+def test_extreme_float64_values_give_no_numpy_warning_or_error(value, n):
+    """Squares of float64 values beyond 1e154 overflow (inf, silently: the norm says so) and
+    below 1e-154 underflow, whatever numpy error handling the user set."""
+    t = torch.full((n,), value, dtype=torch.float64)
+    t[1], t[2] = 1.0, -2.0
+    with warnings.catch_warnings(), np.errstate(all="raise"):
         warnings.simplefilter("error")
         got = tensor_stats(t)
     assert got[:2] == (min(value, -2.0), max(value, 1.0))
-    assert got[4] == pytest.approx(math.sqrt(value ** 2 + 5)) if abs(value) < 1e154 else \
-        got[4] == math.inf
+    exact = math.sqrt((n - 2) * value ** 2 + 5) if abs(value) < 1e154 else math.inf
+    assert got[4] == pytest.approx(exact, rel=1e-12)
+
+
+def test_float32_statistics_need_no_error_state():
+    """The fast path (no numpy error state) is taken for finite float32 values only, whose
+    squares in float64 neither overflow nor underflow, with the user's numpy set to raise."""
+    finfo = torch.finfo(torch.float32)
+    t = torch.tensor([finfo.max, -finfo.max, finfo.smallest_normal, 1.4e-45, 0.0])
+    with np.errstate(all="raise"):
+        got = tensor_stats(t)
+    assert got[:2] == (-finfo.max, finfo.max) and got[4] == pytest.approx(finfo.max * 2 ** 0.5)
+
+
+@pytest.mark.parametrize("make, in_place", [
+    (lambda: torch.randn(6, 5), True), (lambda: nn.Parameter(torch.randn(6)).detach(), True),
+    (lambda: torch.randn(6, 5)[2:], True), (lambda: torch.randn(6, 5).t(), False),
+    (lambda: torch._neg_view(torch.randn(6)), False),
+    (lambda: torch.randn(3).as_subclass(_Marked), False),
+    (lambda: torch._efficientzerotensor(4), False), (lambda: torch.empty(0, 3), True)],
+    ids=["plain", "parameter", "offset", "transposed", "negative bit", "subclass", "zero tensor",
+         "empty"])
+def test_which_tensors_are_read_in_place(make, in_place):
+    """Read by address: plain contiguous CPU tensors (read-only); the rest through torch."""
+    t = make()
+    memory = tensor_bytes(t)
+    assert (memory is not None) == in_place
+    if in_place:
+        assert not memory.flags.writeable
+        assert memory.tobytes() == t.contiguous().view(torch.uint8).numpy().tobytes() \
+            if t.numel() else memory.size == 0
 
 
 class _EmptySlice(nn.Module):

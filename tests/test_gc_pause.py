@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
 from torch import nn
 
-from dumper import HookerAndDumper
+from dumper import HookerAndDumper, collector
 
 
 class Probe(nn.Module):
@@ -30,6 +31,7 @@ def collector_restored():
     was = gc.isenabled()
     gc.enable()
     yield
+    assert collector._pauses == 0, "a test left a pause behind"
     (gc.enable if was else gc.disable)()
 
 
@@ -80,16 +82,52 @@ def test_every_way_a_step_ends_turns_the_collector_back_on(tmp_path):
     assert gc.isenabled()
 
 
-def test_a_step_that_cannot_start_leaves_the_collector_on(tmp_path, monkeypatch):
-    d = HookerAndDumper(tmp_path)
+@pytest.mark.parametrize("failing", ["StepWriter", "StepCapture", "NonFiniteSentinel"])
+def test_a_step_that_cannot_start_leaves_nothing_behind(tmp_path, monkeypatch, failing):
+    """Whatever fails in register_hooks after the step is claimed: the collector is on, no
+    hook, lock or temporary file is left, and the same step can be registered again."""
+    d = HookerAndDumper(tmp_path, on_nonfinite="raise")
+    model = Probe()
 
     def broken(*args, **kwargs):
-        raise RuntimeError("no writer")
+        raise RuntimeError(f"no {failing}")
 
-    monkeypatch.setattr("dumper.hooker.StepWriter", broken)
-    with pytest.raises(RuntimeError, match="no writer"):
-        d.register_hooks(Probe(), 0, 0)
+    with monkeypatch.context() as patched:
+        patched.setattr(f"dumper.hooker.{failing}", broken)
+        with pytest.raises(RuntimeError, match=f"no {failing}"):
+            d.register_hooks(model, 0, 0)
+    assert gc.isenabled() and os.listdir(tmp_path) == []
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    with d.hooks(model, 0, 0):
+        run_step(model)
+    assert [p.name for p in d.written_files] == ["0-epoch_0-step_dump.hdf5"]
+
+
+def test_a_dumper_dropped_mid_step_turns_the_collector_back_on(tmp_path):
+    """A notebook cell that raised mid-step and a new dumper made in its place: the old
+    dumper's pause ends with it."""
+    d = HookerAndDumper(tmp_path / "old")
+    d.register_hooks(Probe(), 0, 0)
+    assert not gc.isenabled()
+    del d
     assert gc.isenabled()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_process_forked_mid_step_collects(tmp_path):
+    """A worker forked during a dumped step (a DataLoader's) is not left without a
+    collector: the parent's pause is not the child's to end."""
+    d = HookerAndDumper(tmp_path)
+    model = Probe()
+    d.register_hooks(model, 0, 0)
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave at once
+        os._exit(0 if gc.isenabled() and collector._pauses == 0 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert not gc.isenabled()  # the parent's step goes on
+    run_step(model)
+    d.remove_hooks()
+    assert os.waitstatus_to_exitcode(status) == 0 and gc.isenabled()
 
 
 def test_pauses_of_several_dumpers_nest(tmp_path):
