@@ -406,13 +406,19 @@ class HookerAndDumper:
         active = self.register_hooks(model, epoch, step)
         try:
             yield active
-        except NonFiniteError:
-            self.remove_hooks()
-            raise
-        except BaseException:
-            self.abort_step()
+        except BaseException as exc:
+            self.end_step_after(exc)
             raise
         self.remove_hooks()
+
+    def end_step_after(self, exc: BaseException) -> None:
+        """End the step in flight that ``exc`` interrupted: published, marked incomplete, when
+        the NaN/Inf sentinel stopped it (its records so far show how the values got there);
+        else discarded. Either way no hook stays on the model (a trainer's exception hook)."""
+        if isinstance(exc, NonFiniteError):
+            self.remove_hooks()
+        else:
+            self.abort_step()
 
     def close(self) -> None:
         """Discard a step left open (hooks registered, never removed), wait for the steps

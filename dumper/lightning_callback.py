@@ -33,6 +33,13 @@ class H5cmpLightningCallback(Callback):
         if self._step is not None and trainer.global_step > self._step:  # the optimizer stepped
             self._end_step()
 
+    def on_exception(self, trainer, pl_module, exception):
+        """The step that raised is ended (:meth:`~dumper.HookerAndDumper.end_step_after`): no
+        hook stays on the module, and a step the NaN/Inf sentinel stopped is published."""
+        if self._step is not None:
+            self._step = None
+            self.dumper.end_step_after(exception)
+
     def on_train_end(self, trainer, pl_module):
         if self._step is not None:  # micro-batches of an optimizer step that never came
             self._end_step()

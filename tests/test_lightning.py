@@ -11,7 +11,7 @@ pl = pytest.importorskip("lightning.pytorch")
 pytest.importorskip("transformers")
 
 from compare import compare_dumps, load_dump  # noqa: E402
-from dumper import HookerAndDumper  # noqa: E402
+from dumper import HookerAndDumper, NonFiniteError  # noqa: E402
 from dumper.lightning_callback import H5cmpLightningCallback  # noqa: E402
 from tests.architectures import build  # noqa: E402
 
@@ -76,3 +76,46 @@ def test_a_dumper_or_its_arguments_not_both(tmp_path):
     assert H5cmpLightningCallback(dumper=dumper).dumper is dumper
     with pytest.raises(TypeError, match="H5cmpLightningCallback: pass either a dumper"):
         H5cmpLightningCallback(steps=[1], dumper=dumper)
+
+
+class LitFailing(pl.LightningModule):
+    """A Linear whose training step raises (``error``) or makes NaN (the sentinel raises) at
+    optimizer step 1."""
+
+    def __init__(self, error: bool):
+        super().__init__()
+        self.lin = torch.nn.Linear(10, 4)
+        self.error = error
+
+    def training_step(self, batch, batch_idx):
+        x = batch.float()
+        if self.trainer.global_step == 1:
+            if self.error:
+                raise RuntimeError("the user's step failed")
+            x = x * float("nan")
+        return self.lin(x).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("error", [True, False], ids=["error", "nan"])
+def test_a_step_that_raises_in_lightning_leaves_no_hook(tmp_path, error):
+    """A failing step is discarded (an error) or published marked incomplete (NaN/Inf): no
+    hook stays on the module, the collector runs again, no lock or temporary file is left."""
+    import gc
+    module = LitFailing(error)
+    callback = H5cmpLightningCallback(tmp_path, steps=[1], on_nonfinite="raise")
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[callback])
+    with pytest.raises(RuntimeError if error else NonFiniteError):
+        trainer.fit(module, torch.utils.data.DataLoader(data(), batch_size=2))
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in module.modules())
+    assert gc.isenabled()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    if error:
+        assert files == []
+    else:
+        assert files == ["0-epoch_1-step_dump.hdf5"]
+        assert "NonFiniteError" in load_dump(tmp_path).steps[0].incomplete
