@@ -166,6 +166,9 @@ class _Call:
         ndim = ndims.pop()
         channels = "BatchNorm" in cls and ndim >= 2
         finest = 0 if channels else self._sample_axes(cls, ndim, shapes)
+        weight = self.params.get("weight")
+        # multiply-adds per element of a sample: a weighted call's smaller weight dimension
+        products = min(_shape(weight, "a")[:2]) if cls in WEIGHTED and weight else 0
         for axes in range(min(1, finest), finest + 1):  # the coarsest samples first
             samples = {s[1] if channels else math.prod(s[:axes]) for s in shapes}
             count = samples.pop()
@@ -173,10 +176,8 @@ class _Call:
             if samples or per_sample == 0:
                 return None
             fit = SAMPLE_ELEMENTS // per_sample
-            weight = self.params.get("weight")
-            if cls in WEIGHTED and weight is not None:  # multiply-adds a sample: in x out each
-                fit = min(fit, SAMPLE_PRODUCTS // max(1, per_sample * min(
-                    _shape(weight, "a")[:2])))
+            if products:
+                fit = min(fit, SAMPLE_PRODUCTS // max(1, per_sample * products))
             if fit >= 1:
                 return _Sampling(axes, channels, -(-count // fit))
         return None
