@@ -93,22 +93,6 @@ def normalizes(frame: pd.DataFrame) -> np.ndarray:
     return (named & floating & alone).to_numpy(bool)
 
 
-def recorded_eps(index: pd.DataFrame) -> dict[tuple, float]:
-    """``(epoch, step, rank, module) -> eps`` from a dump's index (its ``fmt.EPS_PATH`` rows;
-    rank -1 where not distributed): per step, as a module may normalize by its batch's
-    statistics in one step and not in another (a BatchNorm in training, then in eval)."""
-    rows = index[(index["kind"] == fmt.PARAM) & (index["index"] < 0)
-                 & (index["path"] == fmt.EPS_PATH)]
-    out = {}
-    for key, value in zip(zip(rows["epoch"], rows["step"], rows["rank"].fillna(-1),
-                              rows["module"]), rows["value"]):
-        try:
-            out.setdefault(key, float(value))
-        except ValueError:  # not a number after all: judged at the worst eps
-            continue
-    return out
-
-
 def per_channel(cls: pd.Series) -> np.ndarray:
     """Per class name, whether it is a BatchNorm's (``BatchNorm2d``, ``SyncBatchNorm``),
     which normalizes per channel."""

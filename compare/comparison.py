@@ -15,7 +15,8 @@ import numpy as np
 import pandas as pd
 
 from . import cluster
-from .centering import Centering, normalized_sizes, per_channel, recorded_eps
+from .attributes import NONE, Attributes
+from .centering import Centering, normalized_sizes, per_channel
 from .dump import Dump, PathLike, dataset_of, load_dump, open_h5, read_chunks, reading
 from .errors import DumpError
 from . import format as fmt
@@ -121,9 +122,10 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     not_compared += left_out
     if client is not None:
         jobs = max(jobs, cluster.worker_count(client))
-    # each normalization's eps: A's, else B's where B kept its module names
-    eps = {**(recorded_eps(dump_b.index) if mapping is None else {}),
-           **recorded_eps(dump_a.index)}
+    # each module's recorded attributes (B's where B kept its module names)
+    attributes = {"a": Attributes.of(dump_a.index),
+                  "b": Attributes.of(dump_b.index) if mapping is None else NONE}
+    eps = {**attributes["b"].eps, **attributes["a"].eps}  # A's, else B's
     tasks = _tasks(pairs, files_a, files_b, max(1, jobs), chunk_elements, rtol, atol, eps)
     metrics: dict[int, dict] = {}
     with contextlib.ExitStack() as stack:
@@ -138,9 +140,8 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
                 progress(len(result))
     for row, figures in measure_transit(pairs, files_b, chunk_elements).items():
         metrics.setdefault(row, {}).update(figures)
-    eps_b = recorded_eps(dump_b.index) if mapping is None else {}  # B's under A's names
     for row, figures in measure_recomputed(pairs, files_a, files_b, metrics,
-                                           recorded_eps(dump_a.index), eps_b).items():
+                                           attributes).items():
         metrics.setdefault(row, {}).update(figures)
     paired = files_a.keys() & files_b.keys()
     # compiled code (fused kernels) rounds otherwise than eager code, even in the same dtypes

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from typing import Optional
+from typing import NamedTuple, Optional, Union
 
 import numpy as np
 
@@ -18,7 +18,8 @@ FORMAT_VERSION = 8
 # versions 1-4: no `micro_batch` (read as NO_MICRO_BATCH); versions 1-5: no `injected` (read as
 # 0) and no `injected_from` attribute (read as ""); versions 1-6: no `digest` (read as
 # NO_DIGEST); versions 1-7: no sharding columns (read as "": not sharded). Files of any
-# version may lack the normalization eps rows (EPS_PATH, written since 2026-11-26).
+# version may lack the normalization eps rows (EPS_PATH, written since 2026-11-26) and the
+# convolution geometry rows (CONV_PATH, since 2026-11-27).
 # Version 3 (a development version of 2026-11-23, crc32 data checksums) is not read.
 SUPPORTED_VERSIONS = frozenset({1, 2, 4, 5, 6, 7, 8})
 
@@ -146,6 +147,50 @@ BACKWARD_KINDS = frozenset({GRAD_INPUT, GRAD_OUTPUT, PARAM_GRAD})
 # row that older readers skip like every non-tensor leaf.
 EPS_ATTRIBUTES = ("eps", "variance_epsilon")
 EPS_PATH = "eps"
+# A convolution's geometry (torch's Conv1d, Conv2d, Conv3d; not a transposed one), recorded
+# like eps, at its first call of the step, as a non-tensor `param` row of this path with
+# `conv_text` as `value` (`dtype` `str`): what a convolution computes from its input and
+# weight depends on it (compare.formulas). Written since 2026-11-27 within format version 8.
+CONV_PATH = "conv"
+CONV_PADDINGS = ("same", "valid")  # torch's padding by name; else one size per dimension
+
+
+class ConvGeometry(NamedTuple):
+    """How a convolution slides its kernel: per spatial dimension ``stride``, ``dilation``
+    and ``padding`` (or one of ``CONV_PADDINGS``), its ``groups`` and torch's
+    ``padding_mode`` (``zeros``, ``reflect``, ``replicate``, ``circular``)."""
+
+    stride: tuple[int, ...]
+    padding: Union[tuple[int, ...], str]
+    dilation: tuple[int, ...]
+    groups: int
+    padding_mode: str
+
+
+def conv_text(geometry: ConvGeometry) -> str:
+    """``geometry`` as a ``value``: ``stride=2,2 padding=1,1 dilation=1,1 groups=1
+    padding_mode=zeros``."""
+    def sizes(v: Union[tuple, str]) -> str:
+        return v if isinstance(v, str) else ",".join(str(int(n)) for n in v)
+    return " ".join(f"{name}={sizes(value) if name != 'groups' else int(value)}"
+                    for name, value in zip(ConvGeometry._fields, geometry))
+
+
+def parse_conv(text: str) -> Optional[ConvGeometry]:
+    """The geometry ``conv_text`` wrote, None where ``text`` is not one."""
+    try:
+        fields = dict(part.split("=", 1) for part in text.split(" "))
+        padding = fields["padding"]
+        sizes = {name: tuple(int(n) for n in fields[name].split(",")) for name in (
+            "stride", "dilation", *(() if padding in CONV_PADDINGS else ("padding",)))}
+        geometry = ConvGeometry(sizes["stride"], sizes.get("padding", padding),
+                                sizes["dilation"], int(fields["groups"]),
+                                fields["padding_mode"])
+    except (ValueError, KeyError):
+        return None
+    lengths = {len(v) for v in (geometry.stride, geometry.dilation, geometry.padding)
+               if not isinstance(v, str)}
+    return geometry if len(lengths) == 1 and geometry.groups >= 1 else None
 
 
 def step_label(epoch: int, step: int, rank=None) -> str:

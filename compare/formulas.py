@@ -8,8 +8,12 @@ normalization's gradient), or None where the operands' shapes do not fit the for
 :func:`candidates` lists the formulas a class name may mean; :mod:`compare.recompute` keeps
 the one that A's own records follow best.
 
-- ``Linear``: ``y = x Wᵀ + b``, ``gx = g W``; a 1x1 ``Conv2d`` that keeps the spatial size
-  (stride 1, no padding, one group): the same on every pixel's channels;
+- ``Linear``: ``y = x Wᵀ + b``, ``gx = g W`` (Hugging Face's ``Conv1D``: its weight is
+  ``Wᵀ``);
+- ``Conv1d``, ``Conv2d``, ``Conv3d`` at the geometry the dump records (``fmt.CONV_PATH``;
+  where it does not, stride 1, no padding, one group): per kernel offset, a grouped matrix
+  product of the shifted input (backward: of the gradient, added back where it came from),
+  padded by its padding mode (backward: zeros only);
 - the elementwise activations of :data:`ELEMENTWISE`: ``y = f(x)``, ``gx = g f'(x)``;
 - normalizations (class names with ``LayerNorm``, ``RMSNorm`` or ``BatchNorm``; not
   ``SyncBatchNorm`` or gated ones), at the module's recorded ``eps``: ``x̂ = (x - μ) / σ``
@@ -56,12 +60,14 @@ def allowed(unit: np.ndarray, spread: np.ndarray, terms: np.ndarray,
 
 class Operands(NamedTuple):
     """A call's records by kind (``input``, ``output``, ``grad_output``, ``grad_input``) and
-    its parameters, float64; ``eps`` a normalization's (NaN: not recorded)."""
+    its parameters, float64; ``eps`` a normalization's (NaN: not recorded), ``conv`` a
+    convolution's geometry (None: not recorded)."""
 
     tensors: dict
     weight: Optional[np.ndarray]
     bias: Optional[np.ndarray]
     eps: float
+    conv: Optional[fmt.ConvGeometry] = None
 
 
 class Figures:
@@ -105,7 +111,8 @@ ELEMENTWISE: dict[str, tuple[Callable, Callable]] = {
     "Sigmoid": (_sigmoid, lambda x: _sigmoid(x) * (1.0 - _sigmoid(x))),
     "Tanh": (np.tanh, lambda x: 1.0 - np.tanh(x) ** 2),
 }
-WEIGHTED = ("Linear", "Conv2d")
+CONVOLUTIONS = {"Conv1d": 1, "Conv2d": 2, "Conv3d": 3}  # spatial dimensions
+WEIGHTED = ("Linear", "Conv1D", *CONVOLUTIONS)  # Conv1D: Hugging Face's transposed Linear
 NORMALIZATIONS = ("LayerNorm", "RMSNorm", "BatchNorm")
 NOT_NORMALIZATIONS = ("SyncBatchNorm", "Gated")
 
@@ -114,8 +121,10 @@ def candidates(cls: str) -> list[Formula]:
     """The formulas class name ``cls`` may mean, the likelier first."""
     if cls in ELEMENTWISE:
         return [functools.partial(_elementwise, *ELEMENTWISE[cls])]
+    if cls in CONVOLUTIONS:
+        return [functools.partial(_convolution, CONVOLUTIONS[cls])]
     if cls in WEIGHTED:
-        return [functools.partial(_weighted, cls == "Conv2d")]
+        return [functools.partial(_linear, cls == "Conv1D")]
     if not any(n in cls for n in NORMALIZATIONS) or any(n in cls for n in NOT_NORMALIZATIONS):
         return []
     if "BatchNorm" in cls:
@@ -125,53 +134,152 @@ def candidates(cls: str) -> list[Formula]:
             for c in centered]
 
 
-def _as_rows(x: np.ndarray, width: int, channels_first: bool) -> np.ndarray:
-    """``x`` as rows of its ``width`` features (channels of an image batch moved last)."""
-    if channels_first:
-        x = np.moveaxis(x, 1, -1)
-    return x.reshape(-1, width)
-
-
-def _weighted(conv: bool, kind: str, ops: Operands) -> Optional[Figures]:
-    """A ``Linear`` (or 1x1 convolution, ``conv``)."""
+def _linear(transposed: bool, kind: str, ops: Operands) -> Optional[Figures]:
+    """A ``Linear`` (``transposed``: Hugging Face's ``Conv1D``, whose weight is ``Wᵀ``)."""
     t, weight, bias = ops.tensors, ops.weight, ops.bias
-    x, channel = t.get(fmt.INPUT), 1 if conv else -1
-    if weight is None:
+    x = t.get(fmt.INPUT)
+    if weight is None or weight.ndim != 2:
         return None
-    if conv:
-        if weight.ndim != 4 or weight.shape[2:] != (1, 1) or x is None or x.ndim != 4 or \
-                weight.shape[1] != x.shape[1]:
-            return None
-        weight = weight.reshape(weight.shape[:2])
-    if weight.ndim != 2:
-        return None
+    weight = weight.T if transposed else weight
     out_features, in_features = weight.shape
 
     def shaped(values: np.ndarray, features: int, like: np.ndarray) -> bool:
-        """``values`` has ``like``'s shape with ``features`` in the channel dimension."""
-        want = list(like.shape)
-        want[channel] = features
-        return values.ndim == like.ndim and list(values.shape) == want
+        """``values`` has ``like``'s shape with ``features`` last."""
+        return values.ndim == like.ndim and values.shape == (*like.shape[:-1], features)
 
     if kind == fmt.OUTPUT:
         y = t[fmt.OUTPUT]
-        if x is None or x.shape[channel] != in_features or not shaped(y, out_features, x):
+        if x is None or x.shape[-1] != in_features or not shaped(y, out_features, x):
             return None
-        rows = _as_rows(x, in_features, conv)
+        rows = x.reshape(-1, in_features)
         want = rows @ weight.T
         squared = float(np.square(rows).sum(axis=0) @ np.square(weight).sum(axis=0))
         if bias is not None:
             want += bias
             squared += len(rows) * float(np.square(bias).sum())
-        return Figures(_as_rows(y, out_features, conv), want, squared,
+        return Figures(y.reshape(-1, out_features), want, squared,
                        in_features + (bias is not None))
     g, gx = t[fmt.GRAD_OUTPUT], t[fmt.GRAD_INPUT]
-    if gx.shape[channel] != in_features or (x is not None and gx.shape != x.shape) or \
+    if gx.shape[-1] != in_features or (x is not None and gx.shape != x.shape) or \
             not shaped(g, out_features, gx):
         return None
-    rows = _as_rows(g, out_features, conv)
+    rows = g.reshape(-1, out_features)
     squared = float(np.square(rows).sum(axis=0) @ np.square(weight).sum(axis=1))
-    return Figures(_as_rows(gx, in_features, conv), rows @ weight, squared, out_features)
+    return Figures(gx.reshape(-1, in_features), rows @ weight, squared, out_features)
+
+
+# torch's padding modes as numpy.pad's
+PADDING_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "edge",
+                 "circular": "wrap"}
+
+
+class _Sliding(NamedTuple):
+    """A convolution's kernel sliding over an input: the input's padding per spatial
+    dimension (before, after), and the output's spatial size."""
+
+    pads: tuple[tuple[int, int], ...]
+    out: tuple[int, ...]
+
+    @classmethod
+    def of(cls, geometry: fmt.ConvGeometry, kernel: tuple, spatial: tuple
+           ) -> Optional["_Sliding"]:
+        """How ``geometry`` slides ``kernel`` over ``spatial`` (None: not at all, or a
+        geometry of other dimensions)."""
+        if not len(geometry.stride) == len(geometry.dilation) == len(kernel) == len(spatial):
+            return None
+        if geometry.padding == "valid":
+            pads = ((0, 0),) * len(kernel)
+        elif geometry.padding == "same":  # torch: the odd one after
+            totals = [d * (k - 1) for d, k in zip(geometry.dilation, kernel)]
+            pads = tuple((t // 2, t - t // 2) for t in totals)
+        elif len(geometry.padding) == len(kernel):
+            pads = tuple((p, p) for p in geometry.padding)
+        else:
+            return None
+        out = tuple((s + lo + hi - d * (k - 1) - 1) // st + 1 for s, (lo, hi), k, st, d in zip(
+            spatial, pads, kernel, geometry.stride, geometry.dilation))
+        return cls(pads, out) if min(out, default=1) > 0 else None
+
+    def windows(self, geometry: fmt.ConvGeometry, kernel: tuple):
+        """Per kernel offset, the offset and the slices of the padded input it multiplies."""
+        for offset in np.ndindex(*kernel):
+            yield offset, tuple(slice(o * d, o * d + st * (m - 1) + 1, st) for o, d, st, m in zip(
+                offset, geometry.dilation, geometry.stride, self.out))
+
+
+def _correlated(x: np.ndarray, weight: np.ndarray, geometry: fmt.ConvGeometry,
+                sliding: _Sliding) -> np.ndarray:
+    """torch's convolution (a cross-correlation) of padded ``x`` by ``weight``, no bias:
+    one grouped matrix product per kernel offset (memory: a few inputs' and outputs')."""
+    n, groups, kernel = x.shape[0], geometry.groups, weight.shape[2:]
+    out_channels, group_channels = weight.shape[:2]
+    grouped = x.reshape(n, groups, group_channels, *x.shape[2:])
+    weights = weight.reshape(groups, out_channels // groups, group_channels, *kernel)
+    total = np.zeros((groups, out_channels // groups, n * math.prod(sliding.out)))
+    for offset, window in sliding.windows(geometry, kernel):
+        columns = np.moveaxis(grouped[(slice(None),) * 3 + window], 0, 2)
+        total += weights[(Ellipsis, *offset)] @ columns.reshape(groups, group_channels, -1)
+    total = total.reshape(groups, out_channels // groups, n, *sliding.out)
+    return np.moveaxis(total, 2, 0).reshape(n, out_channels, *sliding.out)
+
+
+def _correlated_back(g: np.ndarray, weight: np.ndarray, geometry: fmt.ConvGeometry,
+                     sliding: _Sliding, shape: tuple) -> np.ndarray:
+    """The gradient a zero-padded convolution of an input of ``shape`` sends back from ``g``
+    at its output: each kernel offset's products added where they came from."""
+    n, groups, kernel = shape[0], geometry.groups, weight.shape[2:]
+    out_channels, group_channels = weight.shape[:2]
+    arriving = np.moveaxis(g.reshape(n, groups, out_channels // groups, *sliding.out), 0, 2)
+    arriving = arriving.reshape(groups, out_channels // groups, -1)
+    weights = np.swapaxes(weight.reshape(groups, out_channels // groups, group_channels,
+                                         *kernel), 1, 2)
+    padded = tuple(s + lo + hi for s, (lo, hi) in zip(shape[2:], sliding.pads))
+    back = np.zeros((n, groups, group_channels, *padded))
+    for offset, window in sliding.windows(geometry, kernel):
+        part = (weights[(Ellipsis, *offset)] @ arriving).reshape(
+            groups, group_channels, n, *sliding.out)
+        back[(slice(None),) * 3 + window] += np.moveaxis(part, 2, 0)
+    inside = tuple(slice(lo, lo + s) for s, (lo, _) in zip(shape[2:], sliding.pads))
+    return back[(slice(None),) * 3 + inside].reshape(shape)
+
+
+def _convolution(dims: int, kind: str, ops: Operands) -> Optional[Figures]:
+    """torch's ``Conv1d``/``Conv2d``/``Conv3d`` (``dims``) at the call's recorded geometry
+    (where none is recorded: stride 1, no padding, one group)."""
+    t, weight, bias = ops.tensors, ops.weight, ops.bias
+    x = t.get(fmt.INPUT)
+    geometry = ops.conv or fmt.ConvGeometry((1,) * dims, (0,) * dims, (1,) * dims, 1, "zeros")
+    if weight is None or x is None or weight.ndim != dims + 2 or x.ndim != dims + 2:
+        return None
+    (out_channels, group_channels), kernel = weight.shape[:2], weight.shape[2:]
+    sliding = _Sliding.of(geometry, kernel, x.shape[2:])
+    if sliding is None or out_channels % geometry.groups or \
+            x.shape[1] != group_channels * geometry.groups:
+        return None
+    out_shape = (x.shape[0], out_channels, *sliding.out)
+    if kind == fmt.OUTPUT:
+        y, mode = t[fmt.OUTPUT], PADDING_MODES.get(geometry.padding_mode)
+        if y.shape != out_shape or mode is None:
+            return None
+        padded = np.pad(x, ((0, 0), (0, 0), *sliding.pads), mode=mode)
+        want = _correlated(padded, weight, geometry, sliding)
+        squared = float(_correlated(np.square(padded), np.square(weight), geometry,
+                                    sliding).sum())
+        if bias is not None:
+            want += bias.reshape(-1, *(1,) * dims)
+            squared += float(np.square(bias).sum()) * (y.size // out_channels)
+        return Figures(y, want, squared, group_channels * math.prod(kernel) + (
+            bias is not None))
+    g, gx = t[fmt.GRAD_OUTPUT], t[fmt.GRAD_INPUT]
+    if geometry.padding_mode != "zeros" or g.shape != out_shape or gx.shape != x.shape:
+        return None
+    want = _correlated_back(g, weight, geometry, sliding, x.shape)
+    squared = float(_correlated_back(np.square(g), np.square(weight), geometry, sliding,
+                                     x.shape).sum())
+    # the kernel offsets that reach an input element: about k / stride per dimension
+    reach = math.prod(min(k, -(-k * d // s)) for k, d, s in zip(kernel, geometry.dilation,
+                                                                geometry.stride))
+    return Figures(gx, want, squared, out_channels // geometry.groups * reach)
 
 
 def _elementwise(f: Callable, grad: Callable, kind: str, ops: Operands) -> Optional[Figures]:

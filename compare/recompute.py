@@ -1,7 +1,7 @@
 """A call recomputed from its own records: what B's computation of one call added.
 
-Where a module's class says what it computes (:mod:`compare.formulas`: ``Linear``, a 1x1
-``Conv2d``, elementwise activations, normalizations), its output follows from its input and
+Where a module's class says what it computes (:mod:`compare.formulas`: ``Linear``,
+convolutions, elementwise activations, normalizations), its output follows from its input and
 weights, and the gradient it sends back from the gradient that arrives and its input.
 Recomputed in float64 from B's own records of the call, the difference is what B's
 computation of that call added, whatever error its operands carried: the error of a call's
@@ -48,8 +48,9 @@ from . import format as fmt
 from .decoding import decode
 from .dump import StepReaders, one_side, reading
 from .pairing import from_shards
-from .formulas import (ELEMENTWISE, RECOMPUTE_FIGURES, WEIGHTED, Operands, allowed,
-                       candidates)
+from .attributes import NONE, Attributes
+from .formulas import (CONVOLUTIONS, ELEMENTWISE, RECOMPUTE_FIGURES, WEIGHTED, Operands,
+                       allowed, candidates)
 from .precision import lowest, rounded, rounding_of
 from .statistics import STATS_RESOLUTION
 
@@ -92,12 +93,12 @@ def recomputable(pairs: pd.DataFrame) -> pd.DataFrame:
 
 
 def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, metrics: dict[int, dict],
-            eps_a: dict[tuple, float], eps_b: dict[tuple, float]) -> dict[int, dict]:
+            attributes: dict[str, Attributes]) -> dict[int, dict]:
     """``RECOMPUTE_COLUMNS`` per ``output[0]``/``grad_input[0]`` row label of the calls
     :func:`recomputable` gives; ``metrics``: the comparison's figures by row label (whether
-    B's weights are A's); ``eps_a``, ``eps_b``: each side's normalizations', by ``(epoch,
-    step, rank, module)`` (:func:`compare.centering.recorded_eps`; B's under A's names, or
-    empty where they differ: then A's)."""
+    B's weights are A's); ``attributes``: each side's recorded module attributes (eps,
+    convolution geometry) by ``"a"``, ``"b"`` (B's under A's names, or none where they
+    differ: then A's)."""
     out: dict[int, dict] = {}
     rows = recomputable(pairs)
     records = rows.to_dict("index")
@@ -107,9 +108,9 @@ def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, metrics: dict[int
             call = {label: records[label] for label in labels}
             module = next(iter(call.values()))["module"]
             at = (*key[:3], module)
-            eps = {"a": eps_a.get(at, math.nan)}
-            eps["b"] = eps_b.get(at, eps["a"])
-            recomputed = _Call(call, {"a": readers_a, "b": readers_b}, metrics, eps)
+            recorded = {"a": attributes["a"].at(at, NONE),
+                        "b": attributes["b"].at(at, attributes["a"])}
+            recomputed = _Call(call, {"a": readers_a, "b": readers_b}, metrics, recorded)
             for kind in (fmt.OUTPUT, fmt.GRAD_INPUT):
                 with reading(" or ".join(str(f[key[:3]].path) for f in (files_a, files_b))):
                     label, figures = recomputed.check(kind)
@@ -132,10 +133,11 @@ class _Call:
     """One call's records, read on demand from both sides."""
 
     def __init__(self, rows: dict[int, dict], readers: dict[str, StepReaders],
-                 metrics: dict[int, dict], eps: dict[str, float]):
-        """``rows``: the call's rows of :func:`recomputable` as dicts, by row label; ``eps``:
-        the module's per side (NaN: not recorded)."""
-        self.metrics, self.readers, self.eps = metrics, readers, eps
+                 metrics: dict[int, dict], recorded: dict[str, tuple]):
+        """``rows``: the call's rows of :func:`recomputable` as dicts, by row label;
+        ``recorded``: the module's eps and convolution geometry per side
+        (:meth:`compare.attributes.Attributes.at`)."""
+        self.metrics, self.readers, self.recorded = metrics, readers, recorded
         self.by_kind: dict[str, dict] = {}  # the call's records, and its parameters by name
         self.params: dict[str, dict] = {}
         for label, row in rows.items():
@@ -168,7 +170,9 @@ class _Call:
         finest = 0 if channels else self._sample_axes(cls, ndim, shapes)
         weight = self.params.get("weight")
         # multiply-adds per element of a sample: a weighted call's smaller weight dimension
-        products = min(_shape(weight, "a")[:2]) if cls in WEIGHTED and weight else 0
+        # (times a convolution's kernel size)
+        products = math.prod(_shape(weight, "a")[2:]) * min(_shape(weight, "a")[:2]) if (
+            cls in WEIGHTED and weight) else 0
         for axes in range(min(1, finest), finest + 1):  # the coarsest samples first
             samples = {s[1] if channels else math.prod(s[:axes]) for s in shapes}
             count = samples.pop()
@@ -190,7 +194,7 @@ class _Call:
         if cls in ELEMENTWISE:
             return ndim
         if cls in WEIGHTED:
-            return 1 if cls == "Conv2d" else max(ndim - 1, 0)
+            return 1 if cls in CONVOLUTIONS else max(ndim - 1, 0)
         # a LayerNorm or RMSNorm: over the trailing axes its weight spans, else per row or
         # position (channels first): never the axes it normalizes over
         weight = self.params.get("weight")
@@ -238,7 +242,7 @@ class _Call:
             return None
         if not params and self.takes_weights and self.by_kind[kind]["call_idx"] > 0:
             return None  # its weights are recorded at the module's first call only
-        return Operands(tensors, params.get("weight"), params.get("bias"), self.eps[side])
+        return Operands(tensors, params.get("weight"), params.get("bias"), *self.recorded[side])
 
     def _operand(self, row: dict, side: str) -> Optional[np.ndarray]:
         """What the call computed from on ``side``: where B ran on A's values (``injected``),

@@ -37,10 +37,12 @@ A record is
   also where B changed a tensor that A hands on unchanged between two records by more than
   rounding through B's lowest precision may (:mod:`compare.transit`: an error between
   modules, found exactly); and where B's own computation of a call, recomputed from its
-  records (:mod:`compare.recompute`: a ``Linear``, a 1x1 convolution, an elementwise
+  records (:mod:`compare.recompute`: a ``Linear``, a convolution, an elementwise
   activation, a normalization), is off by more than rounding in the dtype it computed in
   explains (a bound, not a typical figure: a call recomputed within it is still judged by the
-  rule above, and what could hide in it is at most that bound);
+  rule above, and what could hide in it is at most that bound; but where its recomputed
+  error is at most half its error, the rest is its inputs' error through the call, however
+  far beyond the gain: :meth:`_Judgement._amplified`);
 - ``inherited`` when not, but it carries an error from a failing (or inherited) source beyond
   what it would carry from healthy sources;
 - ``close`` otherwise, ``equal`` when bit-identical.
@@ -559,7 +561,13 @@ class _Judgement:
         if r.recomputed[i] <= r.recomputed_floor[i]:  # B computed it as A's code does
             self.hidden[i] = min(self.hidden[i], r.recomputed_floor[i])
         if r.err[i] > bound or self._scale_moves(i, level):
-            return st.DIFF
+            if not self._amplified(i):
+                return st.DIFF
+            # what it adds is what it was recomputed to add
+            self.added[i] = self.hidden[i] = r.recomputed[i]
+            self.reason[i] = (f"its inputs' error ({self.err_in[i]:.3g}) amplified by its "
+                              f"call, which B computed within rounding (recomputed "
+                              f"{r.recomputed[i]:.3g} from its own records)")
         return st.INHERITED if self.tainted[i] and r.err[i] > envelope else st.CLOSE
 
     def gain(self, i: int) -> float:
@@ -571,6 +579,17 @@ class _Judgement:
         return self.r.sampling[i] * max(self.expected.gain[i],
                                         LINEAR_MARGIN * linear if math.isfinite(linear) else 0.0,
                                         GAIN * adjoint if math.isfinite(adjoint) else 0.0)
+
+    def _amplified(self, i: int) -> bool:
+        """Whether a record of a call B computed within rounding carries an error that its
+        inputs' explain, however much more than the gain says: where the call's own error,
+        recomputed from its records, is at most half the record's (a quarter of its square),
+        the rest comes from its inputs' error through the call (a ReLU that keeps the small
+        elements of a large input passes on its absolute error, large against what is
+        left). Not where the inputs carry none."""
+        r = self.r
+        return (r.recomputed[i] <= r.recomputed_floor[i] and self.err_in[i] > 0
+                and r.recomputed[i] <= r.err[i] / 2)
 
     def _scale_moves(self, i: int, level: float) -> bool:
         """The scale test (:mod:`compare.scale`): backward records only, where the sources'

@@ -47,6 +47,15 @@ def _eps_of(module: nn.Module, args: tuple) -> Optional[float]:
                  if isinstance(value, float)), None)
 
 
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)  # whose geometry is recorded (fmt.CONV_PATH)
+
+
+def _geometry(conv: nn.Module) -> fmt.ConvGeometry:
+    """A convolution's geometry as the dump records it (``fmt.CONV_PATH``)."""
+    return fmt.ConvGeometry(conv.stride, conv.padding, conv.dilation, conv.groups,
+                            conv.padding_mode)
+
+
 def hook_gradient(t: torch.Tensor, on_grad: Callable[[torch.Tensor], Optional[torch.Tensor]]
                   ) -> RemovableHandle:
     """Call ``on_grad(grad of t)`` when autograd computes it; a tensor it returns is used
@@ -246,6 +255,9 @@ class StepCapture:
             eps = _eps_of(module, args) if info.call_idx == 0 else None
             if eps is not None:
                 self._sink(leaf_record(call.seq, info, fmt.PARAM, fmt.EPS_PATH, eps))
+            if info.call_idx == 0 and isinstance(module, CONVOLUTIONS):
+                self._sink(leaf_record(call.seq, info, fmt.PARAM, fmt.CONV_PATH, "",
+                                       fmt.conv_text(_geometry(module))))
         if fmt.PARAM in injects:
             self._swapped.push(module, inject.swap_parameters(path, info.call_idx, module))
         if fmt.INPUT in injects:

@@ -219,7 +219,8 @@ def unreadable(exc: BaseException, limit: int = 200) -> str:
     return clip(f"values not readable: {type(exc).__name__}: {first_line}", limit)
 
 
-def leaf_record(seq: int, call: CallInfo, kind: str, path: str, leaf: Any) -> Record:
-    """Record for a non-tensor leaf: its type and a short repr, no data."""
+def leaf_record(seq: int, call: CallInfo, kind: str, path: str, leaf: Any,
+                text: Optional[str] = None) -> Record:
+    """Record for a non-tensor leaf: its type and ``text``, else a short repr, no data."""
     return Record(seq, call, kind, -1, path, type(leaf).__name__, (), "", False, fmt.ST_OK,
-                  short_repr(leaf))
+                  short_repr(leaf) if text is None else text)

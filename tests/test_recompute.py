@@ -12,12 +12,15 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
+import dumper.capture
 from compare import compare_dumps, summarize
+from compare import format as fmt
 from compare import status as st
+from compare.dump import load_dump
 from compare.cli import main
 from compare.formulas import allowed
 from compare.verdict import MISCOMPUTED
-from dumper import HookerAndDumper
+from dumper import HookerAndDumper, perturb
 
 from architectures import cannot_run, run_step
 
@@ -36,6 +39,10 @@ def _unit(dtype: str) -> float:
     ("mobilenet_v2", "mobilenet_v2.layer.3.expand_1x1.normalization", "bfloat16", 1.1),  # BN
     ("gpt2", "transformer.h.1.ln_2", "float16", 1.03),           # LayerNorm
     ("qwen3", "model.layers.0.self_attn.k_norm", "bfloat16", 1.1),  # RMSNorm of bfloat16
+    ("resnet", "layer1.0.conv2", "bfloat16", 1.1),                # 3x3 convolution, padded
+    ("convnext", "convnext.encoder.stages.0.layers.0.dwconv", "bfloat16", 1.1),  # 7x7, groups
+    ("mobilenet_v2", "mobilenet_v2.layer.0.conv_3x3.convolution", "bfloat16", 1.1),  # stride 2
+    ("gpt2", "transformer.h.0.mlp.c_fc", "bfloat16", 1.1),       # Hugging Face's Conv1D
 ])
 def test_a_calls_own_backward_error_is_found_exactly(tmp_path, arch, module, dtype, scale):
     """A module whose own backward is off by ``scale`` (the gradient it sends back, scaled
@@ -294,3 +301,110 @@ def test_empty_records_have_no_figures(tmp_path):
     assert set(result["module"]) >= {"0", "1"}
     assert result["recomputed_rel_err"].isna().all()
     assert summarize(result).ok
+
+
+class _Geometries(nn.Module):
+    """Convolutions of every geometry torch takes: stride, padding by size and by name (an
+    even kernel's ``same``: the odd pad after), dilation, groups, the padding modes, one and
+    three dimensions."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.Sequential(
+            nn.Conv2d(4, 6, 3, stride=2, padding=1), nn.Tanh(),
+            nn.Conv2d(6, 6, 4, padding="same"), nn.Tanh(),
+            nn.Conv2d(6, 8, 3, padding="same", dilation=2, groups=2), nn.Tanh(),
+            nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=8, bias=False), nn.Tanh(),
+            nn.Conv2d(8, 6, 3, padding=1, padding_mode="reflect"), nn.Tanh(),
+            nn.Conv2d(6, 6, 3, padding=1, padding_mode="circular"), nn.Tanh(),
+            nn.Conv2d(6, 4, 3, padding=1, padding_mode="replicate"), nn.Tanh(),
+            nn.Conv2d(4, 4, 3, padding="valid"))
+        self.line = nn.Conv1d(4, 6, 5, stride=3, padding=2)
+        self.volume = nn.Conv3d(1, 2, (2, 3, 1), stride=(1, 2, 1), padding=(1, 0, 0))
+
+    def forward(self, x):
+        x = self.convs(x)
+        y = self.line(x.flatten(2))
+        return self.volume(y[:, None, :, :, None])
+
+
+CONVS = [f"convs.{i}" for i in range(0, 15, 2)]  # between them: Tanh
+ZERO_PADDED = {"convs.0", "convs.2", "convs.4", "convs.6", "convs.14", "line", "volume"}
+
+
+def _geometries(directory, dtype: torch.dtype, plant: dict = None, **options):
+    torch.manual_seed(0)
+    model = _Geometries().to(dtype)
+    batch = torch.randn(2, 4, 12, 12, generator=torch.Generator().manual_seed(1)).to(dtype)
+    planted = perturb(model, **plant) if plant else None
+    with HookerAndDumper(directory, **options).hooks(model, 0, 0):
+        model(batch).pow(2).mean().backward()
+    if planted:
+        planted.remove()
+    return directory
+
+
+def test_every_convolution_geometry_is_recomputed_within_rounding(tmp_path):
+    """Float64 A, float32 B: each convolution's output is recomputed at its recorded
+    geometry, and the gradient it sends back where it pads with zeros (its input needs one:
+    not the first), each within float32 rounding, and the pair agrees."""
+    a = _geometries(tmp_path / "a", torch.float64, params=True)
+    result = compare_dumps(a, _geometries(tmp_path / "b", torch.float32))
+    convs = {*CONVS, "line", "volume"}
+    recomputed = result[result["recomputed_rel_err"].notna()]
+    by_kind = {kind: set(recomputed.loc[recomputed["kind"] == kind, "module"]) & convs
+               for kind in ("output", "grad_input")}
+    assert by_kind == {"output": convs, "grad_input": ZERO_PADDED - {"convs.0"}}
+    rows = recomputed[recomputed["module"].isin(convs)]
+    floor = allowed(2.0 ** -24, rows["recomputed_spread"].to_numpy(),
+                    rows["recomputed_terms"].to_numpy())
+    assert (rows["recomputed_rel_err"].to_numpy() <= floor).all()
+    assert summarize(result).ok, summarize(result).verdict()
+
+
+@pytest.mark.parametrize("module, where", [("convs.4", "output"), ("convs.8", "output"),
+                                           ("convs.6", "grad_input"), ("volume", "grad_input")])
+def test_a_convolutions_own_error_is_found_exactly(tmp_path, module, where):
+    """A 1e-3 error in one convolution's forward or backward (grouped, dilated, reflecting,
+    three-dimensional) in a float32 B against float64 A: the first divergence, by 1e-3
+    recomputed."""
+    a = _geometries(tmp_path / "a", torch.float64, params=True)
+    planted = _geometries(tmp_path / "p", torch.float32,
+                          plant={"include": [module], "where": where, "scale": 1.001})
+    first = summarize(compare_dumps(a, planted)).first
+    assert (first.row["module"], first.row["kind"]) == (module, where)
+    assert first.row["recomputed_rel_err"] == pytest.approx(1e-3, rel=0.05)
+
+
+def test_the_geometry_is_recorded_and_older_files_recompute_what_they_can(tmp_path,
+                                                                         monkeypatch):
+    """Each convolution's geometry is a ``conv`` row at its first call; dumps without those
+    rows (written before 2026-11-27) recompute only the convolutions that need none (stride
+    1, no padding, one group: here the ``valid`` one) and leave the others alone, without a
+    false alarm."""
+    a = _geometries(tmp_path / "a", torch.float64, params=True)
+    index = load_dump(a).index
+    rows = index[(index["kind"] == fmt.PARAM) & (index["path"] == fmt.CONV_PATH)]
+    assert len(rows) == len(CONVS) + 2 and set(rows["dtype"]) == {"str"}
+    geometry = dict(zip(rows["module"], rows["value"].map(fmt.parse_conv)))
+    assert geometry["convs.6"] == fmt.ConvGeometry((1, 1), (2, 2), (2, 2), 8, "zeros")
+    assert geometry["convs.2"].padding == "same" and geometry["volume"].stride == (1, 2, 1)
+    assert geometry["convs.8"].padding_mode == "reflect"
+    monkeypatch.setattr(dumper.capture, "CONVOLUTIONS", ())  # as written before
+    old = _geometries(tmp_path / "old-a", torch.float64, params=True)
+    assert not (load_dump(old).index["path"] == fmt.CONV_PATH).any()
+    result = compare_dumps(old, _geometries(tmp_path / "old-b", torch.float32))
+    recomputed = result[result["recomputed_rel_err"].notna() & result["cls"].str.startswith(
+        "Conv")]
+    assert set(recomputed["module"]) == {"convs.14"}
+    assert summarize(result).ok, summarize(result).verdict()
+
+
+def test_a_geometry_that_does_not_parse_is_not_recomputed():
+    """``compare.format.parse_conv`` takes what ``conv_text`` writes and nothing else."""
+    geometry = fmt.ConvGeometry((2, 1), "same", (1, 3), 4, "circular")
+    assert fmt.parse_conv(fmt.conv_text(geometry)) == geometry
+    for text in ("", "stride=1", "stride=1,1 padding=1 dilation=1,1 groups=1 padding_mode=zeros",
+                 "stride=1,1 padding=x,1 dilation=1,1 groups=1 padding_mode=zeros",
+                 "stride=1,1 padding=1,1 dilation=1,1 groups=0 padding_mode=zeros"):
+        assert fmt.parse_conv(text) is None, text

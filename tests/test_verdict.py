@@ -935,3 +935,40 @@ def test_a_module_that_hands_its_input_back_sends_no_transit_link(tmp_path):
     linked = result[result["transit_rel_diff"].notna()]
     assert ("inp", "grad_output") not in set(zip(linked["module"], linked["kind"]))
     assert ("cast", "input") in set(zip(linked["module"], linked["kind"]))  # forward: a link
+
+
+def _sparse_relu(directory, dtype: torch.dtype, plant: dict = None):
+    """A Linear of large outputs, mostly negative, and a ReLU that keeps the few small ones:
+    the ReLU's output carries its input's absolute error, large against what is left."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    with torch.no_grad():
+        model[0].weight.mul_(30)
+        model[0].bias.fill_(-60.0)
+    model = model.to(dtype)
+    batch = torch.randn(16, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    planted = perturb(model, **plant) if plant else None
+    with HookerAndDumper(directory, params=True).hooks(model, 0, 0):
+        model(batch).pow(2).mean().backward()
+    if planted:
+        planted.remove()
+    return directory
+
+
+def test_an_error_amplified_by_a_call_computed_within_rounding_is_its_inputs(tmp_path):
+    """Float64 A, float32 B: the ReLU's output carries 50x its input's relative error, more
+    than any gain allows, but recomputed from its own records B's ReLU added nothing: its
+    inputs' error, no false alarm. A 1 % error in that ReLU's forward is still its own, and
+    one in the Linear before it is still the Linear's."""
+    a = _sparse_relu(tmp_path / "a", torch.float64)
+    result = compare_dumps(a, _sparse_relu(tmp_path / "b", torch.float32))
+    relu = result[(result["module"] == "1") & (result["kind"] == fmt.OUTPUT)].iloc[0]
+    assert relu["rel_error"] > 20 * relu["input_rel_error"]
+    assert relu["status"] == st.CLOSE and relu["added_rel_error"] == relu["recomputed_rel_err"]
+    assert "amplified by its call, which B computed within rounding" in relu["reason"]
+    assert summarize(result).ok, summarize(result).verdict()
+    for module in ("1", "0"):
+        planted = _sparse_relu(tmp_path / module, torch.float32,
+                               plant={"include": [module], "where": "output", "scale": 1.01})
+        first = summarize(compare_dumps(a, planted)).first
+        assert (first.row["module"], first.row["kind"]) == (module, fmt.OUTPUT)

@@ -1,0 +1,63 @@
+"""Module attributes a dump records as non-tensor ``param`` rows (``index`` -1): a
+normalization's eps (``fmt.EPS_PATH``) and a convolution's geometry (``fmt.CONV_PATH``), per
+``(epoch, step, rank, module)`` (rank -1 where not distributed): per step, as a module may
+normalize by its batch's statistics in one step and not in another (a BatchNorm in training,
+then in eval)."""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import pandas as pd
+
+from . import format as fmt
+
+
+def _recorded(index: pd.DataFrame, path: str) -> dict[tuple, str]:
+    """``(epoch, step, rank, module) -> value`` of a dump's index's attribute rows ``path``."""
+    rows = index[(index["kind"] == fmt.PARAM) & (index["index"] < 0) & (index["path"] == path)]
+    out: dict[tuple, str] = {}
+    for key, value in zip(zip(rows["epoch"], rows["step"], rows["rank"].fillna(-1),
+                              rows["module"]), rows["value"]):
+        out.setdefault(key, value)
+    return out
+
+
+def recorded_eps(index: pd.DataFrame) -> dict[tuple, float]:
+    """Each normalization's eps in a dump's index (a value that is not a number is left out:
+    then judged at the worst eps)."""
+    out = {}
+    for key, value in _recorded(index, fmt.EPS_PATH).items():
+        try:
+            out[key] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def recorded_conv(index: pd.DataFrame) -> dict[tuple, fmt.ConvGeometry]:
+    """Each convolution's geometry in a dump's index (one that does not parse is left out:
+    then not recomputed, unless its kernel is 1x1 and keeps the size)."""
+    parsed = {key: fmt.parse_conv(value) for key, value in _recorded(index, fmt.CONV_PATH).items()}
+    return {key: geometry for key, geometry in parsed.items() if geometry is not None}
+
+
+class Attributes(NamedTuple):
+    """One side's recorded attributes, by ``(epoch, step, rank, module)``."""
+
+    eps: dict[tuple, float]
+    conv: dict[tuple, fmt.ConvGeometry]
+
+    @classmethod
+    def of(cls, index: pd.DataFrame) -> "Attributes":
+        """The attributes in a dump's index."""
+        return cls(recorded_eps(index), recorded_conv(index))
+
+    def at(self, key: tuple, default: "Attributes") -> tuple[float, Optional[fmt.ConvGeometry]]:
+        """The module's ``(eps, geometry)`` at ``key``, ``default``'s where not recorded here
+        (NaN, None: in neither)."""
+        return (self.eps.get(key, default.eps.get(key, math.nan)),
+                self.conv.get(key, default.conv.get(key)))
+
+
+NONE = Attributes({}, {})  # where a side's module names are not A's (a name mapping)
