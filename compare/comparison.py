@@ -138,10 +138,11 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
             metrics.update(result)
             if progress:
                 progress(len(result))
+        recomputed = measure_recomputed(pairs, files_a, files_b, metrics, attributes, runner,
+                                        max(1, jobs))
     for row, figures in measure_transit(pairs, files_b, chunk_elements).items():
         metrics.setdefault(row, {}).update(figures)
-    for row, figures in measure_recomputed(pairs, files_a, files_b, metrics,
-                                           attributes).items():
+    for row, figures in recomputed.items():
         metrics.setdefault(row, {}).update(figures)
     paired = files_a.keys() & files_b.keys()
     # compiled code (fused kernels) rounds otherwise than eager code, even in the same dtypes

@@ -5,7 +5,7 @@ import contextlib
 import math
 import os
 from pathlib import Path
-from typing import Iterator, Mapping, Optional, Union
+from typing import Iterator, Mapping, NamedTuple, Optional, Union
 
 import h5py
 from h5py import h5d, h5g, h5s
@@ -100,14 +100,31 @@ class StepFile:
         """Open the file for reading tensors: ``with step.open() as r: r.read(row)``."""
         return StepReader(self, open_h5(self.path))
 
+    @property
+    def location(self) -> "StepLocation":
+        """Where its tensors are, without its index (to read them in another process)."""
+        return StepLocation(self.path, self.group_name)
+
     def __repr__(self) -> str:
         return f"StepFile({str(self.path)!r}, epoch={self.epoch}, step={self.step})"
+
+
+class StepLocation(NamedTuple):
+    """Where a step file's tensors are (:attr:`StepFile.location`): all a reader needs, a
+    few bytes to send to another process."""
+
+    path: Path
+    group_name: str
+
+    def open(self) -> "StepReader":
+        """Open the file for reading tensors, as :meth:`StepFile.open`."""
+        return StepReader(self, open_h5(self.path))
 
 
 class StepReader:
     """An open step file; reads tensors named by index rows (each checked against its row)."""
 
-    def __init__(self, step: StepFile, h5: h5py.File):
+    def __init__(self, step: Union[StepFile, StepLocation], h5: h5py.File):
         self.step, self._h5 = step, h5
         self._group = hard_link(step.path, h5, step.group_name, "step group", h5py.Group)
 

@@ -38,7 +38,7 @@ channels): time and memory stay bounded.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import h5py
 import numpy as np
@@ -92,27 +92,71 @@ def recomputable(pairs: pd.DataFrame) -> pd.DataFrame:
     return pairs[known & (pairs["side"] == "both") & (data | weights) & ~from_shards(pairs)]
 
 
+# what a recomputation reads of the comparison's figures: the record's scale, and whether
+# B's weights are A's
+FIGURES_READ = ("rms_a", "stat_rel_diff", "rel_err_from_stats")
+
+
+class _Work(NamedTuple):
+    """One call to recompute: its step's key, its rows by label, the module's recorded
+    attributes per side, and the comparison's figures of its rows (``FIGURES_READ``)."""
+
+    step: tuple
+    rows: dict[int, dict]
+    recorded: dict[str, tuple]
+    figures: dict[int, dict]
+
+
 def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, metrics: dict[int, dict],
-            attributes: dict[str, Attributes]) -> dict[int, dict]:
+            attributes: dict[str, Attributes], runner: Callable = map, jobs: int = 1
+            ) -> dict[int, dict]:
     """``RECOMPUTE_COLUMNS`` per ``output[0]``/``grad_input[0]`` row label of the calls
     :func:`recomputable` gives; ``metrics``: the comparison's figures by row label (whether
     B's weights are A's); ``attributes``: each side's recorded module attributes (eps,
     convolution geometry) by ``"a"``, ``"b"`` (B's under A's names, or none where they
-    differ: then A's)."""
-    out: dict[int, dict] = {}
+    differ: then A's). The calls are recomputed in ``jobs`` parts of about equal size, by
+    ``runner`` (``map``, or a process pool's or a cluster's)."""
     rows = recomputable(pairs)
     records = rows.to_dict("index")
-    calls = rows.groupby(["epoch", "step", "rank", "call_a"], sort=False).groups
-    with StepReaders(files_a) as readers_a, StepReaders(files_b) as readers_b:
-        for key, labels in calls.items():
-            call = {label: records[label] for label in labels}
-            module = next(iter(call.values()))["module"]
-            at = (*key[:3], module)
-            recorded = {"a": attributes["a"].at(at, NONE),
-                        "b": attributes["b"].at(at, attributes["a"])}
-            recomputed = _Call(call, {"a": readers_a, "b": readers_b}, metrics, recorded)
+    work = []
+    for key, labels in rows.groupby(["epoch", "step", "rank", "call_a"], sort=False).groups.items():
+        call = {label: records[label] for label in labels}
+        at = (*key[:3], call[labels[0]]["module"])
+        recorded = {"a": attributes["a"].at(at, NONE),
+                    "b": attributes["b"].at(at, attributes["a"])}
+        figures = {label: {k: v for k, v in metrics.get(label, {}).items() if k in FIGURES_READ}
+                   for label in labels}
+        work.append(_Work(key[:3], call, recorded, figures))
+    out: dict[int, dict] = {}
+    for part in runner(_measure_part, _parts(work, files_a, files_b, jobs)):
+        out.update(part)
+    return out
+
+
+def _parts(work: list[_Work], files_a: dict, files_b: dict, jobs: int) -> list[tuple]:
+    """``work`` cut into at most ``jobs`` tasks of about equal elements (each with the
+    locations of the step files it reads), the largest calls placed first."""
+    size = {id(w): sum(math.prod(_shape(r, "a")) for r in w.rows.values()) for w in work}
+    parts: list[list[_Work]] = [[] for _ in range(max(1, min(jobs, len(work))))]
+    loads = [0] * len(parts)
+    for w in sorted(work, key=lambda w: -size[id(w)]):
+        least = loads.index(min(loads))
+        parts[least].append(w)
+        loads[least] += size[id(w)]
+    return [({w.step: files_a[w.step].location for w in part},
+             {w.step: files_b[w.step].location for w in part}, part) for part in parts if part]
+
+
+def _measure_part(task: tuple) -> dict[int, dict]:
+    """:func:`measure`'s figures of one part's calls (a task of :func:`_parts`)."""
+    locations_a, locations_b, work = task
+    out: dict[int, dict] = {}
+    with StepReaders(locations_a) as readers_a, StepReaders(locations_b) as readers_b:
+        for w in work:
+            recomputed = _Call(w.rows, {"a": readers_a, "b": readers_b}, w.figures, w.recorded)
             for kind in (fmt.OUTPUT, fmt.GRAD_INPUT):
-                with reading(" or ".join(str(f[key[:3]].path) for f in (files_a, files_b))):
+                with reading(" or ".join(str(f[w.step].path) for f in (locations_a,
+                                                                        locations_b))):
                     label, figures = recomputed.check(kind)
                 if figures is not None:
                     out[label] = figures

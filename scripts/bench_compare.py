@@ -18,7 +18,8 @@ workers >= 1.6x faster than 1 on this 2-core machine).
 
 Issue 20, also in the same rounds: (5) the pass that recomputes calls from their own records
 (``compare.recompute``) on a real model's dumps of about --size-mb: two Linears, a ReLU and
-a LayerNorm on a (batch, 512, 1024) input, A float32 with ``params=True``, B under bfloat16
+a LayerNorm on a (batch, 512, 1024) input; two 3x3 convolutions (one grouped), a ReLU and a
+BatchNorm2d on a (batch, 64, 56, 56) input; A float32 with ``params=True``, B under bfloat16
 autocast; compare_dumps with the pass and without it (target: time within 1.5x, peak memory
 unchanged: a large call is recomputed on a sample of its rows).
 """
@@ -62,19 +63,30 @@ def build(directory: Path, n_tensors: int, elements: int, noise: float) -> None:
             m(i)
 
 
-def build_model_pair(directory: Path, size_mb: int) -> None:
+# (5)'s models: name, (model, one sample's shape), built with torch imported
+RECOMPUTED_MODELS = {
+    "Linear, ReLU, Linear, LayerNorm": lambda nn: (nn.Sequential(
+        nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.LayerNorm(1024)),
+        (512, 1024)),
+    "3x3 Conv2d, ReLU, grouped 3x3 Conv2d, BatchNorm2d": lambda nn: (nn.Sequential(
+        nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1, groups=4),
+        nn.BatchNorm2d(64)), (64, 56, 56)),
+}
+
+
+def build_model_pair(directory: Path, size_mb: int, name: str) -> None:
     """(5): A (float32, weights' values) and B (bfloat16 autocast) of one training step of a
-    model whose calls the recomputation pass knows, about ``size_mb`` per side."""
+    model whose calls the recomputation pass knows (``RECOMPUTED_MODELS``), about ``size_mb``
+    per side."""
+    import math
     import torch
     from torch import nn
     from dumper import HookerAndDumper
 
-    tokens, features = 512, 1024
-    batch = max(1, size_mb * (1 << 20) // (20 * 4 * tokens * features))  # ~20 records a side
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(features, features), nn.ReLU(),
-                          nn.Linear(features, features), nn.LayerNorm(features))
-    x = torch.randn(batch, tokens, features)
+    model, sample = RECOMPUTED_MODELS[name](nn)
+    batch = max(1, size_mb * (1 << 20) // (20 * 4 * math.prod(sample)))  # ~20 records a side
+    x = torch.randn(batch, *sample)
     for side, autocast in (("a", False), ("b", True)):
         with HookerAndDumper(directory / side, params=not autocast).hooks(model, 0, 0):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -229,21 +241,22 @@ def main() -> None:
                              f"{mbs['dask2'] / mbs['dask1']:.2f}x (target >= 1.6x); local "
                              f"jobs={args.jobs} {mbs['compare']:.0f} MB/s")
         if not args.no_recompute:
-            recompute_line(Path(tmp, "model"), args)
+            for number, name in enumerate(RECOMPUTED_MODELS):
+                recompute_line(Path(tmp, f"model{number}"), name, args)
     for line in extra:
         print(line)
 
 
-def recompute_line(directory: Path, args) -> None:
+def recompute_line(directory: Path, name: str, args) -> None:
     """(5): compare_dumps with the recomputation pass and without it, interleaved."""
-    build_model_pair(directory, args.size_mb)
+    build_model_pair(directory, args.size_mb, name)
     runs: dict[str, list] = {"compare": [], "without-recompute": []}
     for _ in range(args.repeat):
         for mode in runs:
             runs[mode].append(measure(mode, directory / "a", directory / "b", args.jobs))
     seconds = {mode: statistics.median(r["seconds"] for r in rs) for mode, rs in runs.items()}
     rss = {mode: max(r["peak_rss_mb"] for r in rs) for mode, rs in runs.items()}
-    print(f"model dumps (Linear, ReLU, Linear, LayerNorm; float32 vs bfloat16 autocast): "
+    print(f"model dumps ({name}; float32 vs bfloat16 autocast): "
           f"with the recomputation pass {seconds['compare']:.1f} s, peak RSS "
           f"{rss['compare']:.0f} MB; without {seconds['without-recompute']:.1f} s, "
           f"{rss['without-recompute']:.0f} MB: time "

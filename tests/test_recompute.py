@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from click.testing import CliRunner
@@ -408,3 +409,13 @@ def test_a_geometry_that_does_not_parse_is_not_recomputed():
                  "stride=1,1 padding=x,1 dilation=1,1 groups=1 padding_mode=zeros",
                  "stride=1,1 padding=1,1 dilation=1,1 groups=0 padding_mode=zeros"):
         assert fmt.parse_conv(text) is None, text
+
+
+def test_calls_are_recomputed_in_processes_as_in_one(tmp_path):
+    """``jobs=2`` recomputes the calls in two processes: the same figures, row for row."""
+    a = _geometries(tmp_path / "a", torch.float64, params=True)
+    b = _geometries(tmp_path / "b", torch.float32)
+    one, two = (compare_dumps(a, b, jobs=jobs) for jobs in (1, 2))
+    columns = ["recomputed_rel_err", "recomputed_spread", "recomputed_terms", "recomputed_dtype"]
+    assert one[columns].notna().any(axis=None)
+    pd.testing.assert_frame_equal(one[columns], two[columns])
