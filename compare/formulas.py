@@ -48,12 +48,14 @@ def allowed(unit: np.ndarray, spread: np.ndarray, terms: np.ndarray,
     """What rounding explains of a recomputed record's relative error, for a call computed in
     a dtype of unit roundoff ``unit`` and smallest step ``underflow`` (accumulating in float32,
     or finer where the dtype is), of a result whose root mean square is ``scale`` (0 or NaN:
-    not known, no near-zero term): ``2 (u (1 + 2 spread) + u_acc sqrt(K) spread + underflow
-    / scale)``."""
+    not known, no near-zero term): ``2 (u (1 + 2 spread) + u_acc sqrt(K) spread + sqrt(K)
+    underflow / scale)``. Near zero, each of the K terms (or partial sums) a kernel rounds
+    to the dtype may lose up to the smallest step, a random walk: float16 convolutions'
+    backward on a CPU rounds so (22 units of float16 at a gradient scale of 9e-6, 2 at 1)."""
     accumulator = np.minimum(unit, ROUNDING["float32"].unit)
     scale = np.asarray(scale, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
-        near_zero = np.where(scale > 0, np.divide(underflow, scale), 0.0)
+        near_zero = np.where(scale > 0, np.divide(underflow * np.sqrt(terms), scale), 0.0)
     return ALLOWANCE * (unit * (1.0 + 2.0 * spread) + accumulator * np.sqrt(terms) * spread
                         + near_zero)
 
