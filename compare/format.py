@@ -233,7 +233,7 @@ INDEX_COLUMNS: tuple[tuple[str, str], ...] = (
     ("device", "str"),        # device the tensor lived on
     ("requires_grad", "int8"),
     ("status", "str"),        # ST_OK / ST_DROPPED / ST_UNSUPPORTED
-    ("value", "str"),         # short repr of a non-tensor leaf, or why a tensor was not stored
+    ("value", "str"),         # short repr of a non-tensor leaf (CONV_PATH: conv_text), or why not stored
     ("producer", "int32"),    # input rows: `call` of the module call that output this tensor, else -1
     # 1: the call ran on the reference's value instead of this one, which is what arrived
     # (an input, a parameter or an incoming gradient; see ATTR_INJECTED_FROM). Since 6.
