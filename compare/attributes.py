@@ -37,9 +37,17 @@ def recorded_eps(index: pd.DataFrame) -> dict[tuple, float]:
 
 def recorded_conv(index: pd.DataFrame) -> dict[tuple, fmt.ConvGeometry]:
     """Each convolution's geometry in a dump's index (one that does not parse is left out:
-    then not recomputed, unless its kernel is 1x1 and keeps the size)."""
+    then recomputed only where stride 1, no padding and one group fit)."""
     parsed = {key: fmt.parse_conv(value) for key, value in _recorded(index, fmt.CONV_PATH).items()}
     return {key: geometry for key, geometry in parsed.items() if geometry is not None}
+
+
+class Recorded(NamedTuple):
+    """One module's recorded attributes in one step: its eps (NaN: none) and convolution
+    geometry (None: none)."""
+
+    eps: float
+    conv: Optional[fmt.ConvGeometry]
 
 
 class Attributes(NamedTuple):
@@ -53,11 +61,10 @@ class Attributes(NamedTuple):
         """The attributes in a dump's index."""
         return cls(recorded_eps(index), recorded_conv(index))
 
-    def at(self, key: tuple, default: "Attributes") -> tuple[float, Optional[fmt.ConvGeometry]]:
-        """The module's ``(eps, geometry)`` at ``key``, ``default``'s where not recorded here
-        (NaN, None: in neither)."""
-        return (self.eps.get(key, default.eps.get(key, math.nan)),
-                self.conv.get(key, default.conv.get(key)))
+    def at(self, key: tuple, default: "Attributes") -> Recorded:
+        """The module's attributes at ``key``, ``default``'s where not recorded here."""
+        return Recorded(self.eps.get(key, default.eps.get(key, math.nan)),
+                        self.conv.get(key, default.conv.get(key)))
 
 
-NONE = Attributes({}, {})  # where a side's module names are not A's (a name mapping)
+NO_ATTRIBUTES = Attributes({}, {})  # where a side's module names are not A's (a name mapping)

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from . import cluster
-from .attributes import NONE, Attributes
+from .attributes import NO_ATTRIBUTES, Attributes
 from .centering import Centering, normalized_sizes, per_channel
 from .dump import Dump, PathLike, dataset_of, load_dump, open_h5, read_chunks, reading
 from .errors import DumpError
@@ -124,7 +124,7 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
         jobs = max(jobs, cluster.worker_count(client))
     # each module's recorded attributes (B's where B kept its module names)
     attributes = {"a": Attributes.of(dump_a.index),
-                  "b": Attributes.of(dump_b.index) if mapping is None else NONE}
+                  "b": Attributes.of(dump_b.index) if mapping is None else NO_ATTRIBUTES}
     eps = {**attributes["b"].eps, **attributes["a"].eps}  # A's, else B's
     tasks = _tasks(pairs, files_a, files_b, max(1, jobs), chunk_elements, rtol, atol, eps)
     metrics: dict[int, dict] = {}
@@ -458,7 +458,8 @@ def _result_frame(pairs: pd.DataFrame, metrics: dict[int, dict], base: dict[str,
         lone = (frame["side"] == side).to_numpy()
         frame.loc[lone & ~op, "status"] = missing
         frame.loc[lone & op, "status"] = op_only
-    for col in [*METRIC_COLUMNS, "transit_rel_diff", *RECOMPUTE_FIGURES, "rtol", "atol",
+    for col in [*METRIC_COLUMNS, "transit_rel_diff", *RECOMPUTE_FIGURES, "recomputed_stride",
+                "rtol", "atol",
                 "shard_rank"]:
         if col not in frame:
             frame[col] = np.nan

@@ -98,7 +98,7 @@ class StepFile:
 
     def open(self) -> "StepReader":
         """Open the file for reading tensors: ``with step.open() as r: r.read(row)``."""
-        return StepReader(self, open_h5(self.path))
+        return self.location.open()
 
     @property
     def location(self) -> "StepLocation":

@@ -190,7 +190,10 @@ def parse_conv(text: str) -> Optional[ConvGeometry]:
         return None
     lengths = {len(v) for v in (geometry.stride, geometry.dilation, geometry.padding)
                if not isinstance(v, str)}
-    return geometry if len(lengths) == 1 and geometry.groups >= 1 else None
+    padding = () if isinstance(geometry.padding, str) else geometry.padding
+    sizes_valid = min(geometry.stride + geometry.dilation + (geometry.groups,)) >= 1 and \
+        min(padding, default=0) >= 0
+    return geometry if len(lengths) == 1 and sizes_valid else None
 
 
 def step_label(epoch: int, step: int, rank=None) -> str:

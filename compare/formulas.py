@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Union
 
 import numpy as np
 
@@ -44,18 +44,18 @@ ALLOWANCE = 2.0
 
 
 def allowed(unit: np.ndarray, spread: np.ndarray, terms: np.ndarray,
-            underflow: np.ndarray = 0.0, scale: np.ndarray = 1.0) -> np.ndarray:
+            underflow: np.ndarray = 0.0, scale: np.ndarray = 1.0,
+            roundings: np.ndarray = 1.0) -> np.ndarray:
     """What rounding explains of a recomputed record's relative error, for a call computed in
     a dtype of unit roundoff ``unit`` and smallest step ``underflow`` (accumulating in float32,
     or finer where the dtype is), of a result whose root mean square is ``scale`` (0 or NaN:
-    not known, no near-zero term): ``2 (u (1 + 2 spread) + u_acc sqrt(K) spread + sqrt(K)
-    underflow / scale)``. Near zero, each of the K terms (or partial sums) a kernel rounds
-    to the dtype may lose up to the smallest step, a random walk: float16 convolutions'
-    backward on a CPU rounds so (22 units of float16 at a gradient scale of 9e-6, 2 at 1)."""
+    not known, no near-zero term), rounded ``roundings`` times near zero
+    (:func:`near_zero_roundings`): ``2 (u (1 + 2 spread) + u_acc sqrt(K) spread +
+    roundings underflow / scale)``."""
     accumulator = np.minimum(unit, ROUNDING["float32"].unit)
     scale = np.asarray(scale, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
-        near_zero = np.where(scale > 0, np.divide(underflow * np.sqrt(terms), scale), 0.0)
+        near_zero = np.where(scale > 0, np.divide(underflow * roundings, scale), 0.0)
     return ALLOWANCE * (unit * (1.0 + 2.0 * spread) + accumulator * np.sqrt(terms) * spread
                         + near_zero)
 
@@ -117,6 +117,17 @@ CONVOLUTIONS = {"Conv1d": 1, "Conv2d": 2, "Conv3d": 3}  # spatial dimensions
 WEIGHTED = ("Linear", "Conv1D", *CONVOLUTIONS)  # Conv1D: Hugging Face's transposed Linear
 NORMALIZATIONS = ("LayerNorm", "RMSNorm", "BatchNorm")
 NOT_NORMALIZATIONS = ("SyncBatchNorm", "Gated")
+
+
+def near_zero_roundings(cls: Union[str, np.ndarray], terms: Union[float, np.ndarray]
+                        ) -> np.ndarray:
+    """How many times rounding near zero a call of class ``cls`` summing ``terms`` terms
+    per element may lose up to its dtype's smallest step, as a random walk: once for the
+    result, or ``sqrt(K)`` for a convolution, whose kernels may round each partial sum to
+    the dtype (float16 backward on a CPU: 22 units at a gradient scale of 9e-6, 2 at 1; a
+    Linear's, once: 31 units where one rounding allows 53). Works on arrays too."""
+    convolution = np.isin(np.asarray(cls, dtype=object), list(CONVOLUTIONS))
+    return np.where(convolution, np.sqrt(np.asarray(terms, dtype=np.float64)), 1.0)
 
 
 def candidates(cls: str) -> list[Formula]:
@@ -256,7 +267,8 @@ def _convolution(dims: int, kind: str, ops: Operands) -> Optional[Figures]:
     (out_channels, group_channels), kernel = weight.shape[:2], weight.shape[2:]
     sliding = _Sliding.of(geometry, kernel, x.shape[2:])
     if sliding is None or out_channels % geometry.groups or \
-            x.shape[1] != group_channels * geometry.groups:
+            x.shape[1] != group_channels * geometry.groups or \
+            (bias is not None and bias.shape != (out_channels,)):
         return None
     out_shape = (x.shape[0], out_channels, *sliding.out)
     if kind == fmt.OUTPUT:
@@ -273,14 +285,17 @@ def _convolution(dims: int, kind: str, ops: Operands) -> Optional[Figures]:
         return Figures(y, want, squared, group_channels * math.prod(kernel) + (
             bias is not None))
     g, gx = t[fmt.GRAD_OUTPUT], t[fmt.GRAD_INPUT]
-    if geometry.padding_mode != "zeros" or g.shape != out_shape or gx.shape != x.shape:
+    padded = any(p for pads in sliding.pads for p in pads)
+    if (padded and geometry.padding_mode != "zeros") or g.shape != out_shape or \
+            gx.shape != x.shape:
         return None
     want = _correlated_back(g, weight, geometry, sliding, x.shape)
     squared = float(_correlated_back(np.square(g), np.square(weight), geometry, sliding,
                                      x.shape).sum())
-    # the kernel offsets that reach an input element: about k / stride per dimension
-    reach = math.prod(min(k, -(-k * d // s)) for k, d, s in zip(kernel, geometry.dilation,
-                                                                geometry.stride))
+    # the kernel offsets that reach an input element: those o < k with o d in one residue
+    # class modulo the stride, at most k gcd(d, s) / s rounded up, per dimension
+    reach = math.prod(-(-k * math.gcd(d, s) // s) for k, d, s in zip(
+        kernel, geometry.dilation, geometry.stride))
     return Figures(gx, want, squared, out_channels // geometry.groups * reach)
 
 

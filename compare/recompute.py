@@ -17,6 +17,8 @@ error added to it). Per ``output[0]`` and ``grad_input[0]`` record of such a cal
     to it; more where the terms cancel;
 ``recomputed_terms``
     the number of terms an element sums (1 for an elementwise function);
+``recomputed_stride``
+    1 where every sample of the call was recomputed, k where every k-th (a large call);
 ``recomputed_dtype``
     the lowest dtype of B's records it was recomputed from and of the record (a call may
     round through any dtype it is given: an RMSNorm of a bfloat16 input rounds its
@@ -48,13 +50,13 @@ from . import format as fmt
 from .decoding import decode
 from .dump import StepReaders, one_side, reading
 from .pairing import from_shards
-from .attributes import NONE, Attributes
+from .attributes import NO_ATTRIBUTES, Attributes, Recorded
 from .formulas import (CONVOLUTIONS, ELEMENTWISE, RECOMPUTE_FIGURES, WEIGHTED, Operands,
-                       allowed, candidates)
+                       allowed, candidates, near_zero_roundings)
 from .precision import lowest, rounded, rounding_of
 from .statistics import STATS_RESOLUTION
 
-RECOMPUTE_COLUMNS = (*RECOMPUTE_FIGURES, "recomputed_dtype")
+RECOMPUTE_COLUMNS = (*RECOMPUTE_FIGURES, "recomputed_stride", "recomputed_dtype")
 MAX_ELEMENTS = 1 << 24  # per weight: 128 MiB in float64
 # A call is recomputed on at most this many elements of each of its records, and a weighted
 # call with at most this many products: beyond that, on every k-th of the samples its formula
@@ -103,7 +105,7 @@ class _Work(NamedTuple):
 
     step: tuple
     rows: dict[int, dict]
-    recorded: dict[str, tuple]
+    recorded: dict[str, Recorded]
     figures: dict[int, dict]
 
 
@@ -122,8 +124,11 @@ def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, metrics: dict[int
     for key, labels in rows.groupby(["epoch", "step", "rank", "call_a"], sort=False).groups.items():
         call = {label: records[label] for label in labels}
         at = (*key[:3], call[labels[0]]["module"])
-        recorded = {"a": attributes["a"].at(at, NONE),
-                    "b": attributes["b"].at(at, attributes["a"])}
+        a = attributes["a"].at(at, NO_ATTRIBUTES)
+        b = attributes["b"].at(at, attributes["a"])
+        # B at its own eps (torch's RMSNorm without one takes its dtype's), at A's geometry:
+        # a convolution that slides otherwise than A's computes something else
+        recorded = {"a": a, "b": b._replace(conv=a.conv or b.conv)}
         figures = {label: {k: v for k, v in metrics.get(label, {}).items() if k in FIGURES_READ}
                    for label in labels}
         work.append(_Work(key[:3], call, recorded, figures))
@@ -177,10 +182,9 @@ class _Call:
     """One call's records, read on demand from both sides."""
 
     def __init__(self, rows: dict[int, dict], readers: dict[str, StepReaders],
-                 metrics: dict[int, dict], recorded: dict[str, tuple]):
+                 metrics: dict[int, dict], recorded: dict[str, Recorded]):
         """``rows``: the call's rows of :func:`recomputable` as dicts, by row label;
-        ``recorded``: the module's eps and convolution geometry per side
-        (:meth:`compare.attributes.Attributes.at`)."""
+        ``recorded``: the module's attributes it is recomputed at, per side."""
         self.metrics, self.readers, self.recorded = metrics, readers, recorded
         self.by_kind: dict[str, dict] = {}  # the call's records, and its parameters by name
         self.params: dict[str, dict] = {}
@@ -268,13 +272,17 @@ class _Call:
             if a is not None:
                 ratio = a["recomputed_rel_err"] / allowed(
                     rounding.unit, a["recomputed_spread"], a["recomputed_terms"],
-                    rounding.underflow, scale)
+                    rounding.underflow, scale, near_zero_roundings(row["cls_a"],
+                                                                   a["recomputed_terms"]))
                 if ratio <= 1:
                     fits.append((ratio, len(fits), formula))
         if not fits:
             return None, None  # not what A computes
         b = _columns(min(fits)[2], kind, operands["b"])
-        return (row["label"], {**b, "recomputed_dtype": dtype["b"]}) if b else (None, None)
+        if b is None:
+            return None, None
+        return row["label"], {**b, "recomputed_stride": float(self.sampling.stride),
+                              "recomputed_dtype": dtype["b"]}
 
     def _operands(self, kind: str, needed: list[str], side: str) -> Optional[Operands]:
         """The call's records ``needed`` and parameters on ``side`` (None where one of them
@@ -286,7 +294,9 @@ class _Call:
             return None
         if not params and self.takes_weights and self.by_kind[kind]["call_idx"] > 0:
             return None  # its weights are recorded at the module's first call only
-        return Operands(tensors, params.get("weight"), params.get("bias"), *self.recorded[side])
+        recorded = self.recorded[side]
+        return Operands(tensors, params.get("weight"), params.get("bias"), eps=recorded.eps,
+                        conv=recorded.conv)
 
     def _operand(self, row: dict, side: str) -> Optional[np.ndarray]:
         """What the call computed from on ``side``: where B ran on A's values (``injected``),

@@ -82,6 +82,7 @@ from .calibration import EXACT_GAIN, EXACT_LABEL, GAIN, Expectation, calibrate
 from .precision import computed_in, lowest, precision_of, rounding_of
 from .gains import adjoint_gains, bias_scales, linear_gains
 from .metrics import REORDERED_MARGIN
+from .formulas import ELEMENTWISE, near_zero_roundings
 from .formulas import allowed as recompute_allowance
 from .routing import moved_rows
 from .scale import added_scale, scale_noise
@@ -268,10 +269,15 @@ class _Records:
         unit, underflow = (np.array([getattr(rounding_of(d), f) for d in dtypes])
                            for f in ("unit", "underflow"))
         with np.errstate(invalid="ignore"):
+            terms = frame["recomputed_terms"].to_numpy(float)
             self.recomputed_floor = recompute_allowance(
-                unit, frame["recomputed_spread"].to_numpy(float),
-                frame["recomputed_terms"].to_numpy(float), underflow,
-                frame["rms_a"].to_numpy(float))
+                unit, frame["recomputed_spread"].to_numpy(float), terms, underflow,
+                frame["rms_a"].to_numpy(float),
+                near_zero_roundings(frame["cls"].fillna("").to_numpy(object), terms))
+        # what a recomputation within rounding proves: all of an elementwise call (no
+        # setting of its own that B could have otherwise) recomputed on every sample
+        self.recomputed_whole = ((frame["recomputed_stride"].to_numpy(float) == 1)
+                                 & frame["cls"].isin(list(ELEMENTWISE)).to_numpy(bool))
         self.miscomputed = self.recomputed > self.recomputed_floor  # NaN: not recomputed
 
     def _merged_sources(self, frame: pd.DataFrame) -> list[np.ndarray]:
@@ -560,7 +566,9 @@ class _Judgement:
             self.hidden[i] = min(self.hidden[i], r.transit_floor[i])
         if r.recomputed[i] <= r.recomputed_floor[i]:  # B computed it as A's code does
             self.hidden[i] = min(self.hidden[i], r.recomputed_floor[i])
-        if r.err[i] > bound or self._scale_moves(i, level):
+        if self._scale_moves(i, level):
+            return st.DIFF
+        if r.err[i] > bound:
             if not self._amplified(i):
                 return st.DIFF
             # what it adds is what it was recomputed to add
@@ -581,15 +589,17 @@ class _Judgement:
                                         GAIN * adjoint if math.isfinite(adjoint) else 0.0)
 
     def _amplified(self, i: int) -> bool:
-        """Whether a record of a call B computed within rounding carries an error that its
-        inputs' explain, however much more than the gain says: where the call's own error,
-        recomputed from its records, is at most half the record's (a quarter of its square),
-        the rest comes from its inputs' error through the call (a ReLU that keeps the small
-        elements of a large input passes on its absolute error, large against what is
-        left). Not where the inputs carry none."""
+        """Whether a record of an elementwise call B computed within rounding carries an
+        error that its inputs' explain, however much more than the gain says: where the
+        call's own error, recomputed from its records on every sample, is at most half the
+        record's (a quarter of its square), the rest comes from its inputs' error through
+        the call (a ReLU that keeps the small elements of a large input passes on its
+        absolute error, large against what is left). Not where the inputs carry none, nor
+        for calls with settings or weights of their own (recomputed at each side's, which
+        may differ: an eps)."""
         r = self.r
-        return (r.recomputed[i] <= r.recomputed_floor[i] and self.err_in[i] > 0
-                and r.recomputed[i] <= r.err[i] / 2)
+        return (r.recomputed_whole[i] and r.recomputed[i] <= r.recomputed_floor[i]
+                and self.err_in[i] > 0 and r.recomputed[i] <= r.err[i] / 2)
 
     def _scale_moves(self, i: int, level: float) -> bool:
         """The scale test (:mod:`compare.scale`): backward records only, where the sources'

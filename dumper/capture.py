@@ -50,10 +50,26 @@ def _eps_of(module: nn.Module, args: tuple) -> Optional[float]:
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)  # whose geometry is recorded (fmt.CONV_PATH)
 
 
-def _geometry(conv: nn.Module) -> fmt.ConvGeometry:
-    """A convolution's geometry as the dump records it (``fmt.CONV_PATH``)."""
-    return fmt.ConvGeometry(conv.stride, conv.padding, conv.dilation, conv.groups,
-                            conv.padding_mode)
+def _geometry(module: nn.Module) -> Optional[fmt.ConvGeometry]:
+    """A convolution's geometry as the dump records it (``fmt.CONV_PATH``), sizes one per
+    spatial dimension; None for other modules, and for a subclass whose attributes are not
+    torch's kind (nothing recorded: never an error in the user's step)."""
+    if not isinstance(module, CONVOLUTIONS):
+        return None
+    dims = module.weight.dim() - 2 if isinstance(module.weight, torch.Tensor) else 0
+
+    def sizes(value: Any) -> tuple[int, ...]:
+        return tuple(int(v) for v in value) if isinstance(value, (tuple, list)) else (
+            (int(value),) * dims)
+
+    try:
+        padding = module.padding if module.padding in fmt.CONV_PADDINGS else sizes(
+            module.padding)
+        geometry = fmt.ConvGeometry(sizes(module.stride), padding, sizes(module.dilation),
+                                    int(module.groups), str(module.padding_mode))
+    except (TypeError, ValueError):
+        return None
+    return geometry if fmt.parse_conv(fmt.conv_text(geometry)) == geometry else None
 
 
 def hook_gradient(t: torch.Tensor, on_grad: Callable[[torch.Tensor], Optional[torch.Tensor]]
@@ -255,9 +271,10 @@ class StepCapture:
             eps = _eps_of(module, args) if info.call_idx == 0 else None
             if eps is not None:
                 self._sink(leaf_record(call.seq, info, fmt.PARAM, fmt.EPS_PATH, eps))
-            if info.call_idx == 0 and isinstance(module, CONVOLUTIONS):
-                self._sink(leaf_record(call.seq, info, fmt.PARAM, fmt.CONV_PATH, "",
-                                       fmt.conv_text(_geometry(module))))
+            geometry = _geometry(module) if info.call_idx == 0 else None
+            if geometry is not None:  # the text is the leaf, written as it is
+                text = fmt.conv_text(geometry)
+                self._sink(leaf_record(call.seq, info, fmt.PARAM, fmt.CONV_PATH, text, text))
         if fmt.PARAM in injects:
             self._swapped.push(module, inject.swap_parameters(path, info.call_idx, module))
         if fmt.INPUT in injects:

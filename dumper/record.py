@@ -221,6 +221,7 @@ def unreadable(exc: BaseException, limit: int = 200) -> str:
 
 def leaf_record(seq: int, call: CallInfo, kind: str, path: str, leaf: Any,
                 text: Optional[str] = None) -> Record:
-    """Record for a non-tensor leaf: its type and ``text``, else a short repr, no data."""
+    """Record for a non-tensor leaf: its type and, as its value, ``text`` or else its short
+    repr; no data."""
     return Record(seq, call, kind, -1, path, type(leaf).__name__, (), "", False, fmt.ST_OK,
                   short_repr(leaf) if text is None else text)

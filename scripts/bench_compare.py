@@ -39,10 +39,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def peak_rss_mb() -> float:
+    """This process's peak resident memory, or its largest finished child's (a process
+    pool's worker) where more."""
+    import resource
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # KiB on Linux
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
+                return max(int(line.split()[1]) / 1024, children)
     return float("nan")
 
 

@@ -402,13 +402,70 @@ def test_the_geometry_is_recorded_and_older_files_recompute_what_they_can(tmp_pa
 
 
 def test_a_geometry_that_does_not_parse_is_not_recomputed():
-    """``compare.format.parse_conv`` takes what ``conv_text`` writes and nothing else."""
+    """``compare.format.parse_conv`` takes what ``conv_text`` writes and nothing else: no
+    missing field, sizes of one length, strides, dilations and groups of at least 1, no
+    negative padding."""
     geometry = fmt.ConvGeometry((2, 1), "same", (1, 3), 4, "circular")
     assert fmt.parse_conv(fmt.conv_text(geometry)) == geometry
     for text in ("", "stride=1", "stride=1,1 padding=1 dilation=1,1 groups=1 padding_mode=zeros",
                  "stride=1,1 padding=x,1 dilation=1,1 groups=1 padding_mode=zeros",
-                 "stride=1,1 padding=1,1 dilation=1,1 groups=0 padding_mode=zeros"):
+                 "stride=1,1 padding=1,1 dilation=1,1 groups=0 padding_mode=zeros",
+                 "stride=0,1 padding=1,1 dilation=1,1 groups=1 padding_mode=zeros",
+                 "stride=1,1 padding=-1,1 dilation=1,1 groups=1 padding_mode=zeros"):
         assert fmt.parse_conv(text) is None, text
+
+
+class _IntConv(nn.Conv2d):
+    """A subclass that keeps its sizes as plain ints, as some libraries' do."""
+
+    def __init__(self):
+        super().__init__(3, 4, 3, padding=1)
+        self.stride, self.padding, self.dilation = 1, 1, 1
+
+
+class _OddConv(nn.Conv2d):
+    """A subclass whose sizes are not torch's kind at all."""
+
+    def __init__(self):
+        super().__init__(4, 4, 3, padding=1)
+        self.stride = "learned"
+
+    def forward(self, x):
+        return nn.functional.conv2d(x, self.weight, self.bias, 1, 1)
+
+
+def test_a_convolution_subclass_records_what_it_can_and_the_step_runs(tmp_path):
+    """Sizes kept as ints are recorded per dimension; sizes of no known kind record no
+    geometry, and the user's step runs and is dumped all the same."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_IntConv(), _OddConv())
+    with HookerAndDumper(tmp_path, params=True).hooks(model, 0, 0):
+        model(torch.randn(2, 3, 6, 6)).sum().backward()
+    index = load_dump(tmp_path).index
+    rows = index[index["path"] == fmt.CONV_PATH]
+    assert dict(zip(rows["module"], rows["value"])) == {
+        "0": "stride=1,1 padding=1,1 dilation=1,1 groups=1 padding_mode=zeros"}
+    assert {"0", "1"} <= set(index["module"])
+
+
+def test_b_recomputed_at_as_geometry_where_it_slides_otherwise(tmp_path):
+    """B's convolution pads by reflection where A's pads with zeros (same shapes, other
+    borders): B is recomputed at A's geometry, so what it computes is not A's: a DIFF at its
+    output, not a false agreement."""
+    def run(directory, mode: str, dtype: torch.dtype, **options):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, padding_mode=mode), nn.Tanh()).to(
+            dtype)
+        batch = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1)).to(dtype)
+        with HookerAndDumper(directory, **options).hooks(model, 0, 0):
+            model(batch).pow(2).mean().backward()
+        return directory
+
+    a = run(tmp_path / "a", "zeros", torch.float64, params=True)
+    result = compare_dumps(a, run(tmp_path / "b", "reflect", torch.float32))
+    first = summarize(result).first
+    assert (first.row["module"], first.row["kind"]) == ("0", "output")
+    assert first.row["recomputed_rel_err"] > 0.01
 
 
 def test_calls_are_recomputed_in_processes_as_in_one(tmp_path):
