@@ -256,6 +256,42 @@ def _correlated_back(g: np.ndarray, weight: np.ndarray, geometry: fmt.ConvGeomet
     return back[(slice(None),) * 3 + inside].reshape(shape)
 
 
+def _squared_terms(x: np.ndarray, weight: np.ndarray, geometry: fmt.ConvGeometry,
+                   sliding: _Sliding) -> float:
+    """The sum of every squared product ``(x w)²`` that :func:`_correlated` adds up: per
+    kernel offset, each input channel's squares in the window times its weights' squares
+    over the output channels of its group (a sum per channel, not a product per pixel)."""
+    groups, kernel = geometry.groups, weight.shape[2:]
+    out_channels, group_channels = weight.shape[:2]
+    squares = np.square(weight).reshape(groups, out_channels // groups, group_channels, *kernel)
+    per_input = squares.sum(axis=1).reshape(groups * group_channels, *kernel)
+    x_squared, axes = np.square(x), (0, *range(2, x.ndim))
+    return float(sum(x_squared[(slice(None), slice(None)) + window].sum(axis=axes)
+                     @ per_input[(slice(None), *offset)]
+                     for offset, window in sliding.windows(geometry, kernel)))
+
+
+def _squared_terms_back(g: np.ndarray, weight: np.ndarray, geometry: fmt.ConvGeometry,
+                        sliding: _Sliding, shape: tuple) -> float:
+    """The sum of every squared product ``(g w)²`` that :func:`_correlated_back` adds up
+    inside the input (not in its padding): per kernel offset, each output channel's squared
+    gradient at the positions whose product lands inside, times its weights' squares over
+    its group's input channels."""
+    per_output = np.square(weight).sum(axis=1)  # (out channels, *kernel)
+    g_squared, axes = np.square(g), (0, *range(2, g.ndim))
+    total = 0.0
+    for offset in np.ndindex(*weight.shape[2:]):
+        inside = []  # output positions o with 0 <= o s + offset d - before < size
+        for o, size, (before, _), s, d, m in zip(offset, shape[2:], sliding.pads,
+                                                geometry.stride, geometry.dilation,
+                                                sliding.out):
+            first = max(0, -(-(before - o * d) // s))
+            inside.append(slice(first, max(first, min(m, (size - 1 + before - o * d) // s + 1))))
+        total += float(g_squared[(slice(None), slice(None), *inside)].sum(axis=axes)
+                       @ per_output[(slice(None), *offset)])
+    return total
+
+
 def _convolution(dims: int, kind: str, ops: Operands) -> Optional[Figures]:
     """torch's ``Conv1d``/``Conv2d``/``Conv3d`` (``dims``) at the call's recorded geometry
     (where none is recorded: stride 1, no padding, one group)."""
@@ -277,8 +313,7 @@ def _convolution(dims: int, kind: str, ops: Operands) -> Optional[Figures]:
             return None
         padded = np.pad(x, ((0, 0), (0, 0), *sliding.pads), mode=mode)
         want = _correlated(padded, weight, geometry, sliding)
-        squared = float(_correlated(np.square(padded), np.square(weight), geometry,
-                                    sliding).sum())
+        squared = _squared_terms(padded, weight, geometry, sliding)
         if bias is not None:
             want += bias.reshape(-1, *(1,) * dims)
             squared += float(np.square(bias).sum()) * (y.size // out_channels)
@@ -290,8 +325,7 @@ def _convolution(dims: int, kind: str, ops: Operands) -> Optional[Figures]:
             gx.shape != x.shape:
         return None
     want = _correlated_back(g, weight, geometry, sliding, x.shape)
-    squared = float(_correlated_back(np.square(g), np.square(weight), geometry, sliding,
-                                     x.shape).sum())
+    squared = _squared_terms_back(g, weight, geometry, sliding, x.shape)
     # the kernel offsets that reach an input element: those o < k with o d in one residue
     # class modulo the stride, at most k gcd(d, s) / s rounded up, per dimension
     reach = math.prod(-(-k * math.gcd(d, s) // s) for k, d, s in zip(
