@@ -630,11 +630,14 @@ class _Judgement:
             return (f"outside the given tolerance, with sources within it (rel error {err:.3g}, "
                     f"inputs {err_in:.3g})")
         if r.miscomputed[i]:
+            stride = r.frame.at[i, "recomputed_stride"]
+            sampled = f", on one sample in {stride:.0f}" if stride > 1 else ""
             return (f"{MISCOMPUTED} {r.recomputed[i]:.3g} (rel) from what its own records give "
                     f"({r.frame.at[i, 'cls']}: recomputed from its "
                     f"{'input' if r.frame.at[i, 'kind'] == fmt.OUTPUT else 'incoming gradient'} "
-                    f"and weights), where rounding explains {r.recomputed_floor[i]:.2g}: this "
-                    f"call's own computation is not what it is in A")
+                    f"and weights{sampled}), where rounding explains "
+                    f"{r.recomputed_floor[i]:.2g}: this call's own computation is not what it "
+                    f"is in A")
         if r.in_transit[i]:
             return (f"{IN_TRANSIT} {r.transit[i]:.3g} (rel) since "
                     f"{r.frame.at[i, 'transit_from']}, which A hands on unchanged: the code "

@@ -281,6 +281,11 @@ def test_a_large_call_is_recomputed_on_every_kth_sample(tmp_path, monkeypatch, m
     result = compare_dumps(tmp_path / "a", tmp_path / "b")
     row = result[(result["module"] == "0") & (result["kind"] == "output")].iloc[0]
     assert row["recomputed_rel_err"] == pytest.approx(expected, rel=1e-3)
+    stride = row["recomputed_stride"]
+    assert stride > 1
+    if expected > 0:  # (the activation's samples miss every marked row: 0, and no DIFF)
+        assert row["reason"].startswith(f"{MISCOMPUTED} {expected:.3g}")
+        assert f"on one sample in {stride:.0f})" in row["reason"]
     assert expected != pytest.approx(float((got - want).norm() / want.norm()), rel=1e-2)
     backward = result[(result["module"] == "0") & (result["kind"] == "grad_input")]
     assert backward["recomputed_rel_err"].notna().all() and len(backward) == 1
@@ -356,6 +361,7 @@ def test_every_convolution_geometry_is_recomputed_within_rounding(tmp_path):
     by_kind = {kind: set(recomputed.loc[recomputed["kind"] == kind, "module"]) & convs
                for kind in ("output", "grad_input")}
     assert by_kind == {"output": convs, "grad_input": ZERO_PADDED - {"convs.0"}}
+    assert (recomputed["recomputed_stride"] == 1).all()
     rows = recomputed[recomputed["module"].isin(convs)]
     floor = allowed(2.0 ** -24, rows["recomputed_spread"].to_numpy(),
                     rows["recomputed_terms"].to_numpy())
