@@ -13,7 +13,8 @@ the one that A's own records follow best.
 - ``Conv1d``, ``Conv2d``, ``Conv3d`` at the geometry the dump records (``fmt.CONV_PATH``;
   where it does not, stride 1, no padding, one group): per kernel offset, a grouped matrix
   product of the shifted input (backward: of the gradient, added back where it came from),
-  padded by its padding mode (backward: zeros only);
+  padded by its padding mode (backward: zeros only); ``ConvTranspose1d``/``2d``/``3d``, the
+  same two the other way round;
 - the elementwise activations of :data:`ELEMENTWISE`: ``y = f(x)``, ``gx = g f'(x)``;
 - normalizations (class names with ``LayerNorm``, ``RMSNorm`` or ``BatchNorm``; not
   ``SyncBatchNorm`` or gated ones), at the module's recorded ``eps``: ``x̂ = (x - μ) / σ``
@@ -113,7 +114,10 @@ ELEMENTWISE: dict[str, tuple[Callable, Callable]] = {
     "Sigmoid": (_sigmoid, lambda x: _sigmoid(x) * (1.0 - _sigmoid(x))),
     "Tanh": (np.tanh, lambda x: 1.0 - np.tanh(x) ** 2),
 }
-CONVOLUTIONS = {"Conv1d": 1, "Conv2d": 2, "Conv3d": 3}  # spatial dimensions
+# spatial dimensions; and those that compute what a convolution sends back
+CONVOLUTIONS = {"Conv1d": 1, "Conv2d": 2, "Conv3d": 3,
+                "ConvTranspose1d": 1, "ConvTranspose2d": 2, "ConvTranspose3d": 3}
+TRANSPOSED = frozenset(c for c in CONVOLUTIONS if c.startswith("ConvTranspose"))
 WEIGHTED = ("Linear", "Conv1D", *CONVOLUTIONS)  # Conv1D: Hugging Face's transposed Linear
 NORMALIZATIONS = ("LayerNorm", "RMSNorm", "BatchNorm")
 NOT_NORMALIZATIONS = ("SyncBatchNorm", "Gated")
@@ -135,7 +139,8 @@ def candidates(cls: str) -> list[Formula]:
     if cls in ELEMENTWISE:
         return [functools.partial(_elementwise, *ELEMENTWISE[cls])]
     if cls in CONVOLUTIONS:
-        return [functools.partial(_convolution, CONVOLUTIONS[cls])]
+        formula = _transposed_convolution if cls in TRANSPOSED else _convolution
+        return [functools.partial(formula, CONVOLUTIONS[cls])]
     if cls in WEIGHTED:
         return [functools.partial(_linear, cls == "Conv1D")]
     if not any(n in cls for n in NORMALIZATIONS) or any(n in cls for n in NOT_NORMALIZATIONS):
@@ -326,11 +331,51 @@ def _convolution(dims: int, kind: str, ops: Operands) -> Optional[Figures]:
         return None
     want = _correlated_back(g, weight, geometry, sliding, x.shape)
     squared = _squared_terms_back(g, weight, geometry, sliding, x.shape)
-    # the kernel offsets that reach an input element: those o < k with o d in one residue
-    # class modulo the stride, at most k gcd(d, s) / s rounded up, per dimension
-    reach = math.prod(-(-k * math.gcd(d, s) // s) for k, d, s in zip(
+    return Figures(gx, want, squared, out_channels // geometry.groups * _reach(geometry,
+                                                                                kernel))
+
+
+def _reach(geometry: fmt.ConvGeometry, kernel: tuple) -> int:
+    """How many kernel offsets reach one element of a convolution's input: those o < k with
+    o d in one residue class modulo the stride, ``ceil(k gcd(d, s) / s)`` per dimension."""
+    return math.prod(-(-k * math.gcd(d, s) // s) for k, d, s in zip(
         kernel, geometry.dilation, geometry.stride))
-    return Figures(gx, want, squared, out_channels // geometry.groups * reach)
+
+
+def _transposed_convolution(dims: int, kind: str, ops: Operands) -> Optional[Figures]:
+    """torch's ``ConvTranspose1d``/``2d``/``3d`` (``dims``): what a convolution of the same
+    geometry and weight sends back, so forward :func:`_correlated_back` and backward
+    :func:`_correlated` (zero padding), the output's size taken from its record (its
+    ``output_padding`` is where no product lands)."""
+    t, weight, bias = ops.tensors, ops.weight, ops.bias
+    x, y = t.get(fmt.INPUT), t[fmt.OUTPUT if kind == fmt.OUTPUT else fmt.GRAD_OUTPUT]
+    geometry = ops.conv or fmt.ConvGeometry((1,) * dims, (0,) * dims, (1,) * dims, 1, "zeros")
+    if weight is None or x is None or not weight.ndim == x.ndim == y.ndim == dims + 2 or \
+            geometry.padding_mode != "zeros" or isinstance(geometry.padding, str):
+        return None
+    (in_channels, group_channels), kernel = weight.shape[:2], weight.shape[2:]
+    out_channels = group_channels * geometry.groups
+    out_shape = (x.shape[0], out_channels, *y.shape[2:])
+    sliding = _Sliding.of(geometry, kernel, y.shape[2:])
+    if sliding is None or sliding.out != x.shape[2:] or y.shape != out_shape or \
+            x.shape[1] != in_channels or in_channels % geometry.groups or \
+            (bias is not None and bias.shape != (out_channels,)):
+        return None
+    if kind == fmt.OUTPUT:
+        want = _correlated_back(x, weight, geometry, sliding, out_shape)
+        squared = _squared_terms_back(x, weight, geometry, sliding, out_shape)
+        if bias is not None:
+            want += bias.reshape(-1, *(1,) * dims)
+            squared += float(np.square(bias).sum()) * (y.size // out_channels)
+        return Figures(y, want, squared, in_channels // geometry.groups * _reach(
+            geometry, kernel) + (bias is not None))
+    gx = t[fmt.GRAD_INPUT]
+    if gx.shape != x.shape:
+        return None
+    padded = np.pad(y, ((0, 0), (0, 0), *sliding.pads))
+    return Figures(gx, _correlated(padded, weight, geometry, sliding),
+                   _squared_terms(padded, weight, geometry, sliding),
+                   group_channels * math.prod(kernel))
 
 
 def _elementwise(f: Callable, grad: Callable, kind: str, ops: Operands) -> Optional[Figures]:

@@ -47,7 +47,9 @@ def _eps_of(module: nn.Module, args: tuple) -> Optional[float]:
                  if isinstance(value, float)), None)
 
 
-CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)  # whose geometry is recorded (fmt.CONV_PATH)
+# whose geometry is recorded (fmt.CONV_PATH)
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                nn.ConvTranspose3d)
 
 
 def _geometry(module: nn.Module) -> Optional[fmt.ConvGeometry]:

@@ -482,3 +482,43 @@ def test_calls_are_recomputed_in_processes_as_in_one(tmp_path):
     columns = ["recomputed_rel_err", "recomputed_spread", "recomputed_terms", "recomputed_dtype"]
     assert one[columns].notna().any(axis=None)
     pd.testing.assert_frame_equal(one[columns], two[columns])
+
+
+def _transposed(directory, dtype: torch.dtype, plant: dict = None, **options):
+    """Transposed convolutions (a decoder's upsampling): stride with output padding,
+    dilation with groups."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1), nn.Tanh(),
+        nn.ConvTranspose2d(6, 4, 3, stride=3, padding=2, dilation=2, groups=2,
+                           output_padding=2)).to(dtype)
+    batch = torch.randn(2, 4, 5, 6, generator=torch.Generator().manual_seed(1)).to(dtype)
+    planted = perturb(model, **plant) if plant else None
+    with HookerAndDumper(directory, **options).hooks(model, 0, 0):
+        model(batch.requires_grad_()).pow(2).mean().backward()
+    if planted:
+        planted.remove()
+    return directory
+
+
+def test_transposed_convolutions_are_recomputed_and_their_errors_found(tmp_path):
+    """Float64 A, float32 B: each transposed convolution's output and the gradient it sends
+    back are recomputed within float32 rounding at the recorded geometry, the pair agrees,
+    and a 1e-3 error in one's forward or backward is the first divergence, by 1e-3."""
+    a = _transposed(tmp_path / "a", torch.float64, params=True)
+    index = load_dump(a).index
+    assert set(index.loc[index["path"] == fmt.CONV_PATH, "module"]) == {"0", "2"}
+    result = compare_dumps(a, _transposed(tmp_path / "b", torch.float32))
+    rows = result[result["recomputed_rel_err"].notna() & result["cls"].str.startswith("Conv")]
+    assert sorted(zip(rows["module"], rows["kind"])) == [
+        ("0", "grad_input"), ("0", "output"), ("2", "grad_input"), ("2", "output")]
+    floor = allowed(2.0 ** -24, rows["recomputed_spread"].to_numpy(),
+                    rows["recomputed_terms"].to_numpy())
+    assert (rows["recomputed_rel_err"].to_numpy() <= floor).all()
+    assert summarize(result).ok, summarize(result).verdict()
+    for module, where in (("2", "output"), ("0", "grad_input")):
+        planted = _transposed(tmp_path / f"{module}{where}", torch.float32,
+                              plant={"include": [module], "where": where, "scale": 1.001})
+        first = summarize(compare_dumps(a, planted)).first
+        assert (first.row["module"], first.row["kind"]) == (module, where)
+        assert first.row["recomputed_rel_err"] == pytest.approx(1e-3, rel=0.05)
