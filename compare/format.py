@@ -147,7 +147,7 @@ BACKWARD_KINDS = frozenset({GRAD_INPUT, GRAD_OUTPUT, PARAM_GRAD})
 # row that older readers skip like every non-tensor leaf.
 EPS_ATTRIBUTES = ("eps", "variance_epsilon")
 EPS_PATH = "eps"
-# A convolution's geometry (torch's Conv1d, Conv2d, Conv3d; not a transposed one), recorded
+# A convolution's geometry (torch's Conv1d, Conv2d, Conv3d and ConvTranspose ones), recorded
 # like eps, at its first call of the step, as a non-tensor `param` row of this path with
 # `conv_text` as `value` (`dtype` `str`): what a convolution computes from its input and
 # weight depends on it (compare.formulas). Written since 2026-11-27 within format version 8.

@@ -302,7 +302,7 @@ def _convolution(dims: int, kind: str, ops: Operands) -> Optional[Figures]:
     (where none is recorded: stride 1, no padding, one group)."""
     t, weight, bias = ops.tensors, ops.weight, ops.bias
     x = t.get(fmt.INPUT)
-    geometry = ops.conv or fmt.ConvGeometry((1,) * dims, (0,) * dims, (1,) * dims, 1, "zeros")
+    geometry = ops.conv or _plain(dims)
     if weight is None or x is None or weight.ndim != dims + 2 or x.ndim != dims + 2:
         return None
     (out_channels, group_channels), kernel = weight.shape[:2], weight.shape[2:]
@@ -317,13 +317,9 @@ def _convolution(dims: int, kind: str, ops: Operands) -> Optional[Figures]:
         if y.shape != out_shape or mode is None:
             return None
         padded = np.pad(x, ((0, 0), (0, 0), *sliding.pads), mode=mode)
-        want = _correlated(padded, weight, geometry, sliding)
-        squared = _squared_terms(padded, weight, geometry, sliding)
-        if bias is not None:
-            want += bias.reshape(-1, *(1,) * dims)
-            squared += float(np.square(bias).sum()) * (y.size // out_channels)
-        return Figures(y, want, squared, group_channels * math.prod(kernel) + (
-            bias is not None))
+        return _biased(y, _correlated(padded, weight, geometry, sliding),
+                       _squared_terms(padded, weight, geometry, sliding), bias,
+                       group_channels * math.prod(kernel))
     g, gx = t[fmt.GRAD_OUTPUT], t[fmt.GRAD_INPUT]
     padded = any(p for pads in sliding.pads for p in pads)
     if (padded and geometry.padding_mode != "zeros") or g.shape != out_shape or \
@@ -333,6 +329,23 @@ def _convolution(dims: int, kind: str, ops: Operands) -> Optional[Figures]:
     squared = _squared_terms_back(g, weight, geometry, sliding, x.shape)
     return Figures(gx, want, squared, out_channels // geometry.groups * _reach(geometry,
                                                                                 kernel))
+
+
+def _plain(dims: int) -> fmt.ConvGeometry:
+    """The geometry of a convolution whose dump records none: stride 1, no padding, one
+    group (where it is another, A's records do not follow it: no figures)."""
+    return fmt.ConvGeometry((1,) * dims, (0,) * dims, (1,) * dims, 1, "zeros")
+
+
+def _biased(y: np.ndarray, want: np.ndarray, squared: float, bias: Optional[np.ndarray],
+            terms: int) -> Figures:
+    """A convolution's output figures, its ``bias`` (per channel, axis 1) added to what it
+    sums of ``terms`` products per element (one more term)."""
+    if bias is None:
+        return Figures(y, want, squared, terms)
+    want += bias.reshape(-1, *(1,) * (y.ndim - 2))
+    squared += float(np.square(bias).sum()) * (y.size // len(bias))
+    return Figures(y, want, squared, terms + 1)
 
 
 def _reach(geometry: fmt.ConvGeometry, kernel: tuple) -> int:
@@ -349,7 +362,7 @@ def _transposed_convolution(dims: int, kind: str, ops: Operands) -> Optional[Fig
     ``output_padding`` is where no product lands)."""
     t, weight, bias = ops.tensors, ops.weight, ops.bias
     x, y = t.get(fmt.INPUT), t[fmt.OUTPUT if kind == fmt.OUTPUT else fmt.GRAD_OUTPUT]
-    geometry = ops.conv or fmt.ConvGeometry((1,) * dims, (0,) * dims, (1,) * dims, 1, "zeros")
+    geometry = ops.conv or _plain(dims)
     if weight is None or x is None or not weight.ndim == x.ndim == y.ndim == dims + 2 or \
             geometry.padding_mode != "zeros" or isinstance(geometry.padding, str):
         return None
@@ -362,13 +375,9 @@ def _transposed_convolution(dims: int, kind: str, ops: Operands) -> Optional[Fig
             (bias is not None and bias.shape != (out_channels,)):
         return None
     if kind == fmt.OUTPUT:
-        want = _correlated_back(x, weight, geometry, sliding, out_shape)
-        squared = _squared_terms_back(x, weight, geometry, sliding, out_shape)
-        if bias is not None:
-            want += bias.reshape(-1, *(1,) * dims)
-            squared += float(np.square(bias).sum()) * (y.size // out_channels)
-        return Figures(y, want, squared, in_channels // geometry.groups * _reach(
-            geometry, kernel) + (bias is not None))
+        return _biased(y, _correlated_back(x, weight, geometry, sliding, out_shape),
+                       _squared_terms_back(x, weight, geometry, sliding, out_shape), bias,
+                       in_channels // geometry.groups * _reach(geometry, kernel))
     gx = t[fmt.GRAD_INPUT]
     if gx.shape != x.shape:
         return None

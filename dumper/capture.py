@@ -52,10 +52,11 @@ CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTran
                 nn.ConvTranspose3d)
 
 
-def _geometry(module: nn.Module) -> Optional[fmt.ConvGeometry]:
-    """A convolution's geometry as the dump records it (``fmt.CONV_PATH``), sizes one per
-    spatial dimension; None for other modules, and for a subclass whose attributes are not
-    torch's kind (nothing recorded: never an error in the user's step)."""
+def _geometry_text(module: nn.Module) -> Optional[str]:
+    """A convolution's geometry as the dump records it (``fmt.conv_text`` on a
+    ``fmt.CONV_PATH`` row), sizes one per spatial dimension; None for other modules, and for
+    a subclass whose attributes are not torch's kind (nothing recorded: never an error in
+    the user's step)."""
     if not isinstance(module, CONVOLUTIONS):
         return None
     dims = module.weight.dim() - 2 if isinstance(module.weight, torch.Tensor) else 0
@@ -71,7 +72,8 @@ def _geometry(module: nn.Module) -> Optional[fmt.ConvGeometry]:
                                     int(module.groups), str(module.padding_mode))
     except (TypeError, ValueError):
         return None
-    return geometry if fmt.parse_conv(fmt.conv_text(geometry)) == geometry else None
+    text = fmt.conv_text(geometry)
+    return text if fmt.parse_conv(text) == geometry else None  # (sizes a reader refuses)
 
 
 def hook_gradient(t: torch.Tensor, on_grad: Callable[[torch.Tensor], Optional[torch.Tensor]]
@@ -273,9 +275,8 @@ class StepCapture:
             eps = _eps_of(module, args) if info.call_idx == 0 else None
             if eps is not None:
                 self._sink(leaf_record(call.seq, info, fmt.PARAM, fmt.EPS_PATH, eps))
-            geometry = _geometry(module) if info.call_idx == 0 else None
-            if geometry is not None:  # the text is the leaf, written as it is
-                text = fmt.conv_text(geometry)
+            text = _geometry_text(module) if info.call_idx == 0 else None
+            if text is not None:  # the text is the leaf, written as it is
                 self._sink(leaf_record(call.seq, info, fmt.PARAM, fmt.CONV_PATH, text, text))
         if fmt.PARAM in injects:
             self._swapped.push(module, inject.swap_parameters(path, info.call_idx, module))
