@@ -27,7 +27,7 @@ from .metrics import METRIC_COLUMNS, ErrorAccumulator, rows_measured
 from .prefetch import prefetched
 from .pairing import (KEY, align_ranks, at_rank, outside_compiled_regions, pair_records,
                       recorded_on_both_sides, select, tensor_rows)
-from .statistics import compare_stats, sketch_of_chunks, stats_of_chunks
+from .statistics import compare_stats, described, sketch_of_chunks, stats_of_chunks
 from .status import (DROPPED, EQUAL, HASH_MISMATCH, MISSING_IN_A, MISSING_IN_B, OP_ONLY_IN_A,
                      OP_ONLY_IN_B, REPLICA_MISMATCH, SHAPE_MISMATCH, UNSUPPORTED)
 from .recompute import RECOMPUTE_COLUMNS, RECOMPUTE_FIGURES
@@ -253,11 +253,15 @@ class _PairRef(NamedTuple):
 
     @property
     def hashed(self) -> bool:
-        """A side holds a digest (hash mode) instead of values, and the other a digest or
-        values: their bits can be compared."""
-        return (self.digest_a != fmt.NO_DIGEST or self.digest_b != fmt.NO_DIGEST) and all(
-            digest != fmt.NO_DIGEST or dataset for digest, dataset in (
-                (self.digest_a, self.dataset_a), (self.digest_b, self.dataset_b)))
+        """Their bits are compared: a side holds a digest and nothing else to compare (a
+        hash mode record), and the other a digest or values. Where both sides have values or
+        statistics (a parameter's digest comes with them), those are compared: they say how
+        much the values differ."""
+        sides = ((self.digest_a, self.dataset_a, self.stats_a),
+                 (self.digest_b, self.dataset_b, self.stats_b))
+        return any(digest != fmt.NO_DIGEST and not dataset and not described(stats)
+                   for digest, dataset, stats in sides) and all(
+            digest != fmt.NO_DIGEST or dataset for digest, dataset, _ in sides)
 
     @property
     def assembled(self) -> bool:
@@ -388,8 +392,7 @@ def _compare_described(side_a: _Side, side_b: _Side, r: _PairRef, chunk_elements
     """A pair where a side was dropped, is unsupported or holds statistics only: compare what
     is known (a side holding only a digest, against statistics: unsupported)."""
     tol = pair_tolerance(r.dtype_a, r.dtype_b, rtol, atol)
-    counted = fmt.STAT_COLUMNS.index("stat_nan")  # set wherever statistics were computed
-    known = all(dataset or not math.isnan(stats[counted]) for dataset, stats in (
+    known = all(dataset or described(stats) for dataset, stats in (
         (r.dataset_a, r.stats_a), (r.dataset_b, r.stats_b)))  # a digest against statistics: not
     if r.dropped or r.unsupported or not known:
         status = DROPPED if r.dropped else UNSUPPORTED

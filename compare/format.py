@@ -13,15 +13,17 @@ from typing import NamedTuple, Optional, Union
 import numpy as np
 
 FORMAT_NAME = "h5cmp-dump"
-FORMAT_VERSION = 8
+FORMAT_VERSION = 9
 # version 1: no sketch columns (read as NaN); versions 1-2: no data checksums, no `incomplete`;
 # versions 1-4: no `micro_batch` (read as NO_MICRO_BATCH); versions 1-5: no `injected` (read as
 # 0) and no `injected_from` attribute (read as ""); versions 1-6: no `digest` (read as
-# NO_DIGEST); versions 1-7: no sharding columns (read as "": not sharded). Files of any
+# NO_DIGEST); versions 1-7: no sharding columns (read as "": not sharded); versions 7-8: hash
+# mode's parameter rows hold statistics and a sketch besides their digest, other modes' no
+# digest (all read as they are: see comparison._PairRef.hashed). Files of any
 # version may lack the normalization eps rows (EPS_PATH, written since 2026-11-26) and the
 # convolution geometry rows (CONV_PATH, since 2026-11-27).
 # Version 3 (a development version of 2026-11-23, crc32 data checksums) is not read.
-SUPPORTED_VERSIONS = frozenset({1, 2, 4, 5, 6, 7, 8})
+SUPPORTED_VERSIONS = frozenset({1, 2, 4, 5, 6, 7, 8, 9})
 
 # ---- files -------------------------------------------------------------------------
 FILE_SUFFIX = ".hdf5"

@@ -83,6 +83,14 @@ def stats_from_sums(lo: float, hi: float, total: float, sumsq: float, n: int, na
             float(nan), float(inf), float(zero))
 
 
+_COUNTED = fmt.STAT_COLUMNS.index("stat_nan")  # a count: set wherever statistics were computed
+
+
+def described(stats: tuple) -> bool:
+    """Whether a record's statistics (``fmt.STAT_COLUMNS``) were computed: NaN where not."""
+    return not math.isnan(stats[_COUNTED])
+
+
 def stats_of_chunks(chunks: Iterable[np.ndarray]) -> tuple[float, ...]:
     """``STAT_NAMES`` of a tensor given as flat chunks, the dumper's definitions, in float64."""
     n, total, sumsq = 0, 0.0, 0.0

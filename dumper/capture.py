@@ -264,11 +264,14 @@ class StepCapture:
         call = self._open(info, inject, args, kwargs)
         injects = inject.kinds if inject is not None else frozenset()
         if self._sel.wants_kind(fmt.PARAM) and (self._params or info.call_idx == 0):
-            # values with params=True; otherwise statistics and a sketch, once per module: cheap,
-            # and enough for a comparison to tell how much weights differ
+            # values with params=True; otherwise, once per module, a digest (whether the bits
+            # are the same) and, but in hash mode, statistics and a sketch (how much weights
+            # differ): in hash mode those would cost more than the step's every digest
+            described = not self._params and info.mode != fmt.MODE_HASH
             for i, (name, p) in enumerate(module.named_parameters(recurse=False)):
                 record = self._maker.tensor(call.seq, info, fmt.PARAM, i, name, p,
-                                            stats=not self._params, sketch=not self._params)
+                                            stats=described, sketch=described,
+                                            digest=not self._params)
                 record.injected = fmt.PARAM in injects and inject.has(
                     (path, info.call_idx, fmt.PARAM, i))
                 self._sink(record)

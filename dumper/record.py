@@ -146,9 +146,10 @@ class RecordMaker:
 
     def tensor(self, seq: int, call: CallInfo, kind: str, index: int, path: str,
                t: torch.Tensor, owned: bool = False, stats: bool = False,
-               sketch: bool = False) -> Record:
+               sketch: bool = False, digest: bool = False) -> Record:
         """Record for tensor leaf ``t``, whose values (or, by the call's mode, statistics or
-        a digest; statistics with ``stats`` too, with its sketch if ``sketch``) are taken now.
+        a digest; statistics with ``stats`` too, with its sketch if ``sketch``; a digest with
+        ``digest`` too) are taken now: numbers instead of values if any are wanted.
 
         ``owned``: ``t`` is a private tensor nothing else references or modifies (e.g. a sum
         made by the dumper); on the CPU it becomes the snapshot itself, without a copy.
@@ -166,7 +167,8 @@ class RecordMaker:
                      fmt.ST_UNSUPPORTED if reason else fmt.ST_OK, reason, sharding=sharding)
         if reason:
             return rec
-        hashed, summed = call.mode == fmt.MODE_HASH, call.mode == fmt.MODE_STATS or stats
+        hashed = call.mode == fmt.MODE_HASH or digest
+        summed = call.mode == fmt.MODE_STATS or stats
         batch = self.batch if self.batch is not None and t.numel() and on_device(t) else None
         if hashed or summed:
             try:
@@ -175,13 +177,13 @@ class RecordMaker:
                     rec.stats, rec.sketch, rec.digest = (
                         taken.get(what) for what in ("stats", "sketch", "digest"))
                     return rec
-                digest = tensor_digest(t) if hashed else None
+                bits = tensor_digest(t) if hashed else None
                 stats = tensor_stats(t) if summed else None
                 drawn = tensor_sketch(t) if summed and sketch else None
             except Exception as exc:  # a tensor type nobody foresaw must not stop training
                 rec.status, rec.value = fmt.ST_UNSUPPORTED, unreadable(exc)
                 return rec
-            rec.digest, rec.stats, rec.sketch = digest, stats, drawn
+            rec.digest, rec.stats, rec.sketch = bits, stats, drawn
             return rec
         nbytes = t.numel() * t.element_size()
         if not self._budget.try_acquire(nbytes):

@@ -79,7 +79,15 @@ def test_a_hash_dump_holds_digests_and_no_values(runs):
     assert len(tensors) and (tensors["dataset"] == "").all()
     assert (tensors[tensors["status"] == "ok"]["digest"] >= 0).all()
     params = tensors[tensors["kind"] == "param"]
-    assert params["stat_nan"].notna().all()  # weights keep their statistics
+    assert len(params) and params["stat_nan"].isna().all()  # weights: a digest only, too
+    assert params[[f"sketch_{k}" for k in range(8)]].isna().all().all()
+
+
+@pytest.mark.parametrize("run", ["values", "stats"])
+def test_weights_get_a_digest_besides_their_statistics(runs, run):
+    index = load_dump(runs[run]).index
+    params = index[(index["kind"] == "param") & (index["index"] >= 0)]
+    assert len(params) and (params["digest"] >= 0).all() and params["stat_nan"].notna().all()
 
 
 def test_identical_runs_agree_bit_for_bit(runs):
@@ -107,9 +115,9 @@ def test_a_hash_dump_pairs_with_the_values_of_the_same_run(runs):
 
 def test_digests_against_statistics_cannot_be_compared(runs):
     frame = compare_dumps(runs["hash"], runs["stats"])
-    weights = frame["kind"] == "param"  # both sides have their statistics
+    weights = frame["kind"] == "param"  # both sides have their digest
     assert set(frame[~weights]["status"]) == {"unsupported"}
-    assert set(frame[weights]["status"]) <= {"equal", "close"}
+    assert set(frame[weights]["status"]) == {"equal"}
     result = _h5cmp(runs["hash"], runs["stats"])
     assert f"; {(~weights).sum()} of {len(frame)} records could not be compared (unsupported)" \
         in result.output.splitlines()[0]
@@ -139,3 +147,30 @@ def test_a_gradient_changed_between_modules_is_seen_by_its_digests(tmp_path):
     row = planted[(planted["module"] == "act") & (planted["kind"] == "grad_output")].iloc[0]
     assert row["transit_rel_diff"] == float("inf") and row["status"] == "hash_mismatch"
     assert row["transit_from"] == "mid.Linear#0 grad_input[0]"
+
+
+def test_weights_that_differ_by_one_bit_are_the_first_divergence(tmp_path):
+    """Hash mode keeps a digest of each weight, no statistics: a weight one unit off in one
+    element is named, before every tensor it changes."""
+    from dumper import HookerAndDumper
+
+    def run(name, nudge=False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        if nudge:
+            with torch.no_grad():
+                model[2].weight[1, 3] = torch.nextafter(model[2].weight[1, 3], torch.tensor(1.0))
+        with HookerAndDumper(tmp_path / name, mode="hash").hooks(model, 0, 0):
+            model(torch.ones(3, 6)).sum().backward()
+        return tmp_path / name
+
+    a, b = run("a"), run("b", nudge=True)
+    frame = compare_dumps(a, b)
+    first = frame[frame["status"] != "equal"].sort_values("seq").iloc[0]
+    assert (first["module"], first["kind"], first["path"], first["status"]) == (
+        "2", "param", "weight", "hash_mismatch")
+    result = _h5cmp(a, b)
+    assert result.exit_code == 1, result.output
+    assert "first divergence: step 0:0, forward, module 2 (Linear) call 0, param[0] weight" \
+        in result.output, result.output
+    assert "this module's weights differ before the step" in result.output
