@@ -13,22 +13,30 @@ seal, none on the training thread.
 The numbers are the raw sums of :data:`dumper.stats.RAW_SUMS` (and the sketch, and the 64-bit
 word sum of the digest); the host turns them into the statistics with
 :func:`dumper.stats.stats_of_sums`, the definition the per-tensor path of CPU tensors and the
-reader share. CPU tensors are reduced in their hooks instead: batched on this 2-core CPU, the
-copies and numpy's segmented reductions cost as much or more (docs/benchmarks.md).
+reader share. CPU tensors are reduced in their hooks instead (:mod:`dumper.stats`,
+:mod:`dumper.digest`), but for the numbers of small float32/float64 ones
+(:func:`on_host_arena`): a hook's numpy calls on a few thousand elements cost 2-3 times as
+much inside a training step as in a loop of their own, so those are copied into a *host
+arena* (:class:`_HostArena`) and reduced together with numpy's segmented reductions when it
+is sealed (docs/benchmarks.md). Their values, when wanted, are snapshots as before.
 """
 from __future__ import annotations
 
+import ctypes
 import threading
 from typing import Optional, Union
 
+import numpy as np
 import torch
 
 from compare import format as fmt
 from compare.statistics import SKETCH_SIZE
 
 from .digest import word_sum
+from .host_memory import tensor_address
 from .snapshot import SnapshotPool
-from .stats import RAW_SUMS, reduced, sketch_on_device, stats_of_sums, tensor_sums
+from .stats import (RAW_SUMS, SKETCH_SMALL, reduced, sketch_of_small, sketch_on_device,
+                    stats_of_sums, tensor_sums)
 
 SMALL_BYTES = 1 << 18   # tensors up to this size go into an arena
 ARENA_BYTES = 16 << 20  # one arena; a full one is sealed and a new one started
@@ -36,6 +44,20 @@ ALIGN = 16              # slots start here: any dtype's view, and whole 64-bit w
 TABLE_ROWS = 256        # rows of one table of numbers
 WIDTH = len(RAW_SUMS) + SKETCH_SIZE  # a row of numbers: the raw sums, then the sketch
 WANTS = ("values", "stats", "sketch", "digest")  # what a record can take of a tensor
+
+
+_CPU = torch.device("cpu")
+HOST_SMALL = SKETCH_SMALL  # CPU tensors up to this many elements go into a host arena
+#                            (beyond, measured level with or slower than their own reductions)
+HOST_FLOATS = {torch.float32: np.float32, torch.float64: np.float64}  # those numpy reduces
+HOST_CHUNK = 1 << 16     # elements widened to float64 at a time by a host arena's reduction
+
+
+def on_host_arena(t: torch.Tensor) -> bool:
+    """Whether the numbers of CPU tensor ``t`` (not empty; no values wanted) are taken into
+    the step's :class:`StepBatch` (a :class:`_HostArena`): a small float32/float64 one, whose
+    own reductions would cost more inside a step than its copy and its share of the arena's."""
+    return t.dtype in HOST_FLOATS and t.device.type == "cpu" and t.numel() <= HOST_SMALL
 
 
 def on_device(t: torch.Tensor) -> bool:
@@ -254,6 +276,117 @@ class _Arena(_Open):
         return sums.index_add_(0, ids, words)[:-1]
 
 
+class _HostArena(_Open):
+    """Small CPU float tensors of one dtype whose numbers alone are wanted (statistics, sketch,
+    digest): copied one after another into a buffer of the snapshot pool, 8-byte aligned for
+    the digests' words, and reduced together when sealed (or full), the buffer then given
+    back. Its numbers are those of the per-tensor path (:mod:`dumper.stats`,
+    :mod:`dumper.digest`) but for the float64 sums' order."""
+
+    def __init__(self, dtype: torch.dtype, pool: SnapshotPool):
+        super().__init__(_CPU, pool)
+        self.dtype = dtype
+        self.buffer = pool.host_buffer(ARENA_BYTES, pinned=False)
+        self._typed = self.buffer.view(dtype)
+        self._address = self.buffer.data_ptr()
+        self.used = 0
+        self.stats = self.digests = False  # what some slot wants
+
+    def add(self, t: torch.Tensor, nbytes: int, values: bool, stats: bool, sketch: bool,
+            digest: bool) -> Optional[_Slot]:
+        """Copy ``t`` into the next slot; None when full (a word is kept spare: the
+        segmented reductions end each slot with an index of its own). A plain tensor's bytes
+        are copied by address (:mod:`dumper.host_memory`): a hook's every microsecond counts."""
+        offset = -(-self.used // 8) * 8
+        if offset + nbytes + 8 > ARENA_BYTES:
+            return None
+        address = tensor_address(t)
+        if address is not None:
+            ctypes.memmove(self._address + offset, address, nbytes)
+        else:  # a view, a wrapper: torch copies it
+            first = offset // self.dtype.itemsize
+            self._typed[first:first + t.numel()].view(t.shape).copy_(t)
+        if digest and nbytes % 8:  # a digest reads the last 64-bit word padded with zeros
+            ctypes.memset(self._address + offset + nbytes, 0, 8 - nbytes % 8)
+        slot = _Slot(len(self.slots), offset, nbytes, t, sketch)
+        self.slots.append(slot)
+        self.used = offset + nbytes
+        self.stats |= stats or sketch
+        self.digests |= digest
+        return slot
+
+    def device_side(self) -> dict[str, torch.Tensor]:
+        """Every slot's numbers, reduced with numpy; the buffer goes back to the pool."""
+        out = {"numbers": torch.from_numpy(self._numbers())} if self.stats else {}
+        if self.digests:
+            out["digests"] = torch.from_numpy(self._word_sums())
+        self._give_back()
+        return out
+
+    def release(self) -> None:
+        super().release()
+        if self._pending == 0:  # a step abandoned before its seal: nothing will read it
+            self._give_back()
+
+    def _give_back(self) -> None:
+        if self.buffer is not None:
+            buffer, self.buffer = self.buffer, None
+            self._typed = None
+            self._pool.give(buffer, pinned=False)
+
+    def _bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        size = self.dtype.itemsize
+        starts = np.fromiter((slot.offset // size for slot in self.slots), dtype=np.int64,
+                             count=len(self.slots))
+        return starts, starts + np.fromiter((slot.numel for slot in self.slots),
+                                            dtype=np.int64, count=len(self.slots))
+
+    def _numbers(self) -> np.ndarray:
+        """The raw sums by segmented reductions over the slots (each slot's end an index too:
+        the gaps' results are dropped), a chunk of slots at a time so that the chunk and its
+        float64 copy stay in cache; NaN/Inf counts for the slots whose extremes are not
+        finite; sketches slot by slot."""
+        starts, ends = self._bounds()
+        x = self._typed[:ends[-1] + 1].numpy()  # the pool's own buffer; one spare element
+        edges = np.stack([starts, ends], axis=1).reshape(-1)
+        numbers = np.full((len(self.slots), WIDTH), np.nan)
+        columns = {name: numbers[:, i] for i, name in enumerate(RAW_SUMS)}
+        scratch = np.empty(HOST_CHUNK + HOST_SMALL + 1)
+        first = np.searchsorted(starts, np.arange(0, ends[-1], HOST_CHUNK))
+        with np.errstate(all="ignore"):  # inf - inf, overflowing squares: counted below
+            for lo, hi in zip(first, np.append(first[1:], len(starts))):
+                if lo == hi:
+                    continue
+                part = x[starts[lo]:ends[hi - 1] + 1]
+                local = edges[2 * lo:2 * hi] - starts[lo]
+                columns["min"][lo:hi] = np.minimum.reduceat(part, local)[::2]
+                columns["max"][lo:hi] = np.maximum.reduceat(part, local)[::2]
+                columns["zero"][lo:hi] = np.add.reduceat(part == 0, local, dtype=np.int64)[::2]
+                wide = scratch[:len(part)]
+                wide[:] = part
+                columns["sum"][lo:hi] = np.add.reduceat(wide, local)[::2]
+                np.multiply(wide, wide, out=wide)
+                columns["sumsq"][lo:hi] = np.add.reduceat(wide, local)[::2]
+        columns["nan"][:] = columns["inf"][:] = 0.0
+        for i in np.flatnonzero(~np.isfinite(columns["min"]) | ~np.isfinite(columns["max"])):
+            values = x[starts[i]:ends[i]]
+            columns["nan"][i] = np.count_nonzero(np.isnan(values))
+            columns["inf"][i] = np.count_nonzero(np.isinf(values))
+        for slot, start, end in zip(self.slots, starts, ends):
+            if slot.sketch:
+                numbers[slot.row, len(RAW_SUMS):] = sketch_of_small(x[start:end].astype(
+                    np.float64))
+        return numbers
+
+    def _word_sums(self) -> np.ndarray:
+        """Every slot's 64-bit word sum (docs/format.md, "Digest"), wrapping modulo 2**64;
+        0 for the slots that want none."""
+        words = self.buffer[:(-(-self.used // 8) + 1) * 8].view(torch.int64).numpy()  # spare
+        edges = np.array([[slot.offset // 8, -(-(slot.offset + slot.nbytes) // 8)]
+                          for slot in self.slots], dtype=np.int64).reshape(-1)
+        return np.add.reduceat(words, edges)[::2]  # integers wrap, as the definition does
+
+
 class _Table(_Open):
     """Numbers of larger tensors of one device, reduced one by one into rows."""
 
@@ -343,13 +476,15 @@ class StepBatch:
     def take(self, t: torch.Tensor, values: bool = False, stats: bool = False,
              sketch: bool = False, digest: bool = False) -> Optional[dict[str, Pending]]:
         """Take ``t`` (not empty): a :class:`Pending` for each of what is wanted; None for
-        values of a tensor too large for an arena (snapshot it instead)."""
+        values of a tensor too large for an arena (snapshot it instead). The numbers of a CPU
+        tensor (:func:`on_host_arena`) go into a :class:`_HostArena`."""
         t = t.detach()
         nbytes = t.numel() * t.element_size()
         small = nbytes <= min(SMALL_BYTES, ARENA_BYTES)
         if values and not small:
             return None
-        key = (t.device, t.dtype) if small else (t.device, None)
+        host = small and not values and t.device.type == "cpu" and on_host_arena(t)
+        key = (t.device, t.dtype, host) if small else (t.device, None, False)
         with self._lock:  # also while the copy is launched: a seal must come after it
             where = self._open.get(key)
             slot = None if where is None else where.add(t, nbytes, values, stats, sketch,
@@ -357,11 +492,14 @@ class StepBatch:
             if slot is None:
                 if where is not None:
                     self._full_one(key, where)
-                where = self._open[key] = (_Arena(t.device, t.dtype, self._pool) if small
-                                           else _Table(t.device, self._pool))
+                where = self._open[key] = (
+                    _HostArena(t.dtype, self._pool) if host else
+                    _Arena(t.device, t.dtype, self._pool) if small else
+                    _Table(t.device, self._pool))
                 slot = where.add(t, nbytes, values, stats, sketch, digest)
             return {what: Pending(self, where, slot, what)
                     for what, wanted in zip(WANTS, (values, stats, sketch, digest)) if wanted}
+
 
     def _full_one(self, key: tuple, where: _Open) -> None:
         """``where`` is full: values go to the host now (a seal); numbers only are reduced

@@ -14,25 +14,33 @@ import numpy as np
 import torch
 
 
+def tensor_address(x: torch.Tensor) -> Optional[int]:
+    """The address of ``x``'s elements in C order (valid while ``x``'s storage is neither
+    freed nor resized: read them at once), where ``x`` is a plain contiguous CPU tensor, not
+    empty, whose memory holds its values (no negative or conjugate bit, not a zero tensor
+    without memory, not a wrapper without storage); else None."""
+    if type(x) is not torch.Tensor or not x.is_cpu or not x.is_contiguous() or x.is_neg() \
+            or x.is_conj() or x.layout is not torch.strided or not x.numel():
+        return None
+    try:
+        address = x.data_ptr()
+    except RuntimeError:  # e.g. a functorch wrapper: no storage of its own
+        return None
+    return address or None  # torch's zero tensors (_efficientzerotensor) have no memory
+
+
 def tensor_bytes(x: torch.Tensor) -> Optional[np.ndarray]:
     """The bytes of ``x``'s elements in C order, as a flat read-only uint8 array over its
-    memory (valid while ``x``'s storage is neither freed nor resized: read it at once), where
-    ``x`` is a plain contiguous CPU tensor whose memory holds its values (no negative or
-    conjugate bit, not a zero tensor without memory, not a wrapper without storage); else
-    None."""
-    if type(x) is not torch.Tensor or not x.is_cpu or not x.is_contiguous() or x.is_neg() \
-            or x.is_conj() or x.layout is not torch.strided:
-        return None
-    nbytes = x.numel() * x.element_size()
-    if nbytes == 0:  # an empty tensor may have no address at all
-        memory = np.empty(0, dtype=np.uint8)
+    memory (read it at once), where ``x`` is a tensor :func:`tensor_address` reads or an empty
+    plain one; else None."""
+    address = tensor_address(x)
+    if address is None:
+        if type(x) is not torch.Tensor or x.numel() or not x.is_cpu or \
+                x.layout is not torch.strided:
+            return None
+        memory = np.empty(0, dtype=np.uint8)  # an empty tensor may have no address at all
     else:
-        try:
-            address = x.data_ptr()
-        except RuntimeError:  # e.g. a functorch wrapper: no storage of its own
-            return None
-        if address == 0:  # torch's zero tensors (_efficientzerotensor) have no memory
-            return None
+        nbytes = x.numel() * x.element_size()
         memory = np.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=np.uint8)
     memory.flags.writeable = False
     return memory

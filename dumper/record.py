@@ -9,7 +9,7 @@ import torch
 
 from compare import format as fmt
 
-from .arena import Pending, StepBatch, on_device
+from .arena import Pending, StepBatch, on_device, on_host_arena
 from .flatten import clip, short_repr
 from .snapshot import Snapshot, SnapshotPool
 from .digest import tensor_digest
@@ -156,7 +156,8 @@ class RecordMaker:
 
         A ``DTensor``, or a tensor a :class:`ShardMarks` mark covers, is recorded as this
         rank's shard, with its ``sharding``. An accelerator's tensor is taken into the step's
-        :attr:`batch` (:mod:`dumper.arena`) where it can be: no host work, no sync."""
+        :attr:`batch` (:mod:`dumper.arena`) where it can be: no host work, no sync; so are
+        the numbers (not the values) of a small CPU float tensor, reduced with the others."""
         requires_grad = t.requires_grad
         t, sharding = local_part(t)
         if sharding is None and self._marks:
@@ -169,10 +170,10 @@ class RecordMaker:
             return rec
         hashed = call.mode == fmt.MODE_HASH or digest
         summed = call.mode == fmt.MODE_STATS or stats
-        batch = self.batch if self.batch is not None and t.numel() and on_device(t) else None
+        batch = self.batch if self.batch is not None and t.numel() else None
         if hashed or summed:
             try:
-                if batch is not None:
+                if batch is not None and (on_device(t) or on_host_arena(t)):
                     taken = batch.take(t, stats=summed, sketch=summed and sketch, digest=hashed)
                     rec.stats, rec.sketch, rec.digest = (
                         taken.get(what) for what in ("stats", "sketch", "digest"))
@@ -193,7 +194,7 @@ class RecordMaker:
                 return rec
             self._budget.acquire(nbytes)
         try:
-            taken = batch.take(t, values=True) if batch is not None else None
+            taken = batch.take(t, values=True) if batch is not None and on_device(t) else None
             if taken is not None:
                 rec.snapshot = taken["values"]
             elif owned and t.device.type == "cpu":

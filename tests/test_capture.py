@@ -465,9 +465,9 @@ def test_a_tensor_that_cannot_be_read_loses_only_its_own_row(tmp_path, monkeypat
         return wrapped
     if batched:  # CPU tensors taken as an accelerator's, into the step's batch
         monkeypatch.setattr(dumper.record, "on_device", lambda t: True)
-    add = dumper.arena._Arena.add
-    monkeypatch.setattr(dumper.arena._Arena, "add", lambda self, t, *args: add(
-        self, fails_on_width_3(lambda x: x)(t), *args))
+    for arena in (dumper.arena._Arena, dumper.arena._HostArena):  # small CPU tensors' numbers
+        monkeypatch.setattr(arena, "add", lambda self, t, *args, add=arena.add: add(
+            self, fails_on_width_3(lambda x: x)(t), *args))
     monkeypatch.setattr(dumper.record, "tensor_stats", fails_on_width_3(dumper.record.tensor_stats))
     monkeypatch.setattr(dumper.writer, "encode", fails_on_width_3(dumper.writer.encode))
     torch.manual_seed(0)
@@ -493,7 +493,8 @@ def test_a_batch_that_cannot_be_reduced_loses_only_its_rows(tmp_path, monkeypatc
     def fails(self):
         raise RuntimeError("segmented reduction failed\nsecond line")
     monkeypatch.setattr(dumper.record, "on_device", lambda t: True)
-    monkeypatch.setattr(dumper.arena._Arena, "_numbers", fails)
+    for arena in (dumper.arena._Arena, dumper.arena._HostArena):
+        monkeypatch.setattr(arena, "_numbers", fails)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 70_000))  # its output: no arena's
     with HookerAndDumper(tmp_path, mode="stats", full_tensors=["1"]).hooks(model, 0, 0):

@@ -163,3 +163,44 @@ def test_nan_and_inf_are_counted_on_both_paths(tmp_path, device_path, path):
     row = load_dump(tmp_path).index.iloc[0]
     assert math.isnan(row["stat_min"]) and math.isnan(row["stat_max"])
     assert (row["stat_nan"], row["stat_inf"], row["stat_zero"]) == (3, 3, 3)
+
+
+def test_a_host_arena_gives_the_numbers_of_the_per_tensor_path(monkeypatch):
+    """Small CPU float tensors whose numbers alone are wanted go into host arenas (numpy's
+    segmented reductions at the seal): the statistics, sketches and digests each tensor's own
+    reductions give (the float64 sums to rounding), whatever their layout, values, sizes, and
+    however the arenas fill and their chunks fall."""
+    from dumper.digest import tensor_digest
+    from dumper.snapshot import SnapshotPool
+    from dumper.stats import tensor_sketch, tensor_stats
+    monkeypatch.setattr(arena, "ARENA_BYTES", 1 << 17)  # arenas fill, and are reduced then
+    monkeypatch.setattr(arena, "HOST_CHUNK", 1000)      # chunks end within and between slots
+    gen = torch.Generator().manual_seed(0)
+    odd = torch.randn(6, generator=gen)
+    odd[1], odd[2], odd[4] = math.nan, math.inf, 0.0
+    tensors = [torch.randn(7, generator=gen), torch.randn(3, 5, generator=gen).t(),
+               torch.randn(64, dtype=torch.float64, generator=gen), odd, torch.zeros(10),
+               torch.full((3,), -math.inf), torch.randn(1, generator=gen),
+               torch._neg_view(torch.randn(9, generator=gen)),
+               torch.randn(arena.HOST_SMALL, generator=gen) * 1e30]
+    tensors += [torch.randn(int(n), generator=gen) - 0.5 for n in
+                torch.randint(1, 3000, (60,), generator=gen)]
+    batch = arena.StepBatch(SnapshotPool(1 << 26))
+    taken = [batch.take(t, stats=True, sketch=i % 2 == 0, digest=i % 3 == 0)
+             for i, t in enumerate(tensors)]
+    assert all(arena.on_host_arena(t) for t in tensors)
+    batch.seal()
+    for i, (t, got) in enumerate(zip(tensors, taken)):
+        stats, want = got["stats"].wait(), tensor_stats(t)
+        exact = [fmt.STAT_COLUMNS.index(c) for c in ("stat_min", "stat_max", "stat_nan",
+                                                       "stat_inf", "stat_zero")]
+        assert [stats[k] for k in exact] == pytest.approx([want[k] for k in exact], nan_ok=True,
+                                                          rel=0, abs=0), i
+        np.testing.assert_allclose(stats, want, rtol=1e-12, equal_nan=True, err_msg=str(i))
+        if i % 2 == 0:
+            np.testing.assert_allclose(got["sketch"].wait(), tensor_sketch(t), rtol=1e-12,
+                                       atol=1e-300, equal_nan=True, err_msg=str(i))
+        if i % 3 == 0:
+            assert got["digest"].wait() == tensor_digest(t), i
+        for pending in got.values():
+            pending.release()
