@@ -298,7 +298,7 @@ class _HostArena(_Open):
         segmented reductions end each slot with an index of its own). A plain tensor's bytes
         are copied by address (:mod:`dumper.host_memory`): a hook's every microsecond counts."""
         offset = -(-self.used // 8) * 8
-        if offset + nbytes + 8 > ARENA_BYTES:
+        if self.buffer is None or offset + nbytes + 8 > ARENA_BYTES:  # given back: see release
             return None
         address = tensor_address(t)
         if address is not None:
@@ -317,6 +317,8 @@ class _HostArena(_Open):
 
     def device_side(self) -> dict[str, torch.Tensor]:
         """Every slot's numbers, reduced with numpy; the buffer goes back to the pool."""
+        if self.buffer is None:
+            raise RuntimeError("the step's records were discarded before their numbers were read")
         out = {"numbers": torch.from_numpy(self._numbers())} if self.stats else {}
         if self.digests:
             out["digests"] = torch.from_numpy(self._word_sums())
@@ -324,8 +326,10 @@ class _HostArena(_Open):
         return out
 
     def release(self) -> None:
+        """As :meth:`_Open.release`; the buffer also goes back when every record taken is
+        released before the seal (a step aborted, a writer failed): the arena takes no more."""
         super().release()
-        if self._pending == 0:  # a step abandoned before its seal: nothing will read it
+        if self._pending == 0:
             self._give_back()
 
     def _give_back(self) -> None:

@@ -204,3 +204,23 @@ def test_a_host_arena_gives_the_numbers_of_the_per_tensor_path(monkeypatch):
             assert got["digest"].wait() == tensor_digest(t), i
         for pending in got.values():
             pending.release()
+
+
+def test_a_host_arena_released_before_its_seal_takes_no_more():
+    """Records released before the seal (a step aborted, a writer failed): the arena's buffer
+    goes back to the pool at once, later tensors go into a new arena, nothing is written into
+    the buffer given back, and every buffer is back once all is released."""
+    from dumper.snapshot import SnapshotPool
+    from dumper.stats import tensor_stats
+    pool = SnapshotPool(1 << 26)
+    batch = arena.StepBatch(pool)
+    early = [batch.take(torch.randn(10), stats=True)["stats"] for _ in range(2)]
+    for pending in early:
+        pending.release()
+    assert pool._in_use == 0
+    late = torch.randn(10)
+    pending = batch.take(late, stats=True)["stats"]
+    batch.seal()
+    assert pending.wait() == pytest.approx(tensor_stats(late), rel=1e-12, nan_ok=True)
+    pending.release()
+    assert pool._in_use == 0
