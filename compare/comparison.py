@@ -28,8 +28,8 @@ from .prefetch import prefetched
 from .pairing import (KEY, align_ranks, at_rank, outside_compiled_regions, pair_records,
                       recorded_on_both_sides, select, tensor_rows)
 from .statistics import compare_stats, described, sketch_of_chunks, stats_of_chunks
-from .status import (DROPPED, EQUAL, HASH_MISMATCH, MISSING_IN_A, MISSING_IN_B, OP_ONLY_IN_A,
-                     OP_ONLY_IN_B, REPLICA_MISMATCH, SHAPE_MISMATCH, UNSUPPORTED)
+from .status import (CLOSE, DROPPED, EQUAL, HASH_MISMATCH, MISSING_IN_A, MISSING_IN_B,
+                     OP_ONLY_IN_A, OP_ONLY_IN_B, REPLICA_MISMATCH, SHAPE_MISMATCH, UNSUPPORTED)
 from .recompute import RECOMPUTE_COLUMNS, RECOMPUTE_FIGURES
 from .recompute import measure as measure_recomputed
 from .tolerance import pair_tolerance
@@ -390,7 +390,9 @@ def _compare_digests(r: _PairRef) -> dict:
 def _compare_described(side_a: _Side, side_b: _Side, r: _PairRef, chunk_elements: int, rtol,
                        atol) -> dict:
     """A pair where a side was dropped, is unsupported or holds statistics only: compare what
-    is known (a side holding only a digest, against statistics: unsupported)."""
+    is known (a side holding only a digest, against statistics: unsupported); where both sides'
+    bits are known too (parameters: a digest besides their statistics), ``equal`` only for
+    equal bits."""
     tol = pair_tolerance(r.dtype_a, r.dtype_b, rtol, atol)
     known = all(dataset or described(stats) for dataset, stats in (
         (r.dataset_a, r.stats_a), (r.dataset_b, r.stats_b)))  # a digest against statistics: not
@@ -420,7 +422,22 @@ def _compare_described(side_a: _Side, side_b: _Side, r: _PairRef, chunk_elements
         sketches.append(sketch)
     result = compare_stats(sides[0], sides[1], tol, *sketches)
     result["numel"] = int(np.prod(r.shape_a))
+    bits = _bits(r)
+    if bits is not None and result["status"] in (EQUAL, CLOSE):  # the bits say more
+        result["status"] = EQUAL if bits[0] == bits[1] else CLOSE
     return {**result, "rtol": tol.rtol, "atol": tol.atol}
+
+
+def _bits(r: _PairRef) -> Optional[tuple[int, int]]:
+    """Both sides' digests (or their datasets' checksums), where both have one and their
+    dtypes are one: equal for equal bits (statistics equal for +0.0 and -0.0, or elements in
+    another order)."""
+    bits = [digest if digest != fmt.NO_DIGEST else checksum if dataset else fmt.NO_DIGEST
+            for digest, checksum, dataset in ((r.digest_a, r.checksum_a, r.dataset_a),
+                                              (r.digest_b, r.checksum_b, r.dataset_b))]
+    if fmt.NO_DIGEST in bits or fmt.NO_CHECKSUM in bits or r.dtype_a != r.dtype_b:
+        return None
+    return bits[0], bits[1]
 
 
 def _pair_pieces(side_a: _Side, side_b: _Side, records: list[_PairRef], chunk_elements: int):

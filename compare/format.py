@@ -257,8 +257,9 @@ INDEX_COLUMNS: tuple[tuple[str, str], ...] = (
     *((f"sketch_{k}", "float64") for k in range(8)),
     # the dataset's checksum (data_checksum), -1 for a row without a dataset. Since version 4.
     ("checksum", "int64"),
-    # hash mode: the tensor's digest, the `checksum` its dataset would have (data_checksum of
-    # its bytes), with no dataset; -1 elsewhere. Since version 7.
+    # the tensor's digest, the `checksum` its dataset would have (data_checksum of its bytes),
+    # with no dataset: hash mode's rows and, since version 9, parameter rows without values;
+    # -1 elsewhere. Since version 7.
     ("digest", "int64"),
     # A sharded tensor (a DTensor, or a plain tensor marked as a shard): the row's values are
     # this rank's shard. The device mesh's shape, its placements (one per mesh dimension,
@@ -278,7 +279,7 @@ COLUMN_SINCE = {**{name: 2 for name in SKETCH_COLUMNS}, "checksum": 4, "micro_ba
 SHARDING_COLUMNS = ("mesh_shape", "placements", "global_shape", "offsets")
 PLACEMENT_SEPARATOR = ";"  # a placement's own text may hold a comma: _S(0, 2)
 NO_CHECKSUM = -1  # `checksum` of a row without a dataset, or of a file older than version 4
-NO_DIGEST = -1    # `digest` of a row that is not a hash record, or of a file older than 7
+NO_DIGEST = -1    # `digest` of a row that has none (above), or of a file older than 7
 # `micro_batch` of a parameter gradient (accumulated over the step), or in a file older than 5
 NO_MICRO_BATCH = -1
 INDEX_COLUMN_NAMES = tuple(name for name, _ in INDEX_COLUMNS)

@@ -8,7 +8,9 @@ table fills, or when the writer needs a record sooner, what is open is *sealed*:
 numbers are reduced for all their tensors at once, what the host needs (values, numbers) is
 copied there in a few large non-blocking transfers, and one event is recorded per device. The
 writer's thread waits for that event when it reaches the seal's first record: one host sync per
-seal, none on the training thread.
+seal, none on the training thread (host arenas, below, are reduced by the thread that seals
+them: the training thread at the step's end or when one fills, the writer's if it needs a
+record sooner).
 
 The numbers are the raw sums of :data:`dumper.stats.RAW_SUMS` (and the sketch, and the 64-bit
 word sum of the digest); the host turns them into the statistics with
@@ -383,8 +385,8 @@ class _HostArena(_Open):
         return numbers
 
     def _word_sums(self) -> np.ndarray:
-        """Every slot's 64-bit word sum (docs/format.md, "Digest"), wrapping modulo 2**64;
-        0 for the slots that want none."""
+        """Every slot's 64-bit word sum (docs/format.md, "Digest"), wrapping modulo 2**64
+        (meaningless for a slot that wants none: its last word was not padded)."""
         words = self.buffer[:(-(-self.used // 8) + 1) * 8].view(torch.int64).numpy()  # spare
         edges = np.array([[slot.offset // 8, -(-(slot.offset + slot.nbytes) // 8)]
                           for slot in self.slots], dtype=np.int64).reshape(-1)
@@ -456,9 +458,10 @@ class Pending:
         return stats_of_sums(row, slot.numel)
 
     def release(self) -> None:
-        where, self._open = self._open, None
-        if where is not None:
-            where.release()
+        with self._batch.lock:  # against hooks adding to its arena, a seal reading it
+            where, self._open = self._open, None
+            if where is not None:
+                where.release()
 
 
 class StepBatch:
@@ -469,12 +472,12 @@ class StepBatch:
         self._pool = pool
         self._open: dict[tuple, _Open] = {}
         self._full: list[_Open] = []  # reduced on their device, sent with the next seal
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()  # Pending.release takes it too
         self.seals = 0       # seals so far
         self.host_syncs = 0  # seals waited for on the host (a device sync each, by the writer)
 
     def waited_for_seal(self) -> None:
-        with self._lock:
+        with self.lock:
             self.host_syncs += 1
 
     def take(self, t: torch.Tensor, values: bool = False, stats: bool = False,
@@ -489,7 +492,7 @@ class StepBatch:
             return None
         host = small and not values and t.device.type == "cpu" and on_host_arena(t)
         key = (t.device, t.dtype, host) if small else (t.device, None, False)
-        with self._lock:  # also while the copy is launched: a seal must come after it
+        with self.lock:  # also while the copy is launched: a seal must come after it
             where = self._open.get(key)
             slot = None if where is None else where.add(t, nbytes, values, stats, sketch,
                                                         digest)
@@ -521,7 +524,7 @@ class StepBatch:
     def seal(self, where: Optional[_Open] = None) -> None:
         """Send to the host what was taken (all of it, or what ``where`` holds if it is still
         open): when the step ends, when the writer needs it, when the byte budget needs room."""
-        with self._lock:
+        with self.lock:
             if where is None:
                 self._seal_now(list(self._open.values()) + self._full)
             elif where.seal is None:

@@ -341,7 +341,12 @@ class StepCapture:
         call = self._open(info, inject, args, kwargs, opened.append)
         if inject is not None and fmt.INPUT in inject.kinds:
             args, kwargs = self._inject_inputs(inject, call, args, kwargs) or (args, kwargs)
-        output = func(*args, **kwargs)
+        try:
+            output = func(*args, **kwargs)
+        except BaseException:  # its records go nowhere: their buffers go back
+            for record in opened:
+                self._maker.release(record)
+            raise
         if any(output is t and t._version == version for t, version in inputs):
             # it returned an input untouched (x.to(its own dtype), x.float() of a float):
             # nothing happened, and its "output" is the input, whose gradient sums every use

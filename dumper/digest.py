@@ -40,7 +40,7 @@ def tensor_digest(t: torch.Tensor) -> int:
 def word_sum(t: torch.Tensor) -> torch.Tensor:
     """The sum, modulo 2**64, of ``t``'s bytes in C order as little-endian 64-bit words (the
     last one padded with zeros): a 0-d int64 tensor on ``t``'s device (no host sync)."""
-    x = t.detach()
+    x = t.detach().resolve_conj().resolve_neg()  # the bits of its values, not of a lazy view
     if x.is_complex() or x.dtype is torch.bool:  # no integer view of their own width
         x = torch.view_as_real(x) if x.is_complex() else x.view(torch.uint8)
     raw = x.contiguous().reshape(-1).view(torch.uint8)

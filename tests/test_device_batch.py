@@ -224,3 +224,17 @@ def test_a_host_arena_released_before_its_seal_takes_no_more():
     assert pending.wait() == pytest.approx(tensor_stats(late), rel=1e-12, nan_ok=True)
     pending.release()
     assert pool._in_use == 0
+
+
+def test_an_aborted_step_gives_its_host_arena_back(tmp_path):
+    """A step abandoned mid-forward (abort_step) leaves no pool memory counted as in use: the
+    writer releases the records it held, and with the last of them the open host arena gives
+    its buffer back, unsealed."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    d = HookerAndDumper(tmp_path, mode="stats")
+    d.register_hooks(model, 0, 0)
+    model(torch.randn(3, 4))
+    assert d._pool._in_use > 0  # the open arena's buffer
+    d.abort_step()
+    assert d._pool._in_use == 0 and not list(tmp_path.glob("*.hdf5"))
+    d.close()

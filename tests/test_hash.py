@@ -26,6 +26,9 @@ def _cases():
             yield base.to(dtype) if not dtype.is_complex else torch.complex(base, -base)
     x = torch.randn(10, 9, generator=gen)
     yield from (x[1:], x[:, 2:5], x.t(), x[3], x.to(torch.bfloat16)[1:][2:])  # views, offsets
+    large = torch.randn(70_000, generator=gen)  # lazy negative and conjugate views, small and
+    for t in (x, large):                        # over HOST_SUM_BYTES (torch's sum)
+        yield from (torch._neg_view(t), torch.complex(t, t.flip(0)).conj())
 
 
 def test_a_digest_is_the_checksum_its_dataset_would_have():
@@ -174,3 +177,27 @@ def test_weights_that_differ_by_one_bit_are_the_first_divergence(tmp_path):
     assert "first divergence: step 0:0, forward, module 2 (Linear) call 0, param[0] weight" \
         in result.output, result.output
     assert "this module's weights differ before the step" in result.output
+
+
+def test_weights_whose_statistics_agree_but_bits_differ_are_not_equal(tmp_path):
+    """Statistics dumps: a weight holding -0.0 where the other holds +0.0 has the same
+    statistics and sketch; its digest tells them apart (close, not equal), and equal bits are
+    equal."""
+    from dumper import HookerAndDumper
+
+    def run(name, negative_zero=False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+        with torch.no_grad():
+            model[0].weight[0, 0] = -0.0 if negative_zero else 0.0
+        with HookerAndDumper(tmp_path / name, mode="stats").hooks(model, 0, 0):
+            model(torch.ones(2, 4)).sum().backward()
+        return tmp_path / name
+
+    a = run("a")
+    frame = compare_dumps(a, run("b", negative_zero=True))
+    weight = frame[(frame["kind"] == "param") & (frame["path"] == "weight")].iloc[0]
+    assert weight["status"] == "close"
+    assert (frame[frame["path"] != "weight"]["status"] == "equal").all()
+    again = compare_dumps(a, run("again"))
+    assert (again["status"] == "equal").all()
