@@ -490,7 +490,7 @@ class StepBatch:
         small = nbytes <= min(SMALL_BYTES, ARENA_BYTES)
         if values and not small:
             return None
-        host = small and not values and t.device.type == "cpu" and on_host_arena(t)
+        host = small and not values and on_host_arena(t)
         key = (t.device, t.dtype, host) if small else (t.device, None, False)
         with self.lock:  # also while the copy is launched: a seal must come after it
             where = self._open.get(key)
@@ -506,7 +506,6 @@ class StepBatch:
                 slot = where.add(t, nbytes, values, stats, sketch, digest)
             return {what: Pending(self, where, slot, what)
                     for what, wanted in zip(WANTS, (values, stats, sketch, digest)) if wanted}
-
 
     def _full_one(self, key: tuple, where: _Open) -> None:
         """``where`` is full: values go to the host now (a seal); numbers only are reduced
