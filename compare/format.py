@@ -8,22 +8,23 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from typing import NamedTuple, Optional, Union
+from typing import Iterable, NamedTuple, Optional, Union
 
 import numpy as np
 
 FORMAT_NAME = "h5cmp-dump"
-FORMAT_VERSION = 9
+FORMAT_VERSION = 10
 # version 1: no sketch columns (read as NaN); versions 1-2: no data checksums, no `incomplete`;
 # versions 1-4: no `micro_batch` (read as NO_MICRO_BATCH); versions 1-5: no `injected` (read as
 # 0) and no `injected_from` attribute (read as ""); versions 1-6: no `digest` (read as
 # NO_DIGEST); versions 1-7: no sharding columns (read as "": not sharded); versions 7-8: hash
 # mode's parameter rows hold statistics and a sketch besides their digest, other modes' no
-# digest (all read as they are: see comparison._PairRef.hashed). Files of any
+# digest (all read as they are: see comparison._PairRef.hashed); versions 1-9: no `addends`
+# (read as ""). Files of any
 # version may lack the normalization eps rows (EPS_PATH, written since 2026-11-26) and the
 # convolution geometry rows (CONV_PATH, since 2026-11-27).
 # Version 3 (a development version of 2026-11-23, crc32 data checksums) is not read.
-SUPPORTED_VERSIONS = frozenset({1, 2, 4, 5, 6, 7, 8, 9})
+SUPPORTED_VERSIONS = frozenset({1, 2, 4, 5, 6, 7, 8, 9, 10})
 
 # ---- files -------------------------------------------------------------------------
 FILE_SUFFIX = ".hdf5"
@@ -240,6 +241,9 @@ INDEX_COLUMNS: tuple[tuple[str, str], ...] = (
     ("status", "str"),        # ST_OK / ST_DROPPED / ST_UNSUPPORTED
     ("value", "str"),         # short repr of a non-tensor leaf (CONV_PATH: conv_text), or why not stored
     ("producer", "int32"),    # input rows: `call` of the module call that output this tensor, else -1
+    # input rows without a producer, and output rows a call made by its own code: the hooked
+    # calls' outputs the tensor sums unchanged (addends_text), "" for none. Since 10.
+    ("addends", "str"),
     # 1: the call ran on the reference's value instead of this one, which is what arrived
     # (an input, a parameter or an incoming gradient; see ATTR_INJECTED_FROM). Since 6.
     ("injected", "int8"),
@@ -275,7 +279,7 @@ SKETCH_COLUMNS = tuple(name for name, _ in INDEX_COLUMNS if name.startswith("ske
 # the version that added a column (absent: version 1); older indexes lack it
 COLUMN_SINCE = {**{name: 2 for name in SKETCH_COLUMNS}, "checksum": 4, "micro_batch": 5,
                 "injected": 6, "digest": 7, "mesh_shape": 8, "placements": 8, "global_shape": 8,
-                "offsets": 8}
+                "offsets": 8, "addends": 10}
 SHARDING_COLUMNS = ("mesh_shape", "placements", "global_shape", "offsets")
 PLACEMENT_SEPARATOR = ";"  # a placement's own text may hold a comma: _S(0, 2)
 NO_CHECKSUM = -1  # `checksum` of a row without a dataset, or of a file older than version 4
@@ -406,6 +410,21 @@ def tf32_allowed(attrs: dict) -> tuple[bool, bool]:
     matmul = bool(attrs.get("tf32_matmul")) or attrs.get("float32_matmul_precision",
                                                          "highest") != "highest"
     return cuda and matmul, cuda and bool(attrs.get("tf32_cudnn"))
+
+
+def addends_text(outputs: Iterable[tuple[int, int]]) -> str:
+    """The ``addends`` column: ``call:index`` of each output, comma-separated."""
+    return ",".join(f"{call}:{index}" for call, index in outputs)
+
+
+def parse_addends(text: str) -> list[tuple[int, int]]:
+    """The ``(call, index)`` pairs of an ``addends`` text (:func:`addends_text`); ValueError
+    for a text that is not one."""
+    pairs = []
+    for part in filter(None, text.split(",")):
+        call, index = part.split(":")  # ValueError unless exactly two
+        pairs.append((int(call), int(index)))
+    return pairs
 
 
 def format_shape(shape: tuple[int, ...]) -> str:

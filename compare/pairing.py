@@ -14,8 +14,8 @@ from .errors import DumpError
 STEP_KEY = ["epoch", "step", "rank"]
 KEY = [*STEP_KEY, "module", "call_idx", "kind", "index", "occurrence"]
 SIDE_COLUMNS = ["seq", "call", "cls", "micro_batch", "group", "path", "dtype", "shape", "encoding",
-                "dataset", "status", "checksum", "digest", "producer", "injected", "parts",
-                "replicas_differ",
+                "dataset", "status", "checksum", "digest", "producer", "addends", "injected",
+                "parts", "replicas_differ",
                 *fmt.STAT_COLUMNS, *fmt.SKETCH_COLUMNS]
 
 

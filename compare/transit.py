@@ -2,7 +2,9 @@
 
 A call's output is the input of the calls that consume it (the input row's ``producer``), and
 the gradient a consumer sends back for that input is the gradient that arrives at the
-producer's output, unchanged where nothing else uses the tensor. Where A holds the same bits
+producer's output, unchanged where nothing else uses the tensor; so is the gradient arriving at
+each output that a sum made between modules adds unchanged (the ``addends`` column: a residual
+``x + f(x)``, an in-place ``out += shortcut``). Where A holds the same bits
 in both records of such a link (:func:`identities`; not all zeros), the code between them is
 the identity in A, and B runs the same code: in any precision it hands the values on
 unchanged, or rounded through the dtypes it computes in. Where B's two records differ by
@@ -62,7 +64,8 @@ def identities(frame: pd.DataFrame, side: str) -> list[Optional[tuple]]:
 def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
     """``(earlier, later)`` row labels of ``pairs`` whose records hold one tensor handed on, with
     the same bits in A: a call's output and a consumer's input, the consumer's grad_input for
-    that input and the call's grad_output."""
+    that input and the call's grad_output; the gradient of a sum (its consumer's grad_input, or
+    the grad_output of the call that returned it) and the grad_output of each of its addends."""
     both = pairs[(pairs["side"] == "both") & (pairs["injected_b"].fillna(0) == 0)
                  & (pairs["injected_a"].fillna(0) == 0) & ~from_shards(pairs)]
     step = ["epoch", "step", "rank"]
@@ -85,8 +88,31 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
     sent = _without(of(fmt.GRAD_INPUT, "call_a", "earlier", ["index"]), handed_back)
     backward = sent.merge(flow, on=[*step, "call_a", "index"]).merge(
         of(fmt.GRAD_OUTPUT, "producer_a", "later"), on=[*step, "producer_a", "identity"])
-    return list(dict.fromkeys(zip(pd.concat([forward["earlier"], backward["earlier"]]),
-                                  pd.concat([forward["later"], backward["later"]]))))
+    # a sum made between modules: the gradient of each output it adds unchanged is the sum's,
+    # the gradient its consumer sends back for it (an input), or that arrives at it (an output)
+    sums = _addends(both, step)
+    addends = of(fmt.GRAD_OUTPUT, "addend", "later", ["index"]).rename(
+        columns={"index": "addend_index"})
+    summed = [earlier.merge(sums[sums["kind"] == kind].drop(columns="kind"),
+                            on=[*step, "call_a", "index"]).merge(
+        addends, on=[*step, "addend", "addend_index", "identity"])
+        for kind, earlier in ((fmt.INPUT, sent),
+                              (fmt.OUTPUT, of(fmt.GRAD_OUTPUT, "call_a", "earlier", ["index"])))]
+    parts = [forward, backward, *summed]
+    return list(dict.fromkeys(zip(pd.concat([p["earlier"] for p in parts]),
+                                  pd.concat([p["later"] for p in parts]))))
+
+
+def _addends(rows: pd.DataFrame, step: list[str]) -> pd.DataFrame:
+    """``step`` keys, ``call_a``, ``kind`` and ``index`` of each of A's records of a sum, with
+    ``addend`` and ``addend_index``: one output it adds unchanged (the ``addends`` column)."""
+    named = rows[rows["addends_a"].fillna("") != ""]
+    out = [(*key, call, kind, index, addend, addend_index)
+           for *key, call, kind, index, text in named[
+               [*step, "call_a", "kind", "index", "addends_a"]].itertuples(index=False)
+           for addend, addend_index in fmt.parse_addends(text)]
+    return pd.DataFrame(out, columns=[*step, "call_a", "kind", "index", "addend",
+                                      "addend_index"])
 
 
 def _without(rows: pd.DataFrame, keys: pd.DataFrame) -> pd.DataFrame:

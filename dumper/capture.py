@@ -20,6 +20,7 @@ from compare import format as fmt
 
 from .calls import (CallHooks, CallTracker, Modules, MicroBatches, compiled_in_place, eager,
                     in_backward, runs_hooks)
+from .dataflow import Dataflow
 from .flatten import call_leaves, leaves, map_tensors
 from .grads import GradInputCollector, current_sequence_nr, gradient_edge
 from . import ops
@@ -137,8 +138,7 @@ class StepCapture:
         self._param_grads = ParamGrads(maker, self._next_seq, self._first_call.get) if (
             params and selection.wants_kind(fmt.PARAM_GRAD)) else None
         self._occurrences: dict[tuple[int, str, int], int] = defaultdict(int)
-        # dataflow: id(tensor) -> (weak reference, call that output it, tensor version then)
-        self._producers: dict[int, tuple[weakref.ref, int, int]] = {}
+        self._flow = Dataflow()
         # injected inputs: id -> (weak reference to it, its chain: see _injected_chain)
         self._injected_inputs: dict[int, tuple[weakref.ref, frozenset[int]]] = {}
         # injected gradients: (id of the node, slot) -> (weak reference to it, what arrived)
@@ -243,7 +243,7 @@ class StepCapture:
         self._collectors.clear()
         if self._param_grads is not None:  # all its records, if the step is discarded
             self._param_grads.release()
-        self._producers.clear()
+        self._flow.clear()
         if self._ops is not None:
             self._ops.clear()
         self._injected_inputs.clear()
@@ -306,7 +306,9 @@ class StepCapture:
             if isinstance(leaf, torch.Tensor):
                 if want_input:
                     record = self._maker.tensor(seq, info, fmt.INPUT, index, leaf_path, leaf)
-                    record.producer = self._producer_of(leaf)
+                    record.producer = self._flow.producer_of(leaf)
+                    if record.producer < 0:
+                        record.addends = self._flow.addends_of(leaf)
                     record.injected = fmt.INPUT in injects and inject.injects(
                         (info.module, info.call_idx, fmt.INPUT, index), leaf)
                     sink(record)
@@ -407,10 +409,12 @@ class StepCapture:
         index = 0
         for leaf_path, leaf in leaves(output, "output"):
             if isinstance(leaf, torch.Tensor):
-                self._note_producer(leaf, call.info.number)
+                self._flow.note_output(leaf, call.info.number, index)
                 if want_output:
-                    self._sink(self._maker.tensor(seq, call.info, fmt.OUTPUT, index, leaf_path,
-                                                  leaf))
+                    record = self._maker.tensor(seq, call.info, fmt.OUTPUT, index, leaf_path, leaf)
+                    if self._flow.producer_of(leaf) == call.info.number:  # its own code made it
+                        record.addends = self._flow.addends_of(leaf)
+                    self._sink(record)
                 if leaf.requires_grad:
                     grad_outputs.append((index, leaf_path, leaf))
                 index += 1
@@ -443,22 +447,6 @@ class StepCapture:
                                                  inject if injecting else None,
                                                  (id(t.grad_fn or t), t.output_nr))
                 self.handles.append(hook_gradient(t, on_grad))
-
-    def _note_producer(self, t: torch.Tensor, call: int) -> None:
-        """Remember, weakly, the innermost call that output ``t``'s current value: the first
-        call to return it at this version (a parent returning its child's output keeps the
-        child; an in-place module returning a modified tensor takes over). Inference tensors
-        have no version counter, so in-place changes cannot be seen: they are not tracked."""
-        if not t.is_inference() and self._producer_of(t) < 0:
-            self._producers[id(t)] = (weakref.ref(t), call, t._version)
-
-    def _producer_of(self, t: torch.Tensor) -> int:
-        """Call that output ``t``'s current value, or -1 (unknown: made, or modified since,
-        outside any hooked module, or an inference tensor)."""
-        known = self._producers.get(id(t))
-        if known is None or known[0]() is not t or t.is_inference() or known[2] != t._version:
-            return -1
-        return known[1]
 
     # -- backward ----------------------------------------------------------------------
     def _grad_output_hook(self, call: _OpenCall, index: int, path: str, record: bool,

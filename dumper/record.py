@@ -58,6 +58,7 @@ class Record:
     digest: Union[int, Pending, None] = None  # hash mode: the digest (CPU), or on the device
     occurrence: int = 0
     producer: int = -1
+    addends: str = ""  # the outputs the tensor sums unchanged (dumper.dataflow.Dataflow.addends_of)
     injected: bool = False  # the call ran on the reference's value instead (dumper.injection)
     sharding: Optional[Sharding] = None  # the values are this rank's shard of a global tensor
 

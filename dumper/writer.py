@@ -112,7 +112,8 @@ class _IndexRows:
             micro_batch=r.micro_batch, group=group, kind=r.kind, index=r.index,
             occurrence=r.occurrence, path=r.path, dataset=dataset, dtype=dtype, shape=shape,
             encoding=encoding, device=device, requires_grad=int(r.requires_grad),
-            status=r.status, value=r.value, producer=r.producer, injected=int(r.injected),
+            status=r.status, value=r.value, producer=r.producer, addends=r.addends,
+            injected=int(r.injected),
             checksum=checksum, digest=digest, stats=stats, sketch=sketch, sharding=r.sharding))
 
     def columns(self) -> dict[str, list]:

@@ -83,6 +83,7 @@ def set_cell(column, value, row=None):
     ("shape", b"8,x", "is not a list of sizes"),
     ("shape", b"8,-16", "negative size"),
     ("status", b"fine", "unknown status 'fine'"),
+    ("addends", b"3:0:1", "addends '3:0:1' are not call:index pairs"),
 ])
 def test_a_damaged_index_row_is_refused(reference, copy, column, value, says):
     edit_index(copy, set_cell(column, value))
@@ -197,7 +198,7 @@ def test_text_that_is_not_utf8_is_refused(reference, copy):
     ("tf32_matmul", 7, "root attribute 'tf32_matmul' is 7, not a boolean"),
     (fmt.ATTR_FORMAT_VERSION, "4", "dump format version '4' is not supported"),
     (fmt.ATTR_FORMAT_VERSION, 3, "version 3 is not supported by this h5cmp "
-                                 "(reads [1, 2, 4, 5, 6, 7, 8, 9]); dump this step again"),
+                                 "(reads [1, 2, 4, 5, 6, 7, 8, 9, 10]); dump this step again"),
 ])
 def test_a_missing_or_mistyped_root_attribute_is_refused(reference, copy, name, value, says):
     """A version-3 file without its checksum attribute cannot pass unchecked."""

@@ -279,6 +279,61 @@ def test_a_gradient_changed_between_modules_is_found_exactly(tmp_path, mode):
     assert f"the difference arose between {sender} and this grad_output" in out.output
 
 
+def test_a_gradient_changed_on_its_way_into_a_residual_sum_is_found_exactly(tmp_path):
+    """A ResNet block's shortcut output is added in place into ``bn2``'s output (``out +=
+    identity``) by code between modules, so no hooked call consumes it; the dump names the
+    outputs each sum adds unchanged (``addends``), and the gradient of the sum, which the
+    block's last ReLU sends back, is what arrives at each of them. A 10 % error in the gradient
+    arriving at the shortcut, hidden in bfloat16's error figures, is that link broken."""
+    run_step("resnet", "float32", tmp_path / "a", seed=1)
+    index = _index(tmp_path / "a")
+    calls = dict(zip(index["call"], index["module"]))
+    summed = index[(index["module"] == "layer2.0.relu") & (index["kind"] == "input")]
+    addends = [(calls[c], i) for text in summed["addends"] for c, i in fmt.parse_addends(text)]
+    assert addends == [("layer2.0.downsample.1", 0), ("layer2.0.bn2", 0)]  # call order
+    run_step("resnet", "bfloat16", tmp_path / "healthy", seed=1)
+    healthy = compare_dumps(tmp_path / "a", tmp_path / "healthy")
+    links = healthy[healthy["transit_from"] == "layer2.0.relu.ReLU#1 grad_input[0]"]
+    assert set(links["module"]) == {"layer2.0.downsample.1", "layer2.0.bn2"}
+    assert (links["transit_rel_diff"] <= torch.finfo(torch.bfloat16).eps / 2).all()
+    assert summarize(healthy).ok
+    run_step("resnet", "bfloat16", tmp_path / "b", seed=1,
+             plant={"include": ["layer2.0.downsample"], "where": "grad_output", "scale": 1.1})
+    first = summarize(compare_dumps(tmp_path / "a", tmp_path / "b")).first
+    assert (first.row["module"], first.row["kind"]) == ("layer2.0.downsample.1", "grad_output")
+    assert first.row["transit_rel_diff"] == pytest.approx(0.1, rel=1e-3)
+    assert first.row["rel_error"] <= first.row["hidden_rel_error"]  # hidden from its error
+
+
+class _SumOfBranches(nn.Module):
+    """Returns ``a(x) + b(x)`` made by its own code; with ``broadcast``, ``a``'s output is one
+    row, added to every row of ``b``'s."""
+
+    def __init__(self, broadcast: bool):
+        super().__init__()
+        self.broadcast = broadcast
+        self.a, self.b = nn.Linear(16, 8), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.a(x[:1] if self.broadcast else x) + self.b(x)
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_an_output_that_sums_its_childrens_names_them_unless_broadcast(tmp_path, broadcast):
+    """A call whose own code adds its children's outputs names them on its output row; a term
+    of another shape (broadcast: its gradient is the sum's, summed) is not one."""
+    torch.manual_seed(0)
+    model = _SumOfBranches(broadcast)
+    with HookerAndDumper(tmp_path / "a").hooks(model, 0, 0):
+        model(torch.randn(4, 16)).pow(2).sum().backward()
+    index = _index(tmp_path / "a")
+    calls = dict(zip(index["call"], index["module"]))
+    out = index[(index["module"] == "") & (index["kind"] == "output")]
+    named = [(calls[c], i) for c, i in fmt.parse_addends(out["addends"].iloc[0])]
+    assert named == ([("b", 0)] if broadcast else [("a", 0), ("b", 0)])
+    assert (index.loc[index["kind"] != "output", "addends"] == "").all()
+
+
 @pytest.mark.slow
 def test_a_later_step_says_what_two_dumps_cannot_tell_and_the_rerun_names_it(tmp_path):
     """Three AdamW steps in float32 and in bfloat16 autocast, then a 3 % error in one
