@@ -42,9 +42,9 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 20  # elements read per dataset slice (4 MiB of fl
 
 PAIR_COLUMNS = [
     "epoch", "step", "rank", "seq", "call", "module", "cls", "call_idx", "micro_batch", "kind",
-    "index", "occurrence", "path", "producer", "injected", "dtype_a", "dtype_b", "shape_a",
-    "shape_b", "status", *METRIC_COLUMNS, *TRANSIT_COLUMNS, *RECOMPUTE_COLUMNS, "rtol", "atol",
-    "shard_rank",
+    "index", "occurrence", "path", "producer", "addends", "injected", "dtype_a", "dtype_b",
+    "shape_a", "shape_b", "status", *METRIC_COLUMNS, *TRANSIT_COLUMNS, *RECOMPUTE_COLUMNS,
+    "rtol", "atol", "shard_rank",
 ]
 RESULT_COLUMNS = PAIR_COLUMNS + list(VERDICT_COLUMNS)
 # result.attrs key: the compared steps a dumper marked incomplete, as "B's step 0:1 (why)"
@@ -462,7 +462,7 @@ def _result_frame(pairs: pd.DataFrame, metrics: dict[int, dict], base: dict[str,
     the ``reason`` of each pair whose side put together holds replicas that differ (``base``:
     each side's base rank)."""
     frame = pairs.copy()
-    for col in ("seq", "call", "producer", "cls", "path"):
+    for col in ("seq", "call", "producer", "addends", "cls", "path"):
         frame[col] = frame[f"{col}_a"].fillna(frame[f"{col}_b"])
     known = frame["micro_batch_a"].notna() & (frame["micro_batch_a"] != fmt.NO_MICRO_BATCH)
     frame["micro_batch"] = frame["micro_batch_a"].where(known, frame["micro_batch_b"]).fillna(

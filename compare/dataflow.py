@@ -1,10 +1,11 @@
-"""The recorded call graph of one step (which call produced each input) as Graphviz DOT."""
+"""The recorded call graph of one step as Graphviz DOT: which call produced each input, and
+which outputs the sums made between modules add (dashed)."""
 from __future__ import annotations
 
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import pandas as pd
 
@@ -22,6 +23,20 @@ def edges(index: pd.DataFrame) -> pd.DataFrame:
     output (columns ``producer, call, index``)."""
     rows = index[(index["kind"] == fmt.INPUT) & (index["producer"] >= 0)]
     return rows[["producer", "call", "index"]].drop_duplicates().reset_index(drop=True)
+
+
+def sums(index: pd.DataFrame, call: str = "call", addends: str = "addends",
+         keys: Sequence[str] = ()) -> pd.DataFrame:
+    """``addend -> call`` edges of the sums made between modules: one row per output that a
+    record's tensor adds unchanged (its ``addends``: an input the call consumed, or an output
+    its own code made), columns ``*keys, call, kind, index, addend, addend_index``; ``call``
+    and ``addends`` name those columns of ``index`` (e.g. ``call_a``, ``addends_a`` in pairs)."""
+    named = index[index[addends].fillna("") != ""]
+    columns = [*keys, call, "kind", "index"]
+    rows = [(*row, addend, addend_index)
+            for *row, text in named[[*columns, addends]].itertuples(index=False)
+            for addend, addend_index in fmt.parse_addends(text)]
+    return pd.DataFrame(rows, columns=[*columns, "addend", "addend_index"])
 
 
 def _call_status(result: Optional[pd.DataFrame], epoch: int, step: int) -> dict[int, str]:
@@ -57,6 +72,10 @@ def to_dot(dump: Dump, epoch: Optional[int] = None, step: Optional[int] = None,
         lines.append(f'  c{r.call} [label="{label}", fillcolor="{_COLOURS[status.get(r.call)]}"];')
     for e in edges(index).itertuples():
         lines.append(f'  c{e.producer} -> c{e.call} [label="in{e.index}", fontsize=8];')
+    for e in sums(index).drop_duplicates(["addend", "call"]).itertuples():
+        where = "in" if e.kind == fmt.INPUT else "out"
+        lines.append(f'  c{e.addend} -> c{e.call} [label="+{where}{e.index}", fontsize=8, '
+                     f'style=dashed];')
     lines.append("}")
     return "\n".join(lines)
 

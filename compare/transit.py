@@ -33,6 +33,7 @@ import numpy as np
 import pandas as pd
 
 from . import format as fmt
+from .dataflow import sums
 from .dump import StepReader, StepReaders, one_side, read_chunks, reading
 from .pairing import from_shards
 
@@ -90,10 +91,10 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
         of(fmt.GRAD_OUTPUT, "producer_a", "later"), on=[*step, "producer_a", "identity"])
     # a sum made between modules: the gradient of each output it adds unchanged is the sum's,
     # the gradient its consumer sends back for it (an input), or that arrives at it (an output)
-    sums = _addends(both, step)
+    added = sums(both, "call_a", "addends_a", step)
     addends = of(fmt.GRAD_OUTPUT, "addend", "later", ["index"]).rename(
         columns={"index": "addend_index"})
-    summed = [earlier.merge(sums[sums["kind"] == kind].drop(columns="kind"),
+    summed = [earlier.merge(added[added["kind"] == kind].drop(columns="kind"),
                             on=[*step, "call_a", "index"]).merge(
         addends, on=[*step, "addend", "addend_index", "identity"])
         for kind, earlier in ((fmt.INPUT, sent),
@@ -101,18 +102,6 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
     parts = [forward, backward, *summed]
     return list(dict.fromkeys(zip(pd.concat([p["earlier"] for p in parts]),
                                   pd.concat([p["later"] for p in parts]))))
-
-
-def _addends(rows: pd.DataFrame, step: list[str]) -> pd.DataFrame:
-    """``step`` keys, ``call_a``, ``kind`` and ``index`` of each of A's records of a sum, with
-    ``addend`` and ``addend_index``: one output it adds unchanged (the ``addends`` column)."""
-    named = rows[rows["addends_a"].fillna("") != ""]
-    out = [(*key, call, kind, index, addend, addend_index)
-           for *key, call, kind, index, text in named[
-               [*step, "call_a", "kind", "index", "addends_a"]].itertuples(index=False)
-           for addend, addend_index in fmt.parse_addends(text)]
-    return pd.DataFrame(out, columns=[*step, "call_a", "kind", "index", "addend",
-                                      "addend_index"])
 
 
 def _without(rows: pd.DataFrame, keys: pd.DataFrame) -> pd.DataFrame:

@@ -13,7 +13,7 @@ from torch import nn
 
 from compare import compare_dumps, load_dump, summarize
 from compare.cli import main as h5cmp
-from compare.dataflow import edges, to_dot
+from compare.dataflow import edges, sums, to_dot
 from compare.injection import localize
 from compare.status import INHERITED, ORIGIN
 from dumper import HookerAndDumper, Injector, io_shapes, module_keys, perturb
@@ -243,9 +243,18 @@ def test_dataflow_edges_on_a_residual_network(tmp_path):
     assert act_input["producer"].tolist() == [-1]
     block_input = index[(index["kind"] == "input") & (index["module"] == "blocks.1")]
     assert calls[int(block_input["producer"].iloc[0])] == "blocks.0.act"
+    # the sums: the code between modules adds each block's input into its lin output, and
+    # inner's output (then blocks') into the sum that the next call gets
+    added = {(calls[e.addend], calls[e.call]) for e in sums(index).itertuples()}
+    inner = calls[min(c for c, m in calls.items() if m.startswith("inner"))]
+    assert added == {(inner, "blocks"), (inner, "blocks.0"), (inner, "blocks.0.lin"),
+                     ("blocks.0.lin", "blocks.0.act"), (inner, "blocks.0.act"),
+                     ("blocks.1.lin", "blocks.1.act"), ("blocks.0.act", "blocks.1.act"),
+                     ("blocks.1.act", "head"), (inner, "head")}
     dot = to_dot(load_dump(tmp_path))
     assert dot.startswith('digraph "0-epoch_0-step"') and "blocks.0.ResidualBlock#0" in dot
-    assert dot.count("->") == len(edges(index))
+    assert dot.count("->") == len(edges(index)) + len(added)
+    assert dot.count("style=dashed") == len(added)
 
 
 def _changed_between_blocks(tmp_path) -> pd.DataFrame:
