@@ -36,7 +36,10 @@ def sums(index: pd.DataFrame, call: str = "call", addends: str = "addends",
     rows = [(*row, addend, addend_index)
             for *row, text in named[[*columns, addends]].itertuples(index=False)
             for addend, addend_index in fmt.parse_addends(text)]
-    return pd.DataFrame(rows, columns=[*columns, "addend", "addend_index"])
+    frame = pd.DataFrame(rows, columns=[*columns, "addend", "addend_index"])
+    # typed even when empty (merge keys of one kind)
+    return frame.astype({**{c: index[c].dtype for c in columns}, "addend": "int64",
+                         "addend_index": "int64"})
 
 
 def _call_status(result: Optional[pd.DataFrame], epoch: int, step: int) -> dict[int, str]:

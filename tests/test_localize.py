@@ -362,3 +362,18 @@ def test_perturbations_of_what_modules_send_back_undo_in_any_order():
     h = model[0](x)
     assert model[1](h) is h
     handed.remove()
+
+
+def test_sums_are_typed_merge_keys_even_when_there_are_none(tmp_path):
+    """A step without sums gives an empty frame whose keys keep their kinds, so the transit
+    links merge it with rows whose call numbers are floats (pairs where a side lacks a record);
+    an untyped empty frame made pandas refuse the merge (found by bench_localize)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    with HookerAndDumper(tmp_path).hooks(model, 0, 0):
+        model(torch.randn(4, 8)).sum().backward()
+    index = load_dump(tmp_path).index.astype({"call": "float64"})
+    none = sums(index)
+    assert none.empty and none["call"].dtype == "float64"
+    assert none["addend"].dtype == none["addend_index"].dtype == "int64"
+    calls = index[["call"]].rename(columns={"call": "addend"})
+    assert none.merge(calls, on="addend").empty
