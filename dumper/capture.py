@@ -409,10 +409,10 @@ class StepCapture:
         index = 0
         for leaf_path, leaf in leaves(output, "output"):
             if isinstance(leaf, torch.Tensor):
-                self._flow.note_output(leaf, call.info.number, index)
+                made_here = self._flow.note_output(leaf, call.info.number, index)
                 if want_output:
                     record = self._maker.tensor(seq, call.info, fmt.OUTPUT, index, leaf_path, leaf)
-                    if self._flow.producer_of(leaf) == call.info.number:  # its own code made it
+                    if made_here:  # by its own code: a sum, maybe
                         record.addends = self._flow.addends_of(leaf)
                     self._sink(record)
                 if leaf.requires_grad:

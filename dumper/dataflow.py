@@ -37,17 +37,19 @@ class Dataflow:
         self._producers.clear()
         self._slots.clear()
 
-    def note_output(self, t: torch.Tensor, call: int, index: int) -> None:
+    def note_output(self, t: torch.Tensor, call: int, index: int) -> bool:
         """Remember, weakly, the innermost call that output ``t``'s current value: the first
         call to return it at this version (a parent returning its child's output keeps the
         child; an in-place module returning a modified tensor takes over). Inference tensors
-        have no version counter, so in-place changes cannot be seen: they are not tracked."""
+        have no version counter, so in-place changes cannot be seen: they are not tracked.
+        Returns whether ``call`` is that call (its own code made the value)."""
         if t.is_inference() or self.producer_of(t) >= 0:
-            return
+            return False
         self._producers[id(t)] = (weakref.ref(t), call, t._version)
         node = t.grad_fn
         if node is not None:
             self._slots.setdefault((id(node), t.output_nr), (node, call, index, t.shape))
+        return True
 
     def producer_of(self, t: torch.Tensor) -> int:
         """Call that output ``t``'s current value, or -1 (unknown: made, or modified since,
@@ -65,7 +67,7 @@ class Dataflow:
         add of another alpha, or an output of another shape than ``t`` (broadcast, its gradient
         summed), ends a branch. "" for none."""
         node = t.grad_fn
-        if node is None or not self._slots:
+        if node is None or type(node).__name__ not in PASS_THROUGH:
             return ""
         found: list[tuple[int, int]] = []
         todo, seen = [node], 0
