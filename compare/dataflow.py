@@ -25,8 +25,8 @@ def edges(index: pd.DataFrame) -> pd.DataFrame:
     return rows[["producer", "call", "index"]].drop_duplicates().reset_index(drop=True)
 
 
-def sums(index: pd.DataFrame, call: str = "call", addends: str = "addends",
-         keys: Sequence[str] = ()) -> pd.DataFrame:
+def addend_edges(index: pd.DataFrame, call: str = "call", addends: str = "addends",
+                 keys: Sequence[str] = ()) -> pd.DataFrame:
     """``addend -> call`` edges of the sums made between modules: one row per output that a
     record's tensor adds unchanged (its ``addends``: an input the call consumed, or an output
     its own code made), columns ``*keys, call, kind, index, addend, addend_index``; ``call``
@@ -60,7 +60,8 @@ def to_dot(dump: Dump, epoch: Optional[int] = None, step: Optional[int] = None,
     """DOT text of the call graph of step ``(epoch, step)`` (default: the dump's first step).
     Nodes are module calls, coloured by the compare status of their outputs when ``result``
     (from ``compare_dumps``) is given: green equal, pale green close, orange inherited, red
-    failing."""
+    failing. Edges: an output a call's input is (``in0``), and, dashed, an output added into a
+    sum that a call's input (``+in0``) or its own output (``+out0``) is."""
     steps = [s for s in dump.steps if epoch is None or (s.epoch, s.step) == (epoch, step)]
     if not steps:
         raise DumpError(f"{dump.path}: no step {epoch}:{step} to draw")
@@ -75,7 +76,7 @@ def to_dot(dump: Dump, epoch: Optional[int] = None, step: Optional[int] = None,
         lines.append(f'  c{r.call} [label="{label}", fillcolor="{_COLOURS[status.get(r.call)]}"];')
     for e in edges(index).itertuples():
         lines.append(f'  c{e.producer} -> c{e.call} [label="in{e.index}", fontsize=8];')
-    for e in sums(index).drop_duplicates(["addend", "call"]).itertuples():
+    for e in addend_edges(index).drop_duplicates(["addend", "call"]).itertuples():
         where = "in" if e.kind == fmt.INPUT else "out"
         lines.append(f'  c{e.addend} -> c{e.call} [label="+{where}{e.index}", fontsize=8, '
                      f'style=dashed];')

@@ -317,7 +317,7 @@ def _strings(path: Path, name: str, column: np.ndarray) -> list[str]:
 
 def _absent(name: str, rows: int) -> np.ndarray:
     """A column an older format version lacks (see ``fmt.COLUMN_SINCE``)."""
-    if name in (*fmt.SHARDING_COLUMNS, "addends"):  # not sharded, no addends
+    if dict(fmt.INDEX_COLUMNS)[name] == "str":  # not sharded, no addends
         return np.full(rows, "", dtype=object)
     fill = {"checksum": fmt.NO_CHECKSUM, "micro_batch": fmt.NO_MICRO_BATCH,
             "injected": 0, "digest": fmt.NO_DIGEST}.get(name, np.nan)

@@ -417,14 +417,16 @@ def addends_text(outputs: Iterable[tuple[int, int]]) -> str:
     return ",".join(f"{call}:{index}" for call, index in outputs)
 
 
+_ADDENDS_RE = re.compile(r"(?:\d{1,9}:\d{1,9}(?:,\d{1,9}:\d{1,9})*)?")  # int32 numbers
+
+
 def parse_addends(text: str) -> list[tuple[int, int]]:
     """The ``(call, index)`` pairs of an ``addends`` text (:func:`addends_text`); ValueError
     for a text that is not one."""
-    pairs = []
-    for part in filter(None, text.split(",")):
-        call, index = part.split(":")  # ValueError unless exactly two
-        pairs.append((int(call), int(index)))
-    return pairs
+    if not _ADDENDS_RE.fullmatch(text):
+        raise ValueError(f"not call:index pairs: {text!r}")
+    return [(int(call), int(index)) for call, index in
+            (part.split(":") for part in text.split(",") if part)]
 
 
 def format_shape(shape: tuple[int, ...]) -> str:

@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 
 from . import format as fmt
-from .dataflow import sums
+from .dataflow import addend_edges
 from .dump import StepReader, StepReaders, one_side, read_chunks, reading
 from .pairing import from_shards
 
@@ -91,15 +91,16 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
         of(fmt.GRAD_OUTPUT, "producer_a", "later"), on=[*step, "producer_a", "identity"])
     # a sum made between modules: the gradient of each output it adds unchanged is the sum's,
     # the gradient its consumer sends back for it (an input), or that arrives at it (an output)
-    added = sums(both, "call_a", "addends_a", step)
+    added = addend_edges(both, "call_a", "addends_a", step)
     addends = of(fmt.GRAD_OUTPUT, "addend", "later", ["index"]).rename(
         columns={"index": "addend_index"})
-    summed = [earlier.merge(added[added["kind"] == kind].drop(columns="kind"),
-                            on=[*step, "call_a", "index"]).merge(
-        addends, on=[*step, "addend", "addend_index", "identity"])
-        for kind, earlier in ((fmt.INPUT, sent),
-                              (fmt.OUTPUT, of(fmt.GRAD_OUTPUT, "call_a", "earlier", ["index"])))]
-    parts = [forward, backward, *summed]
+
+    def summed(kind: str, sum_gradients: pd.DataFrame) -> pd.DataFrame:
+        terms = sum_gradients.merge(added[added["kind"] == kind].drop(columns="kind"),
+                                    on=[*step, "call_a", "index"])
+        return terms.merge(addends, on=[*step, "addend", "addend_index", "identity"])
+    parts = [forward, backward, summed(fmt.INPUT, sent),
+             summed(fmt.OUTPUT, of(fmt.GRAD_OUTPUT, "call_a", "earlier", ["index"]))]
     return list(dict.fromkeys(zip(pd.concat([p["earlier"] for p in parts]),
                                   pd.concat([p["later"] for p in parts]))))
 

@@ -168,12 +168,12 @@ def check_index(path: Path, table: np.ndarray, version: int, crc: object) -> Non
             stored_dtype(path, where, dtype, encoding)
     if "addends" in names:
         for row, text in enumerate(_text(table["addends"])):
-            parse_addends(path, f"index row {row}", text)
+            check_addends(path, f"index row {row}", text)
 
 
-def parse_addends(path: Path, where: str, text: str) -> list[tuple[int, int]]:
+def check_addends(path: Path, where: str, text: str) -> None:
     try:
-        return fmt.parse_addends(text)
+        fmt.parse_addends(text)
     except ValueError as exc:
         raise damaged(path, f"{where}: addends {text!r} are not call:index pairs") from exc
 

@@ -312,6 +312,7 @@ class StepCapture:
                     record.injected = fmt.INPUT in injects and inject.injects(
                         (info.module, info.call_idx, fmt.INPUT, index), leaf)
                     sink(record)
+                self._flow.note_input(leaf)
                 if want_grad and leaf.requires_grad:
                     node, nr = gradient_edge(leaf)
                     edges.setdefault((id(node), nr), index)

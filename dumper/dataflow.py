@@ -4,12 +4,14 @@ A call's output is remembered, weakly, with its version: the input of a later ca
 tensor at that version was made by that call (``producer``). A tensor that no hooked call
 returned may still be a sum computed between modules (a residual ``x + f(x)``, an in-place
 ``out += shortcut``): autograd's graph says which recorded outputs it adds unchanged
-(``addends``), whose gradients are then the sum's gradient, in A and in B.
+(``addends``). The gradient arriving at such an output is the sum's where nothing else uses the
+output (compare.transit checks that in A before it links the two).
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from collections import Counter
+from typing import NamedTuple
 
 import torch
 
@@ -22,34 +24,56 @@ PASS_THROUGH = frozenset({"AddBackward0", "CloneBackward0", "ToCopyBackward0"})
 WALK_LIMIT = 64
 
 
+class _Output(NamedTuple):
+    """A recorded output, by the gradient slot it gets its gradient at."""
+    call: int
+    index: int
+    shape: torch.Size
+
+
+def _slot(node, nr: int) -> tuple[int, int, str]:
+    """A gradient slot, named without holding its node (which would keep the graph before it
+    and its saved tensors alive) or its Python wrapper's id (made anew once none is held): the
+    node's sequence number, unique on the thread that made it, its type and the input."""
+    return node._sequence_nr(), nr, type(node).__name__
+
+
 class Dataflow:
-    """The step's outputs of hooked calls: by tensor (``producer``) and by gradient slot (the
-    autograd node and input number that receives their gradient: ``addends``)."""
+    """The step's outputs of hooked calls, by tensor (``producer``) and by gradient slot
+    (``addends``), and the gradient slots of the calls' inputs (where a walk stops)."""
 
     def __init__(self):
         # id(tensor) -> (weak reference, call that output it, tensor version then)
         self._producers: dict[int, tuple[weakref.ref, int, int]] = {}
-        # (id(node), nr) -> (the node, kept alive so that its id stays its own; call, output
-        # index, shape): the innermost call that output a tensor with that gradient slot
-        self._slots: dict[tuple[int, int], tuple[Any, int, int, torch.Size]] = {}
+        self._outputs: dict[tuple[int, int, str], _Output] = {}  # the innermost call's
+        self._consumed: set[tuple[int, int, str]] = set()
 
     def clear(self) -> None:
         self._producers.clear()
-        self._slots.clear()
+        self._outputs.clear()
+        self._consumed.clear()
 
     def note_output(self, t: torch.Tensor, call: int, index: int) -> bool:
         """Remember, weakly, the innermost call that output ``t``'s current value: the first
         call to return it at this version (a parent returning its child's output keeps the
         child; an in-place module returning a modified tensor takes over). Inference tensors
         have no version counter, so in-place changes cannot be seen: they are not tracked.
-        Returns whether ``call`` is that call (its own code made the value)."""
+        Returns whether ``call`` became that call: its own code made the value, or it passed
+        on a tensor that no hooked call output."""
         if t.is_inference() or self.producer_of(t) >= 0:
             return False
         self._producers[id(t)] = (weakref.ref(t), call, t._version)
         node = t.grad_fn
-        if node is not None:
-            self._slots.setdefault((id(node), t.output_nr), (node, call, index, t.shape))
+        if node is not None and not t.is_nested:  # a nested tensor has no one shape
+            self._outputs.setdefault(_slot(node, t.output_nr), _Output(call, index, t.shape))
         return True
+
+    def note_input(self, t: torch.Tensor) -> None:
+        """A hooked call consumes ``t``: a walk from a later sum stops at its slot, since the
+        gradient there has that use's share too."""
+        node = t.grad_fn
+        if node is not None:
+            self._consumed.add(_slot(node, t.output_nr))
 
     def producer_of(self, t: torch.Tensor) -> int:
         """Call that output ``t``'s current value, or -1 (unknown: made, or modified since,
@@ -61,27 +85,31 @@ class Dataflow:
 
     def addends_of(self, t: torch.Tensor) -> str:
         """For a tensor made by code between hooked calls (an input without a producer, or an
-        output a call's own code made), the recorded outputs that it sums unchanged
-        (``fmt.addends_text``: ``call:index`` pairs), found by walking its autograd graph back
-        through :data:`PASS_THROUGH` nodes to the gradient slots of hooked calls' outputs; an
-        add of another alpha, or an output of another shape than ``t`` (broadcast, its gradient
-        summed), ends a branch. "" for none."""
+        output a call's own code made), the recorded outputs it adds once each, unchanged
+        (``fmt.addends_text``: ``call:index`` pairs). The walk follows its autograd graph back
+        through :data:`PASS_THROUGH` nodes, at most :data:`WALK_LIMIT` of them, to the slots of
+        hooked calls' outputs of ``t``'s shape (another shape was broadcast: its gradient is the
+        sum's, summed); it ends at an add of another alpha, at any other node, and at a partial
+        sum that a hooked call consumed. An output reached twice (``x + x``) is none. "" for
+        none."""
         node = t.grad_fn
-        if node is None or type(node).__name__ not in PASS_THROUGH:
+        if node is None or type(node).__name__ not in PASS_THROUGH or t.is_nested:
             return ""
-        found: list[tuple[int, int]] = []
-        todo, seen = [node], 0
-        while todo and seen < WALK_LIMIT:
+        reached: Counter = Counter()
+        todo, visits = [node], 0
+        while todo and visits < WALK_LIMIT:
             node = todo.pop()
-            seen += 1
+            visits += 1
             if type(node).__name__ not in PASS_THROUGH or getattr(node, "_saved_alpha", 1) != 1:
                 continue
             for source, nr in node.next_functions:
                 if source is None:
                     continue
-                known: Optional[tuple] = self._slots.get((id(source), nr))
-                if known is None:
+                slot = _slot(source, nr)
+                if slot in self._outputs:
+                    reached[slot] += 1
+                elif slot not in self._consumed:
                     todo.append(source)
-                elif known[0] is source and known[3] == t.shape:
-                    found.append((known[1], known[2]))
-        return fmt.addends_text(sorted(set(found)))
+        found = sorted((output.call, output.index) for slot, times in reached.items()
+                       if times == 1 and (output := self._outputs[slot]).shape == t.shape)
+        return fmt.addends_text(found)

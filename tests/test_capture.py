@@ -422,6 +422,22 @@ def test_tensors_without_readable_values_are_recorded_as_unsupported(tmp_path, m
     assert "sparse" in rows.loc["kwargs['extra'][0]", "value"]
     assert rows.loc["kwargs['extra'][1]", "value"] == "nested tensors are not stored"
     assert rows.loc["args[0]", "status"] == "ok"
+    # a nested tensor with a gradient, passed from call to call and summed: no shape to read
+    model = nn.Sequential(_ScalesNested(), _ScalesNested())
+    with HookerAndDumper(tmp_path / "grads", mode=mode).hooks(model, 0, 0):
+        model(nested)
+    rows = load_dump(tmp_path / "grads").index
+    assert set(rows.loc[rows["kind"] == "output", "status"]) == {"unsupported"}
+    assert (rows["addends"] == "").all()
+
+
+class _ScalesNested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, nt):
+        return nt * self.w + nt
 
 
 @pytest.mark.parametrize("mode", ["tensors", "stats"])

@@ -84,6 +84,8 @@ def set_cell(column, value, row=None):
     ("shape", b"8,-16", "negative size"),
     ("status", b"fine", "unknown status 'fine'"),
     ("addends", b"3:0:1", "addends '3:0:1' are not call:index pairs"),
+    ("addends", b"99999999999999999999:0", "are not call:index pairs"),
+    ("addends", b"1: 2", "addends '1: 2' are not call:index pairs"),
 ])
 def test_a_damaged_index_row_is_refused(reference, copy, column, value, says):
     edit_index(copy, set_cell(column, value))

@@ -13,7 +13,7 @@ from torch import nn
 
 from compare import compare_dumps, load_dump, summarize
 from compare.cli import main as h5cmp
-from compare.dataflow import edges, sums, to_dot
+from compare.dataflow import addend_edges, edges, to_dot
 from compare.injection import localize
 from compare.status import INHERITED, ORIGIN
 from dumper import HookerAndDumper, Injector, io_shapes, module_keys, perturb
@@ -244,13 +244,13 @@ def test_dataflow_edges_on_a_residual_network(tmp_path):
     block_input = index[(index["kind"] == "input") & (index["module"] == "blocks.1")]
     assert calls[int(block_input["producer"].iloc[0])] == "blocks.0.act"
     # the sums: the code between modules adds each block's input into its lin output, and
-    # inner's output (then blocks') into the sum that the next call gets
-    added = {(calls[e.addend], calls[e.call]) for e in sums(index).itertuples()}
+    # inner's output (then blocks') into the sum that the next call gets; a walk stops at a
+    # partial sum a call consumed (h, in blocks.0.act's and head's input)
+    added = {(calls[e.addend], calls[e.call]) for e in addend_edges(index).itertuples()}
     inner = calls[min(c for c, m in calls.items() if m.startswith("inner"))]
     assert added == {(inner, "blocks"), (inner, "blocks.0"), (inner, "blocks.0.lin"),
-                     ("blocks.0.lin", "blocks.0.act"), (inner, "blocks.0.act"),
-                     ("blocks.1.lin", "blocks.1.act"), ("blocks.0.act", "blocks.1.act"),
-                     ("blocks.1.act", "head"), (inner, "head")}
+                     ("blocks.0.lin", "blocks.0.act"), ("blocks.1.lin", "blocks.1.act"),
+                     ("blocks.0.act", "blocks.1.act"), ("blocks.1.act", "head")}
     dot = to_dot(load_dump(tmp_path))
     assert dot.startswith('digraph "0-epoch_0-step"') and "blocks.0.ResidualBlock#0" in dot
     assert dot.count("->") == len(edges(index)) + len(added)
@@ -364,7 +364,7 @@ def test_perturbations_of_what_modules_send_back_undo_in_any_order():
     handed.remove()
 
 
-def test_sums_are_typed_merge_keys_even_when_there_are_none(tmp_path):
+def test_addend_edges_are_typed_merge_keys_even_when_there_are_none(tmp_path):
     """A step without sums gives an empty frame whose keys keep their kinds, so the transit
     links merge it with rows whose call numbers are floats (pairs where a side lacks a record);
     an untyped empty frame made pandas refuse the merge (found by bench_localize)."""
@@ -372,7 +372,7 @@ def test_sums_are_typed_merge_keys_even_when_there_are_none(tmp_path):
     with HookerAndDumper(tmp_path).hooks(model, 0, 0):
         model(torch.randn(4, 8)).sum().backward()
     index = load_dump(tmp_path).index.astype({"call": "float64"})
-    none = sums(index)
+    none = addend_edges(index)
     assert none.empty and none["call"].dtype == "float64"
     assert none["addend"].dtype == none["addend_index"].dtype == "int64"
     calls = index[["call"]].rename(columns={"call": "addend"})

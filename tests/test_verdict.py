@@ -306,31 +306,35 @@ def test_a_gradient_changed_on_its_way_into_a_residual_sum_is_found_exactly(tmp_
 
 
 class _SumOfBranches(nn.Module):
-    """Returns ``a(x) + b(x)`` made by its own code; with ``broadcast``, ``a``'s output is one
-    row, added to every row of ``b``'s."""
+    """Returns ``a(x) + b(x)``, made by its own code; ``broadcast``: ``a``'s output is one row,
+    added to every row of ``b``'s; ``twice``: ``b(x) + b(x)``."""
 
-    def __init__(self, broadcast: bool):
+    def __init__(self, terms: str):
         super().__init__()
-        self.broadcast = broadcast
+        self.terms = terms
         self.a, self.b = nn.Linear(16, 8), nn.Linear(16, 8)
 
     def forward(self, x):
-        return self.a(x[:1] if self.broadcast else x) + self.b(x)
+        if self.terms == "twice":
+            y = self.b(x)
+            return y + y
+        return self.a(x[:1] if self.terms == "broadcast" else x) + self.b(x)
 
 
-@pytest.mark.parametrize("broadcast", [False, True])
-def test_an_output_that_sums_its_childrens_names_them_unless_broadcast(tmp_path, broadcast):
+@pytest.mark.parametrize("terms, named", [("plain", [("a", 0), ("b", 0)]),
+                                          ("broadcast", [("b", 0)]), ("twice", [])])
+def test_an_output_that_sums_its_childrens_names_them_once_each(tmp_path, terms, named):
     """A call whose own code adds its children's outputs names them on its output row; a term
-    of another shape (broadcast: its gradient is the sum's, summed) is not one."""
+    of another shape (broadcast: its gradient is the sum's, summed) is not one, nor one added
+    twice (its gradient is twice the sum's)."""
     torch.manual_seed(0)
-    model = _SumOfBranches(broadcast)
+    model = _SumOfBranches(terms)
     with HookerAndDumper(tmp_path / "a").hooks(model, 0, 0):
         model(torch.randn(4, 16)).pow(2).sum().backward()
     index = _index(tmp_path / "a")
     calls = dict(zip(index["call"], index["module"]))
     out = index[(index["module"] == "") & (index["kind"] == "output")]
-    named = [(calls[c], i) for c, i in fmt.parse_addends(out["addends"].iloc[0])]
-    assert named == ([("b", 0)] if broadcast else [("a", 0), ("b", 0)])
+    assert [(calls[c], i) for c, i in fmt.parse_addends(out["addends"].iloc[0])] == named
     assert (index.loc[index["kind"] != "output", "addends"] == "").all()
 
 
