@@ -140,7 +140,7 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
                 progress(len(result))
         recomputed = measure_recomputed(pairs, files_a, files_b, metrics, attributes, runner,
                                         max(1, jobs))
-    for row, figures in measure_transit(pairs, files_b, chunk_elements).items():
+    for row, figures in measure_transit(pairs, files_a, files_b, chunk_elements).items():
         metrics.setdefault(row, {}).update(figures)
     for row, figures in recomputed.items():
         metrics.setdefault(row, {}).update(figures)

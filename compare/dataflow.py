@@ -27,19 +27,21 @@ def edges(index: pd.DataFrame) -> pd.DataFrame:
 
 def addend_edges(index: pd.DataFrame, call: str = "call", addends: str = "addends",
                  keys: Sequence[str] = ()) -> pd.DataFrame:
-    """``addend -> call`` edges of the sums made between modules: one row per output that a
-    record's tensor adds unchanged (its ``addends``: an input the call consumed, or an output
-    its own code made), columns ``*keys, call, kind, index, addend, addend_index``; ``call``
-    and ``addends`` name those columns of ``index`` (e.g. ``call_a``, ``addends_a`` in pairs)."""
+    """``addend -> call`` edges of the sums made between modules: one row per tensor that a
+    record's tensor adds unchanged (its ``addends``; the record: an input the call consumed, or
+    an output its own code made), columns ``*keys, call, kind, index`` (the record),
+    ``addend_kind, addend, addend_index`` (the term: an output of call ``addend``, or its input,
+    a partial sum it consumed); ``call`` and ``addends`` name those columns of ``index`` (e.g.
+    ``call_a``, ``addends_a`` in pairs)."""
     named = index[index[addends].fillna("") != ""]
     columns = [*keys, call, "kind", "index"]
-    rows = [(*row, addend, addend_index)
-            for *row, text in named[[*columns, addends]].itertuples(index=False)
-            for addend, addend_index in fmt.parse_addends(text)]
-    frame = pd.DataFrame(rows, columns=[*columns, "addend", "addend_index"])
+    terms = ["addend_kind", "addend", "addend_index"]
+    rows = [(*row, *term) for *row, text in named[[*columns, addends]].itertuples(index=False)
+            for term in fmt.parse_addends(text)]
+    frame = pd.DataFrame(rows, columns=[*columns, *terms])
     # typed even when empty (merge keys of one kind)
-    return frame.astype({**{c: index[c].dtype for c in columns}, "addend": "int64",
-                         "addend_index": "int64"})
+    return frame.astype({**{c: index[c].dtype for c in columns}, "addend_kind": object,
+                         "addend": "int64", "addend_index": "int64"})
 
 
 def _call_status(result: Optional[pd.DataFrame], epoch: int, step: int) -> dict[int, str]:
@@ -76,8 +78,8 @@ def to_dot(dump: Dump, epoch: Optional[int] = None, step: Optional[int] = None,
         lines.append(f'  c{r.call} [label="{label}", fillcolor="{_COLOURS[status.get(r.call)]}"];')
     for e in edges(index).itertuples():
         lines.append(f'  c{e.producer} -> c{e.call} [label="in{e.index}", fontsize=8];')
-    for e in addend_edges(index).drop_duplicates(["addend", "call"]).itertuples():
-        where = "in" if e.kind == fmt.INPUT else "out"
+    for e in addend_edges(index).drop_duplicates(["addend_kind", "addend", "call"]).itertuples():
+        where = "in" if e.kind == fmt.INPUT else "out"  # the sum: this call's input, or output
         lines.append(f'  c{e.addend} -> c{e.call} [label="+{where}{e.index}", fontsize=8, '
                      f'style=dashed];')
     lines.append("}")

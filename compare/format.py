@@ -412,21 +412,32 @@ def tf32_allowed(attrs: dict) -> tuple[bool, bool]:
     return cuda and matmul, cuda and bool(attrs.get("tf32_cudnn"))
 
 
-def addends_text(outputs: Iterable[tuple[int, int]]) -> str:
-    """The ``addends`` column: ``call:index`` of each output, comma-separated."""
-    return ",".join(f"{call}:{index}" for call, index in outputs)
+ADDEND_INPUT_MARK = "i"  # an addend that is a call's input: a partial sum that call consumed
 
 
-_ADDENDS_RE = re.compile(r"(?:\d{1,9}:\d{1,9}(?:,\d{1,9}:\d{1,9})*)?")  # int32 numbers
+def addends_text(terms: Iterable[tuple[str, int, int]]) -> str:
+    """The ``addends`` column: per ``(kind, call, index)`` term, ``call:index`` for an
+    ``OUTPUT`` of a call, ``i{call}:{index}`` for an ``INPUT`` (ADDEND_INPUT_MARK),
+    comma-separated."""
+    return ",".join(f"{ADDEND_INPUT_MARK if kind == INPUT else ''}{call}:{index}"
+                    for kind, call, index in terms)
 
 
-def parse_addends(text: str) -> list[tuple[int, int]]:
-    """The ``(call, index)`` pairs of an ``addends`` text (:func:`addends_text`); ValueError
-    for a text that is not one."""
+_ADDEND = r"i?\d{1,9}:\d{1,9}"  # int32 numbers
+_ADDENDS_RE = re.compile(rf"(?:{_ADDEND}(?:,{_ADDEND})*)?")
+
+
+def parse_addends(text: str) -> list[tuple[str, int, int]]:
+    """The ``(kind, call, index)`` terms of an ``addends`` text (:func:`addends_text`);
+    ValueError for a text that is not one."""
     if not _ADDENDS_RE.fullmatch(text):
         raise ValueError(f"not call:index pairs: {text!r}")
-    return [(int(call), int(index)) for call, index in
-            (part.split(":") for part in text.split(",") if part)]
+    terms = []
+    for part in filter(None, text.split(",")):
+        kind = INPUT if part.startswith(ADDEND_INPUT_MARK) else OUTPUT
+        call, index = part.lstrip(ADDEND_INPUT_MARK).split(":")
+        terms.append((kind, int(call), int(index)))
+    return terms
 
 
 def format_shape(shape: tuple[int, ...]) -> str:

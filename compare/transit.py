@@ -4,10 +4,12 @@ A call's output is the input of the calls that consume it (the input row's ``pro
 the gradient a consumer sends back for that input is the gradient that arrives at the
 producer's output, unchanged where nothing else uses the tensor; so is the gradient arriving at
 each output that a sum made between modules adds unchanged (the ``addends`` column: a residual
-``x + f(x)``, an in-place ``out += shortcut``). Where A holds the same bits
-in both records of such a link (:func:`identities`; not all zeros), the code between them is
-the identity in A, and B runs the same code: in any precision it hands the values on
-unchanged, or rounded through the dtypes it computes in. Where B's two records differ by
+``x + f(x)``, an in-place ``out += shortcut``), and, where a sum is a partial one that a call
+consumes and later sums add on (:func:`sum_links`), the sum of those uses' gradients. Where A
+holds the same bits in both records of such a link (:func:`identities`; not all zeros; for a
+sum, A's values agree with it to its rounding), the code between them is the identity in A,
+and B runs the same code: in any precision it hands the values on unchanged, or rounded
+through the dtypes it computes in. Where B's two records differ by
 more, B's code between them (functional code between modules, a hook, a communication, an
 in-place change) changed the values in B only, whatever error the values carried before.
 Per later record of a link:
@@ -15,9 +17,11 @@ Per later record of a link:
 ``transit_rel_diff``
     ``||later_b - earlier_b|| / ||earlier_b||`` from B's values (the smallest over its links);
     0 where B's bits agree; where B holds statistics only, the difference of the two norms (a
-    lower bound); where a digest stands for B's values and the bits differ, inf.
+    lower bound); where a digest stands for B's values and the bits differ, inf; for a sum,
+    ``earlier_b`` is the sum of its records' values.
 ``transit_from``
-    the earlier record (:func:`compare.format.record_label`).
+    the earlier record (:func:`compare.format.record_label`), or the records summed, joined
+    by :data:`SUM_OF_RECORDS`.
 
 The verdict (:mod:`compare.verdict`) allows what casts through B's lowest precision may do.
 Records B ran on A's values (a localizing re-run, ``injected``) and sharded records put
@@ -36,8 +40,11 @@ from . import format as fmt
 from .dataflow import addend_edges
 from .dump import StepReader, StepReaders, one_side, read_chunks, reading
 from .pairing import from_shards
+from .precision import lowest, rounding_of
 
 TRANSIT_COLUMNS = ("transit_rel_diff", "transit_from")
+STEP = ["epoch", "step", "rank"]
+SUM_OF_RECORDS = " + "  # joins the records of a transit_from that are summed
 
 
 def identities(frame: pd.DataFrame, side: str) -> list[Optional[tuple]]:
@@ -67,42 +74,85 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
     the same bits in A: a call's output and a consumer's input, the consumer's grad_input for
     that input and the call's grad_output; the gradient of a sum (its consumer's grad_input, or
     the grad_output of the call that returned it) and the grad_output of each of its addends."""
-    both = pairs[(pairs["side"] == "both") & (pairs["injected_b"].fillna(0) == 0)
-                 & (pairs["injected_a"].fillna(0) == 0) & ~from_shards(pairs)]
-    step = ["epoch", "step", "rank"]
+    both = _linkable(pairs)
     flow = both.loc[(both["kind"] == fmt.INPUT) & (both["producer_a"] >= 0),
-                    [*step, "call_a", "index", "producer_a"]]
+                    [*STEP, "call_a", "index", "producer_a"]]
     known = both.assign(identity=identities(both, "a"), row=both.index)
 
     def of(kind: str, call: str, row: str, extra=()) -> pd.DataFrame:
         rows = known.loc[(known["kind"] == kind) & known["identity"].notna(),
-                         [*step, "call_a", *extra, "identity", "row"]]
+                         [*STEP, "call_a", *extra, "identity", "row"]]
         return rows.rename(columns={"call_a": call, "row": row})
     forward = of(fmt.INPUT, "call_a", "later", ["index"]).merge(
-        flow, on=[*step, "call_a", "index"]).merge(
-        of(fmt.OUTPUT, "producer_a", "earlier"), on=[*step, "producer_a", "identity"])
+        flow, on=[*STEP, "call_a", "index"]).merge(
+        of(fmt.OUTPUT, "producer_a", "earlier"), on=[*STEP, "producer_a", "identity"])
     # a consumer that hands an input back as its output (its output holds the input's bits)
     # sends back for it the whole gradient of that tensor, other uses' included: where it does
     # in A but not in B (a cast A did not need makes a new tensor), B's is its share only
-    handed_back = _without(_handed_back(known, step),
-                           _handed_back(known.assign(identity=identities(known, "b")), step))
+    handed_back = _without(_handed_back(known, STEP),
+                           _handed_back(known.assign(identity=identities(known, "b")), STEP))
     sent = _without(of(fmt.GRAD_INPUT, "call_a", "earlier", ["index"]), handed_back)
-    backward = sent.merge(flow, on=[*step, "call_a", "index"]).merge(
-        of(fmt.GRAD_OUTPUT, "producer_a", "later"), on=[*step, "producer_a", "identity"])
+    backward = sent.merge(flow, on=[*STEP, "call_a", "index"]).merge(
+        of(fmt.GRAD_OUTPUT, "producer_a", "later"), on=[*STEP, "producer_a", "identity"])
     # a sum made between modules: the gradient of each output it adds unchanged is the sum's,
     # the gradient its consumer sends back for it (an input), or that arrives at it (an output)
-    added = addend_edges(both, "call_a", "addends_a", step)
+    added = addend_edges(both, "call_a", "addends_a", STEP)
+    added = added[added["addend_kind"] == fmt.OUTPUT].drop(columns="addend_kind")
     addends = of(fmt.GRAD_OUTPUT, "addend", "later", ["index"]).rename(
         columns={"index": "addend_index"})
 
     def summed(kind: str, sum_gradients: pd.DataFrame) -> pd.DataFrame:
         terms = sum_gradients.merge(added[added["kind"] == kind].drop(columns="kind"),
-                                    on=[*step, "call_a", "index"])
-        return terms.merge(addends, on=[*step, "addend", "addend_index", "identity"])
+                                    on=[*STEP, "call_a", "index"])
+        return terms.merge(addends, on=[*STEP, "addend", "addend_index", "identity"])
     parts = [forward, backward, summed(fmt.INPUT, sent),
              summed(fmt.OUTPUT, of(fmt.GRAD_OUTPUT, "call_a", "earlier", ["index"]))]
     return list(dict.fromkeys(zip(pd.concat([p["earlier"] for p in parts]),
                                   pd.concat([p["later"] for p in parts]))))
+
+
+def sum_links(pairs: pd.DataFrame) -> list[tuple[tuple[int, ...], int]]:
+    """``(terms, total)`` row labels of ``pairs``: the gradient arriving at an output that a
+    partial sum adds (a pre-norm block's attention output, added to the residual into a sum
+    that the next norm consumes and the block's last add sums on) is the sum's, which is the
+    sum of what the sum's uses send back: the consuming call's grad_input and the gradients of
+    the sums it is added into. Where A's values agree with that, B's must too."""
+    both = _linkable(pairs)
+    both = both[both["occurrence"] == 0]
+    label = dict(zip(zip(*(both[c] for c in (*STEP, "call_a", "kind", "index"))), both.index))
+    added = addend_edges(both, "call_a", "addends_a", STEP)
+    outputs = added[(added["addend_kind"] == fmt.OUTPUT) & (added["kind"] == fmt.INPUT)]
+    branches = {key: list(zip(group["addend"], group["addend_index"])) for key, group in
+                outputs.groupby([*STEP, "call_a", "index"])}
+    gradient = {fmt.INPUT: fmt.GRAD_INPUT, fmt.OUTPUT: fmt.GRAD_OUTPUT}
+    # where each call's forward ended (its first output's event): a sum recorded before that
+    # by a later call ran inside it, and its share is in the call's grad_input already
+    returned = both[both["kind"] == fmt.OUTPUT].groupby([*STEP, "call_a"])["seq_a"].min()
+    seq = dict(zip(zip(*(both[c] for c in (*STEP, "call_a", "kind", "index"))), both["seq_a"]))
+    out = []
+    partials = added[added["addend_kind"] == fmt.INPUT]
+    for (*step, call, index), onward in partials.groupby([*STEP, "addend", "addend_index"]):
+        end = returned.get((*step, call))
+        if end is None:
+            continue
+        outside = [(c, kind, i) for c, kind, i in zip(onward["call_a"], onward["kind"],
+                                                      onward["index"])
+                   if not (c > call and seq[(*step, c, kind, i)] < end)]
+        terms = [label.get((*step, call, fmt.GRAD_INPUT, index))] + [
+            label.get((*step, c, gradient[kind], i)) for c, kind, i in outside]
+        if None in terms or len(terms) < 2:
+            continue
+        for branch, branch_index in branches.get((*step, call, index), ()):
+            total = label.get((*step, branch, fmt.GRAD_OUTPUT, branch_index))
+            if total is not None:
+                out.append((tuple(terms), total))
+    return out
+
+
+def _linkable(pairs: pd.DataFrame) -> pd.DataFrame:
+    """Rows both runs recorded, computed by each (not injected), not put together from shards."""
+    return pairs[(pairs["side"] == "both") & (pairs["injected_b"].fillna(0) == 0)
+                 & (pairs["injected_a"].fillna(0) == 0) & ~from_shards(pairs)]
 
 
 def _without(rows: pd.DataFrame, keys: pd.DataFrame) -> pd.DataFrame:
@@ -115,27 +165,60 @@ def _handed_back(rows: pd.DataFrame, step: list[str]) -> pd.DataFrame:
     """``step`` keys, ``call_a`` and ``index`` of the inputs a call returns as an output with
     the same bits (``rows["identity"]``: one side's :func:`identities`)."""
     known = rows[rows["identity"].notna()]
-    inputs = known.loc[known["kind"] == fmt.INPUT, [*step, "call_a", "index", "identity"]]
-    outputs = known.loc[known["kind"] == fmt.OUTPUT, [*step, "call_a", "identity"]]
-    return inputs.merge(outputs, on=[*step, "call_a", "identity"])[
-        [*step, "call_a", "index"]].drop_duplicates()
+    inputs = known.loc[known["kind"] == fmt.INPUT, [*STEP, "call_a", "index", "identity"]]
+    outputs = known.loc[known["kind"] == fmt.OUTPUT, [*STEP, "call_a", "identity"]]
+    return inputs.merge(outputs, on=[*STEP, "call_a", "identity"])[
+        [*STEP, "call_a", "index"]].drop_duplicates()
 
 
-def measure(pairs: pd.DataFrame, files_b: dict, chunk_elements: int) -> dict[int, dict]:
-    """``TRANSIT_COLUMNS`` per later record of each link (:func:`links`), by row label;
-    ``files_b``: B's step files by (epoch, step, rank)."""
+def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, chunk_elements: int
+            ) -> dict[int, dict]:
+    """``TRANSIT_COLUMNS`` per later record of each link (:func:`links`, :func:`sum_links`),
+    by row label; ``files_a``, ``files_b``: the step files by (epoch, step, rank)."""
     out: dict[int, dict] = {}
-    with StepReaders(files_b) as readers:
+
+    def note(later: int, diff: float, earlier: list[pd.Series]) -> None:
+        if math.isnan(diff) or (later in out and diff >= out[later]["transit_rel_diff"]):
+            return
+        out[later] = {"transit_rel_diff": diff, "transit_from": SUM_OF_RECORDS.join(
+            fmt.record_label(e["module"], e["cls_a"], e["call_idx"], e["kind"], e["index"],
+                             e["occurrence"]) for e in earlier)}
+    with StepReaders(files_a) as readers_a, StepReaders(files_b) as readers_b:
         for earlier, later in links(pairs):
             e, l = pairs.loc[earlier], pairs.loc[later]
             key = (e["epoch"], e["step"], e["rank"])
             with reading(str(files_b[key].path)):
-                diff = _difference(e, l, readers[key], chunk_elements)
-            if math.isnan(diff) or (later in out and diff >= out[later]["transit_rel_diff"]):
-                continue
-            out[later] = {"transit_rel_diff": diff, "transit_from": fmt.record_label(
-                e["module"], e["cls_a"], e["call_idx"], e["kind"], e["index"], e["occurrence"])}
+                note(later, _difference(e, l, readers_b[key], chunk_elements), [e])
+        for terms, total in sum_links(pairs):
+            rows = [pairs.loc[t] for t in terms]
+            t = pairs.loc[total]
+            key = (t["epoch"], t["step"], t["rank"])
+            if not all(r["dataset_a"] and r["dataset_b"] for r in (*rows, t)) or len(
+                    {tuple(r[f"shape_{s}"]) for r in (*rows, t) for s in "ab"}) > 1:
+                continue  # values of one shape on both sides are needed
+            with reading(str(files_a[key].path)):
+                in_a = _sum_difference(rows, t, readers_a[key], "a", chunk_elements)
+            if in_a > 2 * rounding_of(lowest(r["dtype_a"] for r in (*rows, t))).unit:
+                continue  # the sum's uses are not all recorded, or it is not what A does
+            with reading(str(files_b[key].path)):
+                note(total, _sum_difference(rows, t, readers_b[key], "b", chunk_elements),
+                     rows)
     return out
+
+
+def _sum_difference(terms: list[pd.Series], total: pd.Series, reader: StepReader, side: str,
+                    chunk_elements: int) -> float:
+    """``||total - sum(terms)|| / ||sum(terms)||`` from one side's values."""
+    squares = np.zeros(2)
+    rows = [total, *terms]
+    for parts in itertools.zip_longest(*(_values(reader, r, chunk_elements, side)
+                                         for r in rows)):
+        whole, *summed = (p.astype(np.float64, copy=False) for p in parts)
+        expected = np.sum(summed, axis=0)
+        squares += (np.square(whole - expected).sum(), np.square(expected).sum())
+    if squares[0] == 0:
+        return 0.0
+    return math.sqrt(squares[0] / squares[1]) if squares[1] > 0 else math.inf
 
 
 def _difference(earlier: pd.Series, later: pd.Series, reader: StepReader, chunk_elements: int
@@ -167,7 +250,8 @@ def _difference(earlier: pd.Series, later: pd.Series, reader: StepReader, chunk_
     return abs(norms[1] - norms[0]) / norms[0] if norms[0] > 0 else math.nan
 
 
-def _values(reader: StepReader, row: pd.Series, chunk_elements: int) -> Iterator[np.ndarray]:
-    """B's values of ``row`` (``reader``: its step's :class:`compare.dump.StepReader`)."""
-    return read_chunks(reader.dataset(one_side(row, "b")), row["dtype_b"], row["encoding_b"],
-                       chunk_elements, int(row["checksum_b"]))
+def _values(reader: StepReader, row: pd.Series, chunk_elements: int, side: str = "b"
+            ) -> Iterator[np.ndarray]:
+    """One side's values of ``row`` (``reader``: its step's :class:`compare.dump.StepReader`)."""
+    return read_chunks(reader.dataset(one_side(row, side)), row[f"dtype_{side}"],
+                       row[f"encoding_{side}"], chunk_elements, int(row[f"checksum_{side}"]))

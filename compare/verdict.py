@@ -90,6 +90,7 @@ from .scale import describe as describe_scale
 from .sources import STEP_KEY, code_values, earlier_sources
 from .statistics import STATS_RESOLUTION
 from .sums import CallRows, cancelled
+from .transit import SUM_OF_RECORDS
 
 # Errors estimated from statistics (min, max: single elements) scatter around the true one by
 # a few times: records judged from them get this much more room.
@@ -639,10 +640,11 @@ class _Judgement:
                     f"{r.recomputed_floor[i]:.2g}: this call's own computation is not what it "
                     f"is in A")
         if r.in_transit[i]:
-            return (f"{IN_TRANSIT} {r.transit[i]:.3g} (rel) since "
-                    f"{r.frame.at[i, 'transit_from']}, which A hands on unchanged: the code "
-                    f"between them (between modules, a hook, a communication) is not what it is "
-                    f"in A")
+            sent = r.frame.at[i, "transit_from"]
+            how = "adds" if SUM_OF_RECORDS in sent else "hands on"
+            return (f"{IN_TRANSIT} {r.transit[i]:.3g} (rel) since {sent}, which A {how} "
+                    f"unchanged: the code between them (between modules, a hook, a "
+                    f"communication) is not what it is in A")
         inputs = (f"its inputs carry {err_in:.3g} ({source})" if source else
                   "it has no recorded inputs")
         bound = math.hypot(self.gain(i) * err_in, SPREAD * level, self._last_bit(i))

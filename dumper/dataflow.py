@@ -25,7 +25,7 @@ WALK_LIMIT = 64
 
 
 class _Output(NamedTuple):
-    """A recorded output, by the gradient slot it gets its gradient at."""
+    """A recorded output, or input, by the gradient slot it gets its gradient at."""
     call: int
     index: int
     shape: torch.Size
@@ -46,7 +46,7 @@ class Dataflow:
         # id(tensor) -> (weak reference, call that output it, tensor version then)
         self._producers: dict[int, tuple[weakref.ref, int, int]] = {}
         self._outputs: dict[tuple[int, int, str], _Output] = {}  # the innermost call's
-        self._consumed: set[tuple[int, int, str]] = set()
+        self._consumed: dict[tuple[int, int, str], _Output] = {}  # the outermost call's input
 
     def clear(self) -> None:
         self._producers.clear()
@@ -68,12 +68,19 @@ class Dataflow:
             self._outputs.setdefault(_slot(node, t.output_nr), _Output(call, index, t.shape))
         return True
 
-    def note_input(self, t: torch.Tensor) -> None:
-        """A hooked call consumes ``t``: a walk from a later sum stops at its slot, since the
-        gradient there has that use's share too."""
+    def note_input(self, t: torch.Tensor, call: int, index: int) -> bool:
+        """``t`` is input ``index`` of hooked call ``call``: a walk from a later sum stops at its
+        slot, and names it, since the gradient there also has that use's share. Returns
+        whether this is the first call to consume ``t`` (the outermost: a parent before its
+        children), which names what ``t`` sums."""
         node = t.grad_fn
-        if node is not None:
-            self._consumed.add(_slot(node, t.output_nr))
+        if node is None or t.is_nested:
+            return True
+        slot = _slot(node, t.output_nr)
+        if slot in self._consumed:
+            return False
+        self._consumed[slot] = _Output(call, index, t.shape)
+        return True
 
     def producer_of(self, t: torch.Tensor) -> int:
         """Call that output ``t``'s current value, or -1 (unknown: made, or modified since,
@@ -85,13 +92,13 @@ class Dataflow:
 
     def addends_of(self, t: torch.Tensor) -> str:
         """For a tensor made by code between hooked calls (an input without a producer, or an
-        output a call's own code made), the recorded outputs it adds once each, unchanged
-        (``fmt.addends_text``: ``call:index`` pairs). The walk follows its autograd graph back
-        through :data:`PASS_THROUGH` nodes, at most :data:`WALK_LIMIT` of them, to the slots of
-        hooked calls' outputs of ``t``'s shape (another shape was broadcast: its gradient is the
-        sum's, summed); it ends at an add of another alpha, at any other node, and at a partial
-        sum that a hooked call consumed. An output reached twice (``x + x``) is none. "" for
-        none."""
+        output a call's own code made), the tensors it adds once each, unchanged
+        (``fmt.addends_text``): hooked calls' outputs, and partial sums that a hooked call
+        consumed (named as that call's input). The walk follows its autograd graph back through
+        :data:`PASS_THROUGH` nodes, at most :data:`WALK_LIMIT` of them, to the slots of such
+        tensors of ``t``'s shape (another shape was broadcast: its gradient is the sum's,
+        summed); it ends there, at an add of another alpha and at any other node. A tensor
+        reached twice (``x + x``) is none. "" for none."""
         node = t.grad_fn
         if node is None or type(node).__name__ not in PASS_THROUGH or t.is_nested:
             return ""
@@ -107,9 +114,11 @@ class Dataflow:
                     continue
                 slot = _slot(source, nr)
                 if slot in self._outputs:
-                    reached[slot] += 1
-                elif slot not in self._consumed:
+                    reached[fmt.OUTPUT, self._outputs[slot]] += 1
+                elif slot in self._consumed:
+                    reached[fmt.INPUT, self._consumed[slot]] += 1
+                else:
                     todo.append(source)
-        found = sorted((output.call, output.index) for slot, times in reached.items()
-                       if times == 1 and (output := self._outputs[slot]).shape == t.shape)
-        return fmt.addends_text(found)
+        return fmt.addends_text(sorted(
+            (kind, term.call, term.index) for (kind, term), times in reached.items()
+            if times == 1 and term.shape == t.shape))

@@ -243,14 +243,17 @@ def test_dataflow_edges_on_a_residual_network(tmp_path):
     assert act_input["producer"].tolist() == [-1]
     block_input = index[(index["kind"] == "input") & (index["module"] == "blocks.1")]
     assert calls[int(block_input["producer"].iloc[0])] == "blocks.0.act"
-    # the sums: the code between modules adds each block's input into its lin output, and
-    # inner's output (then blocks') into the sum that the next call gets; a walk stops at a
-    # partial sum a call consumed (h, in blocks.0.act's and head's input)
-    added = {(calls[e.addend], calls[e.call]) for e in addend_edges(index).itertuples()}
+    # the sums, named where first consumed: inner's output into h (blocks' input); each
+    # block's lin output and its input into act's; blocks' output and h into head's input. h,
+    # a partial sum blocks consumed, is named as blocks' input: a walk stops there
+    added = {(e.addend_kind, calls[e.addend], calls[e.call])
+             for e in addend_edges(index).itertuples()}
     inner = calls[min(c for c, m in calls.items() if m.startswith("inner"))]
-    assert added == {(inner, "blocks"), (inner, "blocks.0"), (inner, "blocks.0.lin"),
-                     ("blocks.0.lin", "blocks.0.act"), ("blocks.1.lin", "blocks.1.act"),
-                     ("blocks.0.act", "blocks.1.act"), ("blocks.1.act", "head")}
+    assert added == {
+        ("output", inner, "blocks"), ("output", "blocks.0.lin", "blocks.0.act"),
+        ("input", "blocks", "blocks.0.act"), ("output", "blocks.1.lin", "blocks.1.act"),
+        ("output", "blocks.0.act", "blocks.1.act"), ("output", "blocks.1.act", "head"),
+        ("input", "blocks", "head")}
     dot = to_dot(load_dump(tmp_path))
     assert dot.startswith('digraph "0-epoch_0-step"') and "blocks.0.ResidualBlock#0" in dot
     assert dot.count("->") == len(edges(index)) + len(added)
