@@ -18,7 +18,7 @@ Per later record of a link:
     ``||later_b - earlier_b|| / ||earlier_b||`` from B's values (the smallest over its links);
     0 where B's bits agree; where B holds statistics only, the difference of the two norms (a
     lower bound); where a digest stands for B's values and the bits differ, inf; for a sum,
-    ``earlier_b`` is the sum of its records' values.
+    ``||later_b - sum(terms_b)|| / ||sum(|terms_b|)||`` (its rounding, where B's bits agree).
 ``transit_from``
     the earlier record (:func:`compare.format.record_label`), or the records summed, joined
     by :data:`SUM_OF_RECORDS`.
@@ -111,41 +111,54 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
                                   pd.concat([p["later"] for p in parts]))))
 
 
-def sum_links(pairs: pd.DataFrame) -> list[tuple[tuple[int, ...], int]]:
-    """``(terms, total)`` row labels of ``pairs``: the gradient arriving at an output that a
+def sum_links(pairs: pd.DataFrame) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``(terms, totals)`` row labels of ``pairs``: the gradient arriving at an output that a
     partial sum adds (a pre-norm block's attention output, added to the residual into a sum
     that the next norm consumes and the block's last add sums on) is the sum's, which is the
     sum of what the sum's uses send back: the consuming call's grad_input and the gradients of
-    the sums it is added into. Where A's values agree with that, B's must too."""
+    the sums it is added into (``terms``). ``totals``: that output's grad_output, and every
+    other grad_output of the step with the same bits in A (an enclosing call that returned the
+    same tensor). An output some call consumes as well is none (its gradient has that use's
+    share). Where A's values agree with the sum, B's must too."""
     both = _linkable(pairs)
     both = both[both["occurrence"] == 0]
-    label = dict(zip(zip(*(both[c] for c in (*STEP, "call_a", "kind", "index"))), both.index))
+    keys = list(zip(*(both[c] for c in (*STEP, "call_a", "kind", "index"))))
+    label, seq = dict(zip(keys, both.index)), dict(zip(keys, both["seq_a"]))
     added = addend_edges(both, "call_a", "addends_a", STEP)
-    outputs = added[(added["addend_kind"] == fmt.OUTPUT) & (added["kind"] == fmt.INPUT)]
+    consumed = set(zip(*(both.loc[both["producer_a"] >= 0, c] for c in (*STEP, "producer_a"))))
+    branches = added[(added["addend_kind"] == fmt.OUTPUT) & (added["kind"] == fmt.INPUT)]
     branches = {key: list(zip(group["addend"], group["addend_index"])) for key, group in
-                outputs.groupby([*STEP, "call_a", "index"])}
-    gradient = {fmt.INPUT: fmt.GRAD_INPUT, fmt.OUTPUT: fmt.GRAD_OUTPUT}
-    # where each call's forward ended (its first output's event): a sum recorded before that
-    # by a later call ran inside it, and its share is in the call's grad_input already
+                branches.groupby([*STEP, "call_a", "index"])}
+    gradients = both[both["kind"] == fmt.GRAD_OUTPUT]
+    same_bits = {}  # (step, identity in A) -> grad_output rows
+    for key, identity, row in zip(zip(*(gradients[c] for c in STEP)),
+                                  identities(gradients, "a"), gradients.index):
+        if identity is not None:
+            same_bits.setdefault((key, identity), []).append(row)
+    gradient_of = {fmt.INPUT: fmt.GRAD_INPUT, fmt.OUTPUT: fmt.GRAD_OUTPUT}
+    # where each call's forward ended (its first output's event): a sum recorded until then by
+    # it or a later call ran inside it, and its share is in the call's grad_input already
     returned = both[both["kind"] == fmt.OUTPUT].groupby([*STEP, "call_a"])["seq_a"].min()
-    seq = dict(zip(zip(*(both[c] for c in (*STEP, "call_a", "kind", "index"))), both["seq_a"]))
     out = []
     partials = added[added["addend_kind"] == fmt.INPUT]
-    for (*step, call, index), onward in partials.groupby([*STEP, "addend", "addend_index"]):
-        end = returned.get((*step, call))
+    for (*step, consumer, index), onward in partials.groupby([*STEP, "addend", "addend_index"]):
+        end = returned.get((*step, consumer))
         if end is None:
             continue
-        outside = [(c, kind, i) for c, kind, i in zip(onward["call_a"], onward["kind"],
-                                                      onward["index"])
-                   if not (c > call and seq[(*step, c, kind, i)] < end)]
-        terms = [label.get((*step, call, fmt.GRAD_INPUT, index))] + [
-            label.get((*step, c, gradient[kind], i)) for c, kind, i in outside]
+        later = [(c, kind, i) for c, kind, i in zip(onward["call_a"], onward["kind"],
+                                                    onward["index"])
+                 if not (c >= consumer and seq[(*step, c, kind, i)] <= end)]
+        terms = [label.get((*step, consumer, fmt.GRAD_INPUT, index))] + [
+            label.get((*step, c, gradient_of[kind], i)) for c, kind, i in later]
         if None in terms or len(terms) < 2:
             continue
-        for branch, branch_index in branches.get((*step, call, index), ()):
+        for branch, branch_index in branches.get((*step, consumer, index), ()):
             total = label.get((*step, branch, fmt.GRAD_OUTPUT, branch_index))
-            if total is not None:
-                out.append((tuple(terms), total))
+            if total is None or (*step, branch) in consumed:
+                continue
+            identity = identities(pairs.loc[[total]], "a")[0]
+            totals = same_bits.get((tuple(step), identity), [total]) if identity else [total]
+            out.append((tuple(terms), tuple(totals)))
     return out
 
 
@@ -189,36 +202,39 @@ def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, chunk_elements: i
             key = (e["epoch"], e["step"], e["rank"])
             with reading(str(files_b[key].path)):
                 note(later, _difference(e, l, readers_b[key], chunk_elements), [e])
-        for terms, total in sum_links(pairs):
-            rows = [pairs.loc[t] for t in terms]
-            t = pairs.loc[total]
-            key = (t["epoch"], t["step"], t["rank"])
-            if not all(r["dataset_a"] and r["dataset_b"] for r in (*rows, t)) or len(
-                    {tuple(r[f"shape_{s}"]) for r in (*rows, t) for s in "ab"}) > 1:
+        for terms, totals in sum_links(pairs):
+            rows, ends = [pairs.loc[t] for t in terms], [pairs.loc[t] for t in totals]
+            key = (rows[0]["epoch"], rows[0]["step"], rows[0]["rank"])
+            if not all(r["dataset_a"] and r["dataset_b"] for r in (*rows, *ends)) or len(
+                    {tuple(r[f"shape_{s}"]) for r in (*rows, *ends) for s in "ab"}) > 1:
                 continue  # values of one shape on both sides are needed
             with reading(str(files_a[key].path)):
-                in_a = _sum_difference(rows, t, readers_a[key], "a", chunk_elements)
-            if in_a > 2 * rounding_of(lowest(r["dtype_a"] for r in (*rows, t))).unit:
+                in_a = _sum_differences(rows, ends[:1], readers_a[key], "a", chunk_elements)[0]
+            if not in_a <= rounding_of(lowest(r["dtype_a"] for r in (*rows, *ends))).unit:
                 continue  # the sum's uses are not all recorded, or it is not what A does
             with reading(str(files_b[key].path)):
-                note(total, _sum_difference(rows, t, readers_b[key], "b", chunk_elements),
-                     rows)
+                for total, diff in zip(totals, _sum_differences(
+                        rows, ends, readers_b[key], "b", chunk_elements)):
+                    note(total, diff, rows)
     return out
 
 
-def _sum_difference(terms: list[pd.Series], total: pd.Series, reader: StepReader, side: str,
-                    chunk_elements: int) -> float:
-    """``||total - sum(terms)|| / ||sum(terms)||`` from one side's values."""
-    squares = np.zeros(2)
-    rows = [total, *terms]
+def _sum_differences(terms: list[pd.Series], totals: list[pd.Series], reader: StepReader,
+                     side: str, chunk_elements: int) -> list[float]:
+    """Per total, ``||total - sum(terms)|| / || sum(|terms|) ||`` from one side's values: how
+    far it lies from the terms' sum, relative to the terms' magnitude (what rounding their sum
+    may move it by, whatever they cancel)."""
+    squares = np.zeros(len(totals) + 1)
     for parts in itertools.zip_longest(*(_values(reader, r, chunk_elements, side)
-                                         for r in rows)):
-        whole, *summed = (p.astype(np.float64, copy=False) for p in parts)
-        expected = np.sum(summed, axis=0)
-        squares += (np.square(whole - expected).sum(), np.square(expected).sum())
-    if squares[0] == 0:
-        return 0.0
-    return math.sqrt(squares[0] / squares[1]) if squares[1] > 0 else math.inf
+                                         for r in (*terms, *totals))):
+        wide = np.complex128 if any(np.iscomplexobj(p) for p in parts) else np.float64
+        parts = [p.astype(wide, copy=False) for p in parts]
+        summed = np.sum(parts[:len(terms)], axis=0)
+        squares[-1] += np.square(np.sum(np.abs(parts[:len(terms)]), axis=0)).sum()
+        for k, whole in enumerate(parts[len(terms):]):
+            squares[k] += np.square(np.abs(whole - summed)).sum()
+    return [0.0 if d == 0 else math.sqrt(d / squares[-1]) if squares[-1] > 0 else math.inf
+            for d in squares[:-1]]
 
 
 def _difference(earlier: pd.Series, later: pd.Series, reader: StepReader, chunk_elements: int

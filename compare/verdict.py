@@ -261,6 +261,10 @@ class _Records:
         with np.errstate(divide="ignore"):
             self.transit_floor = cast.unit + cast.underflow / frame["rms_a"].to_numpy(float)
         self.in_transit = self.transit > self.transit_floor  # changed beyond that (NaN: no link)
+        # B's value is the sum of other records' values, as in A, within rounding: its error
+        # is theirs, summed (cancelling terms amplify it relatively)
+        self.summed = (self.transit <= self.transit_floor) & frame["transit_from"].fillna(
+            "").str.contains(SUM_OF_RECORDS, regex=False).to_numpy(bool)
         # what B's computation of a call added, recomputed from its records (compare.recompute),
         # and what rounding in the dtype it computes in explains, relatively and near zero
         self.recomputed = frame["recomputed_rel_err"].to_numpy(float)
@@ -567,9 +571,13 @@ class _Judgement:
             self.hidden[i] = min(self.hidden[i], r.transit_floor[i])
         if r.recomputed[i] <= r.recomputed_floor[i]:  # B computed it as A's code does
             self.hidden[i] = min(self.hidden[i], r.recomputed_floor[i])
-        if self._scale_moves(i, level):
+        if r.summed[i] and (r.err[i] > bound or self._scale_moves(i, level)):
+            self.added[i] = r.transit[i]
+            self.reason[i] = (f"its terms' error, summed ({r.frame.at[i, 'transit_from']}), "
+                              f"which B adds within rounding ({r.transit[i]:.3g})")
+        elif self._scale_moves(i, level):
             return st.DIFF
-        if r.err[i] > bound:
+        elif r.err[i] > bound:
             if not self._amplified(i):
                 return st.DIFF
             # what it adds is what it was recomputed to add
