@@ -304,11 +304,13 @@ class StepCapture:
         edges, keep_alive, paths, index = {}, [], {}, 0
         for leaf_path, leaf in call_leaves(args, kwargs):
             if isinstance(leaf, torch.Tensor):
-                first_use = self._flow.note_input(leaf, info.number, index)
+                producer = self._flow.producer_of(leaf)
+                # made outside hooked calls: maybe a sum, named where first consumed
+                summed = producer < 0 and self._flow.note_input(leaf, info.number, index)
                 if want_input:
                     record = self._maker.tensor(seq, info, fmt.INPUT, index, leaf_path, leaf)
-                    record.producer = self._flow.producer_of(leaf)
-                    if record.producer < 0 and first_use:
+                    record.producer = producer
+                    if summed:
                         record.addends = self._flow.addends_of(leaf)
                     record.injected = fmt.INPUT in injects and inject.injects(
                         (info.module, info.call_idx, fmt.INPUT, index), leaf)

@@ -69,9 +69,10 @@ class Dataflow:
         return True
 
     def note_input(self, t: torch.Tensor, call: int, index: int) -> bool:
-        """``t`` is input ``index`` of hooked call ``call``: a walk from a later sum stops at its
-        slot, and names it, since the gradient there also has that use's share. Returns
-        whether this is the first call to consume ``t`` (the outermost: a parent before its
+        """``t``, which no hooked call output (a known output's slot is named as that), is
+        input ``index`` of hooked call ``call``: a walk from a later sum stops at its slot,
+        and names it, since the gradient there also has that use's share. Returns whether
+        this is the first call to consume ``t`` (the outermost: a parent before its
         children), which names what ``t`` sums."""
         node = t.grad_fn
         if node is None or t.is_nested:
