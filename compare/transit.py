@@ -130,11 +130,11 @@ def sum_links(pairs: pd.DataFrame) -> list[tuple[tuple[int, ...], tuple[int, ...
     branches = {key: list(zip(group["addend"], group["addend_index"])) for key, group in
                 branches.groupby([*STEP, "call_a", "index"])}
     gradients = both[both["kind"] == fmt.GRAD_OUTPUT]
+    identity_of = dict(zip(gradients.index, identities(gradients, "a")))
     same_bits = {}  # (step, identity in A) -> grad_output rows
-    for key, identity, row in zip(zip(*(gradients[c] for c in STEP)),
-                                  identities(gradients, "a"), gradients.index):
-        if identity is not None:
-            same_bits.setdefault((key, identity), []).append(row)
+    for key, row in zip(zip(*(gradients[c] for c in STEP)), gradients.index):
+        if identity_of[row] is not None:
+            same_bits.setdefault((key, identity_of[row]), []).append(row)
     gradient_of = {fmt.INPUT: fmt.GRAD_INPUT, fmt.OUTPUT: fmt.GRAD_OUTPUT}
     # where each call's forward ended (its first output's event): a sum recorded until then by
     # it or a later call ran inside it, and its share is in the call's grad_input already
@@ -156,8 +156,8 @@ def sum_links(pairs: pd.DataFrame) -> list[tuple[tuple[int, ...], tuple[int, ...
             total = label.get((*step, branch, fmt.GRAD_OUTPUT, branch_index))
             if total is None or (*step, branch) in consumed:
                 continue
-            identity = identities(pairs.loc[[total]], "a")[0]
-            totals = same_bits.get((tuple(step), identity), [total]) if identity else [total]
+            identity = identity_of[total]
+            totals = same_bits[tuple(step), identity] if identity is not None else [total]
             out.append((tuple(terms), tuple(totals)))
     return out
 
