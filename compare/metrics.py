@@ -17,10 +17,14 @@ Definitions (a = reference side A, b = side B; sums over elements finite on both
                 normalization fed this tensor sees (:mod:`compare.centering`; NaN unless asked)
   normalized_rel_err  the error of the normalized values (each group's centered values
                 divided by their spread) that the same normalization computes from it
-  reordered_rel_err  ||b' - a'|| / ||a|| with each side's rows (vectors along the last
-                dimension) put in the order of their projection on a fixed random vector: the
-                error if B's rows are A's in another order (rows that match land at the same
-                place; unrelated rows do not match). NaN unless asked for (``row``: a tensor of
+  reordered_rel_err  the error if B's rows (vectors along the last dimension) are A's in
+                another order: each side's rows put in the order of their projection on a
+                fixed random vector, each row paired with the nearest row of the other side
+                within REORDER_WINDOW places of it in that order (rows whose projections
+                differ by less than their rounding land in either order), sqrt of the larger
+                side's sum of squared distances over ||a|| (rows that match pair; unrelated
+                rows do not; many rows of one side cannot pair with one row of the other
+                unnoticed, as the other side's sum counts it). NaN unless asked for (``row``: a tensor of
                 at least 2 rows of at least MIN_ROW elements, whole in one chunk of at most
                 REORDER_ELEMENTS), rel_l2_err is at least REORDERED_FROM, both norms agree
                 within NORMS_WITHIN and every element is finite
@@ -56,12 +60,14 @@ REORDER_ELEMENTS = 1 << 20
 # Pairing also re-pairs rows that carry noise a little better than their own order does,
 # hence the wide margin; rows reordered and rounded keep no more than rounding.
 REORDERED_MARGIN = 100.0
+# Rows paired with the nearest of this many rows either side of them in content order.
+REORDER_WINDOW = 8
 
 
 @functools.lru_cache(maxsize=64)
 def row_probe(length: int) -> np.ndarray:
-    """The fixed random vector rows of ``length`` elements are projected on to be paired
-    (the same in compare and in the dumper's injection)."""
+    """The fixed random vector rows of ``length`` elements are projected on to be put in
+    content order."""
     return np.random.default_rng(length).standard_normal(length)
 
 
@@ -79,6 +85,24 @@ def rows_in_content_order(x: np.ndarray, row: int) -> np.ndarray:
     rows = x.astype(np.float64).reshape(-1, row)
     peak = float(np.abs(rows).max())  # the order does not change with it; overflow does
     return rows[np.argsort((rows / (peak or 1.0)) @ row_probe(row), kind="stable")]
+
+
+def reordered_rel_err(a: np.ndarray, b: np.ndarray, row: int) -> float:
+    """``reordered_rel_err`` of flat ``a`` and ``b`` (finite, the same size, a multiple of
+    ``row``, ``a`` not all zero): see the module's definitions."""
+    a, b = rows_in_content_order(a, row), rows_in_content_order(b, row)
+    nearest_a = np.full(len(a), np.inf)  # squared distance from each of A's rows to B's
+    nearest_b = np.full(len(b), np.inf)
+    for shift in range(-REORDER_WINDOW, REORDER_WINDOW + 1):
+        lo, hi = max(0, -shift), min(len(a), len(b) - shift)
+        if lo >= hi:
+            continue
+        d = a[lo:hi] - b[lo + shift:hi + shift]
+        dist = np.einsum("ij,ij->i", d, d)
+        np.minimum(nearest_a[lo:hi], dist, out=nearest_a[lo:hi])
+        np.minimum(nearest_b[lo + shift:hi + shift], dist, out=nearest_b[lo + shift:hi + shift])
+    worst = max(float(nearest_a.sum()), float(nearest_b.sum()))
+    return math.sqrt(worst) / math.sqrt(float(np.einsum("ij,ij->", a, a)))
 
 
 BLOCK = 1 << 15  # elements per computation block: a block's float64 buffers (5 x 256 KiB) stay
@@ -340,9 +364,7 @@ class ErrorAccumulator:
         """``reordered_rel_err`` of the tensor kept in :attr:`whole`; NaN where none is."""
         if self.whole is None:
             return math.nan
-        a, b = (rows_in_content_order(x, self.row) for x in self.whole)
-        d = (b - a).reshape(-1)
-        return math.sqrt(_dot(d, d)) / math.sqrt(self.ssa)
+        return reordered_rel_err(*self.whole, self.row)
 
 
 def compare_chunks(pairs: Iterable[tuple[np.ndarray, np.ndarray]], tol: Tolerance) -> dict:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import threading
 import warnings
@@ -47,8 +48,8 @@ from torch.utils.hooks import RemovableHandle
 
 from compare import format as fmt
 from compare.dump import Dump, StepFile, load_dump
-from compare.metrics import (NORMS_WITHIN, REORDERED_FROM, REORDERED_MARGIN, row_probe,
-                             rows_measured)
+from compare.metrics import (NORMS_WITHIN, REORDERED_FROM, REORDERED_MARGIN,
+                             reordered_rel_err, rows_measured)
 
 from .calls import CallHooks, hook_target, hookable_modules
 from .encoding import decode_to_tensor
@@ -88,18 +89,18 @@ def _reordered(ref: torch.Tensor, arrived: torch.Tensor) -> bool:
     :mod:`compare.metrics`' ``reordered_rel_err`` (far off element by element, the same norm,
     ``REORDERED_MARGIN`` times closer with the rows paired by content), e.g. tokens grouped by
     expert with an unstable sort: injecting ``ref`` would put its rows in the wrong places.
-    Reads three numbers back from the device, and one more where they fit the rule."""
+    Reads three numbers back from the device, and both tensors where they fit the rule."""
     row = rows_measured(tuple(ref.shape))
     if not row or not ref.is_floating_point():
         return False
-    a, b = (x.detach().reshape(-1, row).double() for x in (ref, arrived))
+    a, b = (x.detach().reshape(-1).double() for x in (ref, arrived))
     norm_a, norm_b, norm_d = torch.stack([a.norm(), b.norm(), (b - a).norm()]).tolist()
-    if not (norm_a > 0 and norm_d >= REORDERED_FROM * norm_a
+    if not (math.isfinite(norm_a + norm_b + norm_d) and norm_a > 0
+            and norm_d >= REORDERED_FROM * norm_a
             and abs(norm_b - norm_a) <= NORMS_WITHIN * norm_a):
         return False
-    probe = torch.from_numpy(row_probe(row)).to(a.device)
-    a, b = (x[torch.argsort((x / x.abs().max()) @ probe, stable=True)] for x in (a, b))
-    return REORDERED_MARGIN * float((b - a).norm()) < norm_d
+    paired = reordered_rel_err(a.cpu().numpy(), b.cpu().numpy(), row)
+    return REORDERED_MARGIN * paired * norm_a < norm_d
 
 
 def replaced(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
