@@ -51,7 +51,9 @@ Without a bound: integer records (indices, masks, routing) decided from inputs w
 and what such records select; and what differing weights feed where how much the weights used
 differ is unknown (weights known by their five statistics but no sketch, as in format version
 1 dumps, or looked up by indices: a module's weights where its own code gets integers, as
-its inputs or from its children). Weights known by their sketch count with ``STATS_GAIN``
+its inputs or from its children); and what is computed from inputs off by ``UNRELATED`` of
+their size or more (B's inputs are no longer A's with an error, so no gain bounds what code
+makes of them: a loss from logits 118 % off, after runs diverged). Weights known by their sketch count with ``STATS_GAIN``
 times their estimate.
 
 With user-given ``rtol``/``atol`` a record within them (every element ``|b - a| <= atol +
@@ -113,6 +115,8 @@ DECIDING_SHARE = 0.25  # least share of an input a ReLU-like decision passes gra
 # error a drift makes in a module's output can exceed the drift's share of the weights: up to
 # 2x in 99 %, 12x at most of 121 drifted Linear/Embedding records (5 architectures, 4 steps).
 WEIGHT_GAIN = 4.0
+# Error propagation by gains is first-order: inputs off by their own size are other values.
+UNRELATED = 1.0
 STATS_NOTE = ("; estimated from statistics (a difference that keeps min, max, mean, std and "
               "norm cannot be seen)")
 
@@ -409,7 +413,7 @@ class _Records:
         unknown = self.from_stats & ~self.sketched  # how much: five statistics cannot tell
         module = self.frame["module"].to_numpy(object)
         kind = self.frame["kind"].to_numpy(object)
-        out = self.discrete & (self.err_in > 0)
+        out = self.discrete & (self.err_in > 0) | (self.err_in >= UNRELATED)
         for i, s in enumerate(self.sources):
             moved = s[drifted[s]]
             integers = s[self.discrete[s]]
