@@ -1133,3 +1133,39 @@ def test_an_error_amplified_by_a_call_computed_within_rounding_is_its_inputs(tmp
                                plant={"include": [module], "where": "output", "scale": 1.01})
         first = summarize(compare_dumps(a, planted)).first
         assert (first.row["module"], first.row["kind"]) == (module, fmt.OUTPUT)
+
+
+class Classifier(nn.Module):
+    """A loss computed by its own code from its head's logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.head(self.body(x)), y)
+
+
+def test_a_loss_from_logits_off_by_their_size_is_no_new_divergence(tmp_path):
+    """Gains are first-order: from logits 150 % off (weights that differ), a loss A nearly
+    fits and B does not is off by 40x its size, which no gain bounds: inherited, while the
+    weights are named."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 16)
+    a = Classifier()
+    with torch.no_grad():
+        a.head.weight.mul_(30)
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        b.head.weight.copy_(torch.randn_like(b.head.weight) * a.head.weight.std())
+    y = a.head(a.body(x)).argmax(-1)
+    for name, model in (("a", a), ("b", b)):
+        with HookerAndDumper(tmp_path / name, params=True).hooks(model, 0, 0):
+            model(x, y).backward()
+    result = compare_dumps(tmp_path / "a", tmp_path / "b")
+    loss = result[(result["module"] == "") & (result["kind"] == fmt.OUTPUT)].iloc[0]
+    assert loss["rel_error"] > 10 and loss["input_rel_error"] > 1
+    assert loss["status"] == INHERITED
+    assert result[result["status"] == st.DIFF][["module", "kind"]].values.tolist() == [
+        ["head", fmt.PARAM]]
