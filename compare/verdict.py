@@ -47,8 +47,10 @@ A record is
   what it would carry from healthy sources;
 - ``close`` otherwise, ``equal`` when bit-identical.
 
-Without a bound: integer records (indices, masks, routing) decided from inputs with any error,
-and what such records select; and what differing weights feed where how much the weights used
+Without a bound: integer records (indices, masks, routing) decided from inputs with any error
+or by a call that rounds (some error is expected of it: a router's top-k of logits computed
+in bfloat16, where a near-tie flips with any rounding, even on injected inputs), and what
+such records select; and what differing weights feed where how much the weights used
 differ is unknown (weights known by their five statistics but no sketch, as in format version
 1 dumps, or looked up by indices: a module's weights where its own code gets integers, as
 its inputs or from its children); and what is computed from inputs off by ``UNRELATED`` of
@@ -560,8 +562,9 @@ class _Judgement:
         if self.tainted[i]:
             gain = max(gain, EXACT_GAIN)
         gain *= STATS_GAIN if r.from_stats[i] else 1.0
-        bound = math.inf if r.unbounded[i] else math.hypot(gain * self.err_in[i], level,
-                                                           self._last_bit(i))
+        unbounded = r.unbounded[i] or (r.discrete[i] and level > 0)  # a decision that rounds
+        bound = math.inf if unbounded else math.hypot(gain * self.err_in[i], level,
+                                                      self._last_bit(i))
         # an error up to this size, added here, passes for its inputs' error amplified, but
         # where what it adds is the change since a record of the same tensor, measured
         self.hidden[i] = math.sqrt(max(bound ** 2 - level ** 2 - self._last_bit(i) ** 2, 0.0))

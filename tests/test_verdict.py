@@ -2,6 +2,7 @@
 found where they were planted, their consequences are inherited, not failed."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -1169,3 +1170,55 @@ def test_a_loss_from_logits_off_by_their_size_is_no_new_divergence(tmp_path):
     assert loss["status"] == INHERITED
     assert result[result["status"] == st.DIFF][["module", "kind"]].values.tolist() == [
         ["head", fmt.PARAM]]
+
+
+class _LinearRouter(nn.Module):
+    """Logits from its own weight, in its own code, and their argmax, both returned (Hugging
+    Face's ``Qwen2MoeTopKRouter`` computes ``F.linear`` and ``topk`` so)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x):
+        logits = nn.functional.linear(x, self.weight)
+        return logits, logits.argmax(-1)
+
+
+class _RoutedExperts(_Experts):
+    def __init__(self):
+        super().__init__()
+        self.router = _LinearRouter()
+
+    def forward(self, x):
+        logits, chosen = self.router(x)
+        picked = torch.einsum("td,tde->te", x, self.experts[chosen].to(x.dtype))
+        return self.out(picked * logits.max(-1, keepdim=True).values.sigmoid())
+
+
+def test_a_router_that_rounds_is_no_origin_where_a_near_tie_flips(tmp_path):
+    """Two experts whose router rows differ by less than a bfloat16 rounding: under bf16
+    autocast they tie, so a re-run on A's inputs and weights routes tokens otherwise. A
+    decision of a call that rounds has no bound: the re-run names no origin, and the tokens
+    routed otherwise are really there."""
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    model = _RoutedExperts()
+    with torch.no_grad():
+        w = model.router.weight
+        w[2:] *= 0.01
+        w[1] = w[0] * (1 + 1e-4 * torch.randn(8).sign())
+    runs = {"a": ({"params": True}, contextlib.nullcontext()),
+            "b": ({}, torch.autocast("cpu", torch.bfloat16)),
+            "i": ({"inject": tmp_path / "a"}, torch.autocast("cpu", torch.bfloat16))}
+    for name, (options, precision) in runs.items():
+        with HookerAndDumper(tmp_path / name, **options).hooks(model, 0, 0):
+            with precision:
+                out = model(x)
+            out.float().pow(2).sum().backward()
+        model.zero_grad()
+    result = compare_dumps(tmp_path / "a", tmp_path / "i")
+    chosen = result[(result["module"] == "router") & (result["kind"] == fmt.OUTPUT)].iloc[1]
+    assert chosen["rel_error"] > 0 and chosen["status"] != st.DIFF
+    table = localize(tmp_path / "a", tmp_path / "b", tmp_path / "i")
+    assert (table["verdict"] != ORIGIN).all(), table[table["verdict"] == ORIGIN]
