@@ -24,8 +24,11 @@ Per later record of a link:
     by :data:`SUM_OF_RECORDS`.
 
 The verdict (:mod:`compare.verdict`) allows what casts through B's lowest precision may do.
-Records B ran on A's values (a localizing re-run, ``injected``) and sharded records put
-together from parts have no link.
+In a localizing re-run (B ``injected``: it ran on A's values), a record holding what arrived
+before A's value replaced it is linked to the record it was handed on from, which B computed;
+not where a record of the same tensor in A was replaced between the two (an enclosing call's
+input: the consumer got A's value), nor where the earlier record or a sum's are replaced.
+Sharded records put together from parts have no link.
 """
 from __future__ import annotations
 
@@ -73,8 +76,10 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
     """``(earlier, later)`` row labels of ``pairs`` whose records hold one tensor handed on, with
     the same bits in A: a call's output and a consumer's input, the consumer's grad_input for
     that input and the call's grad_output; the gradient of a sum (its consumer's grad_input, or
-    the grad_output of the call that returned it) and the grad_output of each of its addends."""
-    both = _linkable(pairs)
+    the grad_output of the call that returned it) and the grad_output of each of its addends.
+    In a localizing re-run, the later record may be one B replaced (what arrived), where no
+    record of the same tensor in A was replaced between the two (:func:`_handed_on`)."""
+    both = _linkable(pairs, arrived=True)
     flow = both.loc[(both["kind"] == fmt.INPUT) & (both["producer_a"] >= 0),
                     [*STEP, "call_a", "index", "producer_a"]]
     known = both.assign(identity=identities(both, "a"), row=both.index)
@@ -107,8 +112,35 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
         return terms.merge(addends, on=[*STEP, "addend", "addend_index", "identity"])
     parts = [forward, backward, summed(fmt.INPUT, sent),
              summed(fmt.OUTPUT, of(fmt.GRAD_OUTPUT, "call_a", "earlier", ["index"]))]
-    return list(dict.fromkeys(zip(pd.concat([p["earlier"] for p in parts]),
-                                  pd.concat([p["later"] for p in parts]))))
+    found = dict.fromkeys(zip(pd.concat([p["earlier"] for p in parts]),
+                              pd.concat([p["later"] for p in parts])))
+    return _handed_on(known, list(found))
+
+
+def _handed_on(known: pd.DataFrame, found: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The links of ``found`` along which B handed its own value on: the earlier record is not
+    one B replaced, and the later one, where B replaced it (what arrived), got no replaced
+    value on the way: no record with its bits in A, replaced, lies between the two in B's
+    order (its enclosing call's input, say, which the call then got A's value for)."""
+    replaced = known[known["injected_b"].fillna(0) != 0]
+    if replaced.empty:
+        return found
+    between: dict[tuple, list[float]] = {}  # (step, identity in A) -> B's order of replaced
+    for key, identity, seq in zip(zip(*(replaced[c] for c in STEP)), replaced["identity"],
+                                  replaced["seq_b"]):
+        if identity is not None:
+            between.setdefault((key, identity), []).append(seq)
+    out = []
+    for earlier, later in found:
+        if earlier in replaced.index:
+            continue
+        if later in replaced.index:
+            row, start = known.loc[later], known.at[earlier, "seq_b"]
+            seqs = between.get((tuple(row[c] for c in STEP), row["identity"]), ())
+            if any(start < seq < row["seq_b"] for seq in seqs):
+                continue
+        out.append((earlier, later))
+    return out
 
 
 def sum_links(pairs: pd.DataFrame) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -162,9 +194,11 @@ def sum_links(pairs: pd.DataFrame) -> list[tuple[tuple[int, ...], tuple[int, ...
     return out
 
 
-def _linkable(pairs: pd.DataFrame) -> pd.DataFrame:
-    """Rows both runs recorded, computed by each (not injected), not put together from shards."""
-    return pairs[(pairs["side"] == "both") & (pairs["injected_b"].fillna(0) == 0)
+def _linkable(pairs: pd.DataFrame, arrived: bool = False) -> pd.DataFrame:
+    """Rows both runs recorded, computed by each (not injected; with ``arrived``, B's replaced
+    records too: what arrived), not put together from shards."""
+    replaced = pairs["injected_b"].fillna(0) != 0
+    return pairs[(pairs["side"] == "both") & (arrived | ~replaced)
                  & (pairs["injected_a"].fillna(0) == 0) & ~from_shards(pairs)]
 
 

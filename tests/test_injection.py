@@ -14,6 +14,7 @@ from torch import nn
 from compare import compare_dumps, format as fmt, load_dump, localize, summarize
 from compare.cli import main as h5cmp
 from compare.status import ORIGIN
+from compare.verdict import SPREAD
 from dumper import HookerAndDumper, Injector, perturb
 
 from architectures import cannot_run, run_step
@@ -314,3 +315,71 @@ def test_rows_in_another_order_are_no_divergence_and_are_not_injected(tmp_path):
         planted_inj = _grouped_run(tmp_path / "p-inj", order=2, plant=1e-3, inject=a)
     origins = localize(a, planted, planted_inj)
     assert origins[origins["verdict"] == ORIGIN]["module"].iloc[0] == "1.down"
+
+
+def test_a_gradient_changed_between_modules_is_an_origin_under_the_rounding_of_its_consumer(
+        tmp_path):
+    """A 2 % change of the gradient between two bfloat16 Linears (the consumer's grad_input
+    and the producer's grad_output, one tensor in A) is within what comparable records add
+    in the re-run (bfloat16 backward rounding); what arrived at the producer is linked to what
+    the consumer sent, which B computed, so the change is found exactly and named. Nothing is
+    named in a healthy re-run."""
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 16))
+
+    def run(name, plant=False, **options):
+        planted = perturb(model, "0", where="grad_output", scale=1.02) if plant else None
+        with HookerAndDumper(tmp_path / name, **options).hooks(model, 0, 0):
+            with torch.autocast("cpu", torch.bfloat16):
+                out = model(x)
+            out.float().pow(2).sum().backward()
+        model.zero_grad()
+        if planted is not None:
+            planted.remove()
+    with HookerAndDumper(tmp_path / "a", params=True).hooks(model, 0, 0):
+        model(x).pow(2).sum().backward()
+    model.zero_grad()
+    run("b", plant=True)
+    run("i", plant=True, inject=tmp_path / "a")
+    run("h", inject=tmp_path / "a")
+    table = localize(tmp_path / "a", tmp_path / "b", tmp_path / "i")
+    origins = table[table["verdict"] == ORIGIN]
+    assert origins[["module", "kind"]].values.tolist() == [["0", fmt.GRAD_OUTPUT]], origins
+    assert origins.iloc[0]["local_added_ratio"] < SPREAD  # the error model alone passes it
+    assert "B changed its values by" in origins.iloc[0]["local_reason"]
+    healthy = localize(tmp_path / "a", tmp_path / "b", tmp_path / "h")
+    assert (healthy["verdict"] != ORIGIN).all()
+
+
+class _Wrapped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_a_value_replaced_on_its_way_is_not_linked_to_what_was_sent(tmp_path):
+    """A planted first Linear's output reaches the next one through an enclosing call whose
+    input the bfloat16 re-run replaces with A's: the inner Linear gets A's value (rounded to
+    bfloat16), so what arrived there is not what the planted Linear sent, and only that
+    Linear is an origin."""
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), _Wrapped())
+    with HookerAndDumper(tmp_path / "a", params=True).hooks(model, 0, 0):
+        model(x).pow(2).sum().backward()
+    model.zero_grad()
+    planted = perturb(model, "0", scale=1.1)
+    for name, options in (("b", {}), ("i", {"inject": tmp_path / "a"})):
+        with HookerAndDumper(tmp_path / name, **options).hooks(model, 0, 0):
+            with torch.autocast("cpu", torch.bfloat16):
+                out = model(x)
+            out.float().pow(2).sum().backward()
+        model.zero_grad()
+    planted.remove()
+    table = localize(tmp_path / "a", tmp_path / "b", tmp_path / "i")
+    origins = table[table["verdict"] == ORIGIN]
+    assert origins[["module", "kind"]].values.tolist() == [["0", fmt.OUTPUT]], origins
