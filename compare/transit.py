@@ -26,8 +26,9 @@ Per later record of a link:
 The verdict (:mod:`compare.verdict`) allows what casts through B's lowest precision may do.
 In a localizing re-run (B ``injected``: it ran on A's values), a record holding what arrived
 before A's value replaced it is linked to the record it was handed on from, which B computed;
-not where a record of the same tensor in A was replaced between the two (an enclosing call's
-input: the consumer got A's value), nor where the earlier record or a sum's are replaced.
+not where a record of the same tensor in A, of a call enclosing the later one's, was replaced
+between the two (the enclosing call's input: its child got A's value), nor where the earlier
+record or a sum's are replaced.
 Sharded records put together from parts have no link.
 """
 from __future__ import annotations
@@ -94,8 +95,9 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
     # a consumer that hands an input back as its output (its output holds the input's bits)
     # sends back for it the whole gradient of that tensor, other uses' included: where it does
     # in A but not in B (a cast A did not need makes a new tensor), B's is its share only
-    handed_back = _without(_handed_back(known, STEP),
-                           _handed_back(known.assign(identity=identities(known, "b")), STEP))
+    computed = known[known["injected_b"].fillna(0) == 0]  # B's bits are B's own
+    handed_back = _without(_handed_back(computed, STEP), _handed_back(
+        computed.assign(identity=identities(computed, "b")), STEP))
     sent = _without(of(fmt.GRAD_INPUT, "call_a", "earlier", ["index"]), handed_back)
     backward = sent.merge(flow, on=[*STEP, "call_a", "index"]).merge(
         of(fmt.GRAD_OUTPUT, "producer_a", "later"), on=[*STEP, "producer_a", "identity"])
@@ -120,24 +122,26 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
 def _handed_on(known: pd.DataFrame, found: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The links of ``found`` along which B handed its own value on: the earlier record is not
     one B replaced, and the later one, where B replaced it (what arrived), got no replaced
-    value on the way: no record with its bits in A, replaced, lies between the two in B's
-    order (its enclosing call's input, say, which the call then got A's value for)."""
+    value on the way: no record with its bits in A, of a call enclosing the later record's,
+    was replaced between the two in B's order (that call's code, the later record's module's
+    included, then got A's value; a sibling's replaced copy is its own)."""
     replaced = known[known["injected_b"].fillna(0) != 0]
     if replaced.empty:
         return found
-    between: dict[tuple, list[float]] = {}  # (step, identity in A) -> B's order of replaced
-    for key, identity, seq in zip(zip(*(replaced[c] for c in STEP)), replaced["identity"],
-                                  replaced["seq_b"]):
+    between: dict[tuple, list[tuple[float, str]]] = {}  # (step, identity in A) -> (seq, module)
+    for key, identity, seq, module in zip(zip(*(replaced[c] for c in STEP)), replaced["identity"],
+                                          replaced["seq_b"], replaced["module"]):
         if identity is not None:
-            between.setdefault((key, identity), []).append(seq)
+            between.setdefault((key, identity), []).append((seq, module))
     out = []
     for earlier, later in found:
         if earlier in replaced.index:
             continue
         if later in replaced.index:
             row, start = known.loc[later], known.at[earlier, "seq_b"]
-            seqs = between.get((tuple(row[c] for c in STEP), row["identity"]), ())
-            if any(start < seq < row["seq_b"] for seq in seqs):
+            if any(start < seq < row["seq_b"] and module != row["module"]
+                   and fmt.contains(module, row["module"]) for seq, module in between.get(
+                       (tuple(row[c] for c in STEP), row["identity"]), ())):
                 continue
         out.append((earlier, later))
     return out

@@ -47,16 +47,16 @@ A record is
   what it would carry from healthy sources;
 - ``close`` otherwise, ``equal`` when bit-identical.
 
-Without a bound: integer records (indices, masks, routing) decided from inputs with any error
-or by a call that rounds (some error is expected of it: a router's top-k of logits computed
-in bfloat16, where a near-tie flips with any rounding, even on injected inputs), and what
-such records select; and what differing weights feed where how much the weights used
-differ is unknown (weights known by their five statistics but no sketch, as in format version
-1 dumps, or looked up by indices: a module's weights where its own code gets integers, as
-its inputs or from its children); and what is computed from inputs off by ``UNRELATED`` of
-their size or more (B's inputs are no longer A's with an error, so no gain bounds what code
-makes of them: a loss from logits 118 % off, after runs diverged). Weights known by their sketch count with ``STATS_GAIN``
-times their estimate.
+Without a bound: integer records (indices, masks, routing) decided from inputs with any error,
+or returned by a call that gets floating values and rounds (some error is expected of it: a
+router's top-k of logits it computes in bfloat16, where a near-tie flips with any rounding,
+even on injected inputs), and what such records select; what differing weights feed where
+how much the weights used differ is unknown (weights known by their five statistics but no
+sketch, as in format version 1 dumps, or looked up by indices: a module's weights where its
+own code gets integers, as its inputs or from its children); and what is computed from data
+(not weights) off by ``UNRELATED`` of its size or more (B's inputs are no longer A's with an
+error, so no gain bounds what code makes of them: a loss from logits 118 % off, after runs
+diverged). Weights known by their sketch count with ``STATS_GAIN`` times their estimate.
 
 With user-given ``rtol``/``atol`` a record within them (every element ``|b - a| <= atol +
 rtol |b|``, or, known by statistics, each statistic) is ``close``; outside them it is
@@ -213,6 +213,13 @@ class _Records:
         # integer records: indices, masks, routing
         self.discrete = np.array([rounding_of(a).unit == 0 and rounding_of(b).unit == 0
                                   for a, b in self.dtypes])
+        # integers a call returns, decided from floating values it gets (a router's top-k)
+        calls = list(zip(self.step_key, self.rank, frame["call"]))
+        kind = frame["kind"].to_numpy(object)
+        floating = {c for c, k, d in zip(calls, kind, self.discrete)
+                    if k in (fmt.INPUT, fmt.PARAM) and not d}
+        self.decided = self.discrete & (kind == fmt.OUTPUT) & np.array([c in floating
+                                                                          for c in calls])
         self.first = np.arange(n)  # the first record of the same tensor
         self.all_sources = earlier_sources(frame)  # compared or not
         self.moved = moved_rows(frame)
@@ -245,6 +252,10 @@ class _Records:
         self.given = np.where(self.replaced, cast, np.where(
             self.params, param_error * np.where(self.from_stats, STATS_GAIN, 1), data))
         self.err_in = np.array([self.combined(self.given, s) for s in self.sources])
+        # the largest error of the data (not the weights) a record is computed from
+        plain = np.where(self.replaced, cast, err)
+        self.data_in = np.array([np.nanmax(plain[s[~self.params[s]]], initial=0.0)
+                                 for s in self.sources])
         self.err_in = np.fmax.reduce([np.hypot(self.err_in, self._decided(frame)),
                                       self._normalized_backward(frame),
                                       cancelled(frame, self.sources, self.first, self.given)])
@@ -415,7 +426,7 @@ class _Records:
         unknown = self.from_stats & ~self.sketched  # how much: five statistics cannot tell
         module = self.frame["module"].to_numpy(object)
         kind = self.frame["kind"].to_numpy(object)
-        out = self.discrete & (self.err_in > 0) | (self.err_in >= UNRELATED)
+        out = (self.discrete & (self.err_in > 0)) | (self.data_in >= UNRELATED)
         for i, s in enumerate(self.sources):
             moved = s[drifted[s]]
             integers = s[self.discrete[s]]
@@ -562,7 +573,7 @@ class _Judgement:
         if self.tainted[i]:
             gain = max(gain, EXACT_GAIN)
         gain *= STATS_GAIN if r.from_stats[i] else 1.0
-        unbounded = r.unbounded[i] or (r.discrete[i] and level > 0)  # a decision that rounds
+        unbounded = r.unbounded[i] or (r.decided[i] and level > 0)  # a decision that rounds
         bound = math.inf if unbounded else math.hypot(gain * self.err_in[i], level,
                                                       self._last_bit(i))
         # an error up to this size, added here, passes for its inputs' error amplified, but

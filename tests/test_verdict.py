@@ -1222,3 +1222,37 @@ def test_a_router_that_rounds_is_no_origin_where_a_near_tie_flips(tmp_path):
     assert chosen["rel_error"] > 0 and chosen["status"] != st.DIFF
     table = localize(tmp_path / "a", tmp_path / "b", tmp_path / "i")
     assert (table["verdict"] != ORIGIN).all(), table[table["verdict"] == ORIGIN]
+
+
+class _Positions(nn.Module):
+    """Token and position embeddings summed; ``shift`` moves the positions its code makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.pemb, self.lin = nn.Embedding(50, 8), nn.Embedding(50, 8), nn.Linear(8, 8)
+        self.shift = 0
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[0]) + self.shift
+        return self.lin(self.emb(ids) + self.pemb(pos))
+
+
+@pytest.mark.parametrize("wrong", ["ids", "positions"])
+def test_wrong_integers_nothing_rounded_are_named_under_autocast(tmp_path, wrong):
+    """Integers nothing computed with rounding (token ids, positions from ``arange``) that
+    differ are a difference, also where B runs under bfloat16 autocast: only integers a call
+    decides from floating values it gets may flip with rounding."""
+    torch.manual_seed(0)
+    model, ids = _Positions(), torch.randint(0, 50, (32,))
+    for name, bf16 in (("a", False), ("b", True)):
+        if bf16 and wrong == "positions":
+            model.shift = 5
+        given = (ids + 1) % 50 if bf16 and wrong == "ids" else ids
+        with HookerAndDumper(tmp_path / name, params=True).hooks(model, 0, 0):
+            with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+                out = model(given)
+            out.float().pow(2).sum().backward()
+        model.zero_grad()
+    first = summarize(compare_dumps(tmp_path / "a", tmp_path / "b")).first
+    assert (first.row["module"], first.row["kind"]) == (
+        ("", fmt.INPUT) if wrong == "ids" else ("pemb", fmt.INPUT))
