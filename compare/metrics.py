@@ -65,7 +65,7 @@ REORDERED_MARGIN = 100.0
 # first; four times as many while that takes a quarter off, up to this many element operations.
 REORDER_WINDOW = 8
 REORDER_WORK = 1 << 27
-ROUNDS = 32  # what the pairing rounds cost, per candidate pair, in element operations
+ROUNDS = 16  # pairing rounds at most (each a few passes over the candidate pairs)
 
 
 @functools.lru_cache(maxsize=64)
@@ -95,24 +95,27 @@ def reordered_rel_err(a: np.ndarray, b: np.ndarray, row: int) -> float:
     """``reordered_rel_err`` of flat ``a`` and ``b`` (finite, the same size, a multiple of
     ``row``, ``a`` not all zero): see the module's definitions."""
     a, b = rows_in_content_order(a, row), rows_in_content_order(b, row)
-    window, best = REORDER_WINDOW, math.inf
+    best = float(np.einsum("ij,ij->", a - b, a - b))  # in content order: one pairing too
+    window = min(REORDER_WINDOW, len(a) - 1)
     while True:  # wider while that helps: many rows may lie within their rounding
         found = _paired_distance(a, b, window)
-        if found > 0.75 * best:
+        helped, best = found <= 0.75 * best, min(best, found)
+        wider = min(4 * window, len(a) - 1)
+        if not helped or wider == window or (2 * wider + 1) * (
+                a.size + ROUNDS * len(a)) > REORDER_WORK:
             break
-        best, window = min(best, found), 4 * window
-        if window >= len(a) or (2 * window + 1) * max(a.size, len(a) * ROUNDS) > REORDER_WORK:
-            break
+        window = wider
     return math.sqrt(best) / math.sqrt(float(np.einsum("ij,ij->", a, a)))
 
 
 def _paired_distance(a: np.ndarray, b: np.ndarray, window: int) -> float:
     """The sum of squared distances of rows ``a`` and ``b`` (each in content order) paired one
-    to one: in rounds, each row of ``a`` left asks for its nearest free row of ``b`` within
-    ``window`` places, and each row of ``b`` asked takes the nearest asking (a row is turned
-    down at most once per place); rows left over pair in order."""
+    to one: in at most ROUNDS rounds, each row of ``a`` left asks for its nearest free row of
+    ``b`` within ``window`` places (the nearer place first among equals: rows that repeat
+    pair in place), and each row of ``b`` asked takes the nearest asking; rows left over
+    pair in order."""
     n = len(a)
-    shifts = np.arange(-window, window + 1)
+    shifts = np.array(sorted(range(-window, window + 1), key=abs))
     partner = np.arange(n)[:, None] + shifts  # the row of b each candidate pair takes
     inside = (partner >= 0) & (partner < n)
     partner = np.where(inside, partner, 0)
@@ -123,7 +126,7 @@ def _paired_distance(a: np.ndarray, b: np.ndarray, window: int) -> float:
             d = a[lo:hi] - b[lo + shift:hi + shift]
             dist[lo:hi, j] = np.einsum("ij,ij->i", d, d)
     paired_a, free_b, total = np.zeros(n, bool), np.ones(n, bool), 0.0
-    while True:
+    for _ in range(ROUNDS):
         open_ = np.where(inside & ~paired_a[:, None] & free_b[partner], dist, np.inf)
         choice = open_.argmin(axis=1)
         asking = np.flatnonzero(np.isfinite(open_[np.arange(n), choice]))

@@ -213,13 +213,15 @@ class _Records:
         # integer records: indices, masks, routing
         self.discrete = np.array([rounding_of(a).unit == 0 and rounding_of(b).unit == 0
                                   for a, b in self.dtypes])
-        # integers a call returns, decided from floating values it gets (a router's top-k)
+        # integers a call returns, decided from floating values it gets (a router's top-k);
+        # where its inputs were not dumped (kinds=), any call's may be
         calls = list(zip(self.step_key, self.rank, frame["call"]))
         kind = frame["kind"].to_numpy(object)
-        floating = {c for c, k, d in zip(calls, kind, self.discrete)
-                    if k in (fmt.INPUT, fmt.PARAM) and not d}
-        self.decided = self.discrete & (kind == fmt.OUTPUT) & np.array([c in floating
-                                                                          for c in calls])
+        floating = {c for c, k, d, both in zip(calls, kind, self.discrete, self.compared)
+                    if k in (fmt.INPUT, fmt.PARAM) and not d and both}
+        inputs = {c for c, k in zip(calls, kind) if k == fmt.INPUT}
+        self.decided = self.discrete & (kind == fmt.OUTPUT) & np.array(
+            [c in floating or c not in inputs for c in calls])
         self.first = np.arange(n)  # the first record of the same tensor
         self.all_sources = earlier_sources(frame)  # compared or not
         self.moved = moved_rows(frame)

@@ -280,3 +280,7 @@ def test_rows_reordered_with_rounding_pair_although_their_projections_swap():
     other[:6] = (other[:6] + 1) % 4
     a, b = vocab[tokens], vocab[other][rng.permutation(256)]
     assert reordered_rel_err(a.reshape(-1), b.reshape(-1), 32) > 0.1
+    # rows that repeat (position embeddings of 16 places over a batch of 128), shuffled
+    tiled = np.tile(rng.standard_normal((16, 32)), (128, 1))
+    shuffled = tiled[rng.permutation(len(tiled))]
+    assert reordered_rel_err(tiled.reshape(-1), shuffled.reshape(-1), 32) == 0.0

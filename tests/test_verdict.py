@@ -1222,6 +1222,17 @@ def test_a_router_that_rounds_is_no_origin_where_a_near_tie_flips(tmp_path):
     assert chosen["rel_error"] > 0 and chosen["status"] != st.DIFF
     table = localize(tmp_path / "a", tmp_path / "b", tmp_path / "i")
     assert (table["verdict"] != ORIGIN).all(), table[table["verdict"] == ORIGIN]
+    # outputs alone dumped (no inputs to tell which calls get floating values): the same
+    for name, precision in (("ao", contextlib.nullcontext()),
+                            ("bo", torch.autocast("cpu", torch.bfloat16))):
+        with HookerAndDumper(tmp_path / name, kinds=["output"]).hooks(model, 0, 0):
+            with precision:
+                out = model(x)
+            out.float().pow(2).sum().backward()
+        model.zero_grad()
+    result = compare_dumps(tmp_path / "ao", tmp_path / "bo")
+    chosen = result[(result["module"] == "router") & (result["kind"] == fmt.OUTPUT)].iloc[1]
+    assert chosen["rel_error"] > 0 and chosen["status"] != st.DIFF
 
 
 class _Positions(nn.Module):
