@@ -78,8 +78,8 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
     the same bits in A: a call's output and a consumer's input, the consumer's grad_input for
     that input and the call's grad_output; the gradient of a sum (its consumer's grad_input, or
     the grad_output of the call that returned it) and the grad_output of each of its addends.
-    In a localizing re-run, the later record may be one B replaced (what arrived), where no
-    record of the same tensor in A was replaced between the two (:func:`_handed_on`)."""
+    In a localizing re-run, the later record may be one B replaced (what arrived), where
+    B handed its own value on (:func:`_handed_on`)."""
     both = _linkable(pairs, arrived=True)
     flow = both.loc[(both["kind"] == fmt.INPUT) & (both["producer_a"] >= 0),
                     [*STEP, "call_a", "index", "producer_a"]]
@@ -95,7 +95,7 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
     # a consumer that hands an input back as its output (its output holds the input's bits)
     # sends back for it the whole gradient of that tensor, other uses' included: where it does
     # in A but not in B (a cast A did not need makes a new tensor), B's is its share only
-    computed = known[known["injected_b"].fillna(0) == 0]  # B's bits are B's own
+    computed = known[~_replaced(known)]  # B's bits are B's own
     handed_back = _without(_handed_back(computed, STEP), _handed_back(
         computed.assign(identity=identities(computed, "b")), STEP))
     sent = _without(of(fmt.GRAD_INPUT, "call_a", "earlier", ["index"]), handed_back)
@@ -125,7 +125,7 @@ def _handed_on(known: pd.DataFrame, found: list[tuple[int, int]]) -> list[tuple[
     value on the way: no record with its bits in A, of a call enclosing the later record's,
     was replaced between the two in B's order (that call's code, the later record's module's
     included, then got A's value; a sibling's replaced copy is its own)."""
-    replaced = known[known["injected_b"].fillna(0) != 0]
+    replaced = known[_replaced(known)]
     if replaced.empty:
         return found
     between: dict[tuple, list[tuple[float, str]]] = {}  # (step, identity in A) -> (seq, module)
@@ -201,9 +201,14 @@ def sum_links(pairs: pd.DataFrame) -> list[tuple[tuple[int, ...], tuple[int, ...
 def _linkable(pairs: pd.DataFrame, arrived: bool = False) -> pd.DataFrame:
     """Rows both runs recorded, computed by each (not injected; with ``arrived``, B's replaced
     records too: what arrived), not put together from shards."""
-    replaced = pairs["injected_b"].fillna(0) != 0
-    return pairs[(pairs["side"] == "both") & (arrived | ~replaced)
+    return pairs[(pairs["side"] == "both") & (arrived | ~_replaced(pairs))
                  & (pairs["injected_a"].fillna(0) == 0) & ~from_shards(pairs)]
+
+
+def _replaced(rows: pd.DataFrame) -> pd.Series:
+    """Which of ``rows`` B replaced with A's value (a localizing re-run): they hold what
+    arrived."""
+    return rows["injected_b"].fillna(0) != 0
 
 
 def _without(rows: pd.DataFrame, keys: pd.DataFrame) -> pd.DataFrame:
