@@ -15,7 +15,7 @@ on one side only: a ReLU passes those gradients in one run only); for a gradient
 back through a parent's own code (attention, a gate) downstream of an error that is not
 rounding (an inherited or failing source), the gradients' error plus that of the forward
 values the code multiplies them by (one upstream error reaches every factor of a product, and
-the factors' relative errors add). A normalization's input counts with the error of the values
+the factors' relative errors add), and no bound (below). A normalization's input counts with the error of the values
 it normalizes (a LayerNorm, RMSNorm or BatchNorm fed it alone), else with its error after
 centering, as its incoming gradient does (:mod:`compare.centering`);
 a sum that cancels, with its terms' absolute errors (:mod:`compare.sums`). Its *added error*
@@ -40,7 +40,8 @@ A record is
   records (:mod:`compare.recompute`: a ``Linear``, a convolution, an elementwise
   activation, a normalization), is off by more than rounding in the dtype it computed in
   explains (a bound, not a typical figure: a call recomputed within it is still judged by the
-  rule above, and what could hide in it is at most that bound; but where its recomputed
+  rule above, what could hide in it is at most that bound, and what it adds at most its
+  recomputed error, measured; but where its recomputed
   error is at most half its error, the rest is its inputs' error through the call, however
   far beyond the gain: :meth:`_Judgement._amplified`);
 - ``inherited`` when not, but it carries an error from a failing (or inherited) source beyond
@@ -56,7 +57,13 @@ sketch, as in format version 1 dumps, or looked up by indices: a module's weight
 own code gets integers, as its inputs or from its children); and what is computed from data
 (not weights) off by ``UNRELATED`` of its size or more (B's inputs are no longer A's with an
 error, so no gain bounds what code makes of them: a loss from logits 118 % off, after runs
-diverged). Weights known by their sketch count with ``STATS_GAIN`` times their estimate.
+diverged); and a gradient that comes back through a parent's own code downstream of an
+error that is not rounding: that code sums as well as multiplies (attention's backward sums
+over positions, ``P^T g``), and where the terms' signal cancels but one upstream error in all
+of them does not, the sum amplifies it by a ratio the dumps do not show (a 10 % error in
+Qwen2-MoE's o_proj grad_input became 29 % at v_proj's grad_output, where independent
+roundings grew 1.7x). Weights known by their sketch count with ``STATS_GAIN`` times their
+estimate.
 
 With user-given ``rtol``/``atol`` a record within them (every element ``|b - a| <= atol +
 rtol |b|``, or, known by statistics, each statistic) is ``close``; outside them it is
@@ -476,6 +483,7 @@ class _Judgement:
         self.failed: set[tuple] = set()  # (rank, (epoch, step)) with a failing record
         self.err_in, self.added = records.err_in.copy(), records.added.copy()
         self.hidden = np.zeros(n)  # the added error that inputs' error could hide
+        self.code_carried = np.zeros(n, bool)  # sent back through code, downstream of an error
         self.source = np.full(n, "", object)
         self.same_as = np.full(n, "", object)
 
@@ -489,8 +497,10 @@ class _Judgement:
         carrying = s[(np.isin(self.status[s], list(st.CARRYING)) | self.tainted[s])
                      & ~r.replaced[s]]
         self.tainted[i] = len(carrying) > 0
-        if self.tainted[i] and r.through_code[i] > self.err_in[i]:
-            # one upstream error in every factor of the parent's code's product
+        # one upstream error in every factor of the parent's code's product, and in every term
+        # of its sums, whose cancelling the dumps do not show: no bound
+        self.code_carried[i] = self.tainted[i] and r.through_code[i] > 0
+        if self.code_carried[i] and r.through_code[i] > self.err_in[i]:
             self.err_in[i] = r.through_code[i]
             self.added[i] = math.sqrt(max(r.err[i] ** 2 - self.err_in[i] ** 2, 0.0))
         level = SPREAD * self.expected.level[i]
@@ -560,7 +570,7 @@ class _Judgement:
 
     def _status(self, i: int, carrying: np.ndarray, envelope: float, level: float) -> str:
         r = self.r
-        gain = self.gain(i)
+        gain = self.gain(i) if r.user_tol else self._judged_gain(i)
         if r.user_tol:
             outside = carrying[~np.isin(self.status[carrying], list(st.PASSING))]
             explains = len(outside) and r.err[i] <= math.hypot(
@@ -571,12 +581,7 @@ class _Judgement:
             explains = any(r.measured[j] == st.NAN_MISMATCH or not math.isfinite(r.err[j])
                            for j in carrying)
             return st.INHERITED if explains else st.NAN_MISMATCH
-        # downstream of a failing record, only more than doubling what it carries is news
-        if self.tainted[i]:
-            gain = max(gain, EXACT_GAIN)
-        gain *= STATS_GAIN if r.from_stats[i] else 1.0
-        unbounded = r.unbounded[i] or (r.decided[i] and level > 0)  # a decision that rounds
-        bound = math.inf if unbounded else math.hypot(gain * self.err_in[i], level,
+        bound = math.inf if self._unbounded(i, level) else math.hypot(gain * self.err_in[i], level,
                                                       self._last_bit(i))
         # an error up to this size, added here, passes for its inputs' error amplified, but
         # where what it adds is the change since a record of the same tensor, measured
@@ -591,6 +596,8 @@ class _Judgement:
             self.hidden[i] = min(self.hidden[i], r.transit_floor[i])
         if r.recomputed[i] <= r.recomputed_floor[i]:  # B computed it as A's code does
             self.hidden[i] = min(self.hidden[i], r.recomputed_floor[i])
+            # what it adds itself, measured: the rest of a first-order estimate is its inputs'
+            self.added[i] = min(self.added[i], r.recomputed[i])
         if r.summed[i] and (r.err[i] > bound or self._scale_moves(i, level)):
             self.added[i] = r.transit[i]
             self.reason[i] = (f"its terms' error, summed ({r.frame.at[i, 'transit_from']}), "
@@ -617,6 +624,18 @@ class _Judgement:
                                         LINEAR_MARGIN * linear if math.isfinite(linear) else 0.0,
                                         GAIN * adjoint if math.isfinite(adjoint) else 0.0)
 
+    def _unbounded(self, i: int, level: float) -> bool:
+        """Without a bound (the module docstring): as the records say, a decision that rounds,
+        or a gradient sent back through code downstream of an error."""
+        return self.r.unbounded[i] or (self.r.decided[i] and level > 0) or self.code_carried[i]
+
+    def _judged_gain(self, i: int) -> float:
+        """``gain``, at least ``EXACT_GAIN`` downstream of a failing record (only more than
+        doubling what it carries is news), ``STATS_GAIN`` times more when judged from
+        statistics."""
+        gain = max(self.gain(i), EXACT_GAIN) if self.tainted[i] else self.gain(i)
+        return gain * (STATS_GAIN if self.r.from_stats[i] else 1.0)
+
     def _amplified(self, i: int) -> bool:
         """Whether a record of an elementwise call B computed within rounding carries an
         error that its inputs' explain, however much more than the gain says: where the
@@ -635,7 +654,7 @@ class _Judgement:
         scales bound it (and the elements pair up: not values in another order)."""
         r = self.r
         added = r.scale_added[i]
-        return (not r.unbounded[i] and not r.reordered[i] and math.isfinite(added)
+        return (not self._unbounded(i, level) and not r.reordered[i] and math.isfinite(added)
                 and added > max(r.scale_noise[i], level, self._last_bit(i)))
 
     def _last_bit(self, i: int) -> float:
@@ -675,7 +694,7 @@ class _Judgement:
                     f"communication) is not what it is in A")
         inputs = (f"its inputs carry {err_in:.3g} ({source})" if source else
                   "it has no recorded inputs")
-        bound = math.hypot(self.gain(i) * err_in, SPREAD * level, self._last_bit(i))
+        bound = math.hypot(self._judged_gain(i) * err_in, SPREAD * level, self._last_bit(i))
         if err <= bound:  # failed the scale test only
             return f"{describe_scale(r.scale_added[i], r.scale_noise[i])}; {inputs}"
         if label == EXACT_LABEL:

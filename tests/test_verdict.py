@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import warnings
 
 import numpy as np
@@ -505,6 +506,26 @@ def test_a_gradient_through_attention_code_carries_its_values_error(tmp_path):
     named = None if summary.first is None else summary.first.row["module"]
     assert named in (None, "transformer.wpe"), summary.verdict()
     assert summary.first is not None or summary.cannot_tell
+
+
+def test_a_gradient_summed_by_attention_code_from_an_upstream_error_has_no_bound(tmp_path):
+    """A 10 % error in Llama's token embeddings at the fourth AdamW step (bfloat16 autocast):
+    the gradient it leaves in ``o_proj``'s grad_input reaches ``v_proj``'s grad_output through
+    attention's ``P^T g``, a sum over positions whose signal cancels where that one error does
+    not: 2-3x it, beyond what the values' error and a gain explain, and along A's values too.
+    It was named the first divergence (a wrong place, exit 1); the dumps cannot bound it, and
+    the verdict says it cannot tell."""
+    common = dict(seed=1, steps=4, optimizer="adamw", plant_last_only=True)
+    plant = {"include": ["model.embed_tokens"], "where": "output", "scale": 1.1}
+    run_step("llama", "float32", tmp_path / "a", dumper_options={"params": True}, **common)
+    run_step("llama", "bfloat16", tmp_path / "b", plant=plant, **common)
+    result = compare_dumps(tmp_path / "a", tmp_path / "b")
+    summary = summarize(result)
+    assert summary.first is None and summary.cannot_tell, summary.verdict()
+    row = result[(result["module"] == "model.layers.0.self_attn.v_proj")
+                 & (result["kind"] == fmt.GRAD_OUTPUT)].iloc[0]
+    assert row["status"] == st.INHERITED and math.isinf(row["hidden_rel_error"])
+    assert row["rel_error"] > 2 * row["input_rel_error"]  # the amplification, in the dump
 
 
 class TopOneRouter(nn.Module):
@@ -1134,6 +1155,41 @@ def test_an_error_amplified_by_a_call_computed_within_rounding_is_its_inputs(tmp
                                plant={"include": [module], "where": "output", "scale": 1.01})
         first = summarize(compare_dumps(a, planted)).first
         assert (first.row["module"], first.row["kind"]) == (module, fmt.OUTPUT)
+
+
+class _Float32Activation(nn.Module):
+    """A Linear (bfloat16 under autocast), then a SiLU on its float32 cast, shifted where SiLU
+    is nearly the identity: the SiLU computes in float32 on both sides of a bfloat16 pair."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act, self.out = nn.Linear(16, 64), nn.SiLU(), nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.out(self.act(self.fc(x).float() + 4.0))
+
+
+def test_a_call_recomputed_within_rounding_adds_what_its_recomputation_measured(tmp_path):
+    """Float32 A, B under bfloat16 autocast: the SiLU's float32 output carries its input's
+    bfloat16 error, a little more than a gain of one gives (1.6e-4 beyond it, 2677x a float32
+    rounding). Recomputed from its own records, B's SiLU added 4e-8: what it adds is that,
+    and a call so settled is no suspect: the pair agrees (before: "may diverge; two dumps
+    cannot tell", naming the SiLU)."""
+    for name, autocast in (("a", False), ("b", True)):
+        torch.manual_seed(0)
+        model = _Float32Activation()
+        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
+        with HookerAndDumper(tmp_path / name, params=True).hooks(model, 0, 0):
+            with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                y = model(x)
+            y.float().pow(2).sum().backward()
+    result = compare_dumps(tmp_path / "a", tmp_path / "b")
+    act = result[(result["module"] == "act") & (result["kind"] == fmt.OUTPUT)].iloc[0]
+    assert act["dtype_b"] == "float32" and act["rel_error"] > act["input_rel_error"]
+    assert act["status"] == st.CLOSE
+    assert act["added_rel_error"] == act["recomputed_rel_err"] < act["expected_rel_error"]
+    summary = summarize(result)
+    assert summary.ok and not summary.cannot_tell, summary.verdict()
 
 
 class Classifier(nn.Module):
