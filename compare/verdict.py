@@ -51,7 +51,8 @@ A record is
 Without a bound: integer records (indices, masks, routing) decided from inputs with any error,
 or returned by a call that gets floating values and rounds (some error is expected of it: a
 router's top-k of logits it computes in bfloat16, where a near-tie flips with any rounding,
-even on injected inputs), and what such records select; what differing weights feed where
+even on injected inputs), and what such records select (unless B ran on A's, injected);
+what differing weights feed where
 how much the weights used differ is unknown (weights known by their five statistics but no
 sketch, as in format version 1 dumps, or looked up by indices: a module's weights where its
 own code gets integers, as its inputs or from its children); and what is computed from data
@@ -438,7 +439,7 @@ class _Records:
         out = (self.discrete & (self.err_in > 0)) | (self.data_in >= UNRELATED)
         for i, s in enumerate(self.sources):
             moved = s[drifted[s]]
-            integers = s[self.discrete[s]]
+            integers = s[self.discrete[s] & ~self.replaced[s]]  # (A's, where B ran on them)
             out[i] |= bool(np.any(self.err[integers] > 0)) or bool(np.any(unknown[moved])) or any(
                 _selects(module[j], kind[j], owner) for owner in set(module[moved])
                 for j in integers)

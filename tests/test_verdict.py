@@ -1284,6 +1284,65 @@ def test_a_router_that_rounds_is_no_origin_where_a_near_tie_flips(tmp_path):
     assert (table["verdict"] != ORIGIN).all(), table[table["verdict"] == ORIGIN]
 
 
+class _ExpertsOfChosen(nn.Module):
+    """Experts that get the router's choice as an input (Hugging Face's ``Qwen2MoeExperts``
+    does) and pick their weights by it in their own code, an activation between."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = nn.SiLU()
+        self.w_in = nn.Parameter(torch.randn(4, 8, 8) / 3)
+        self.w_out = nn.Parameter(torch.randn(4, 8, 8) / 3)
+
+    def forward(self, x, chosen):
+        hidden = self.act(torch.einsum("td,tde->te", x, self.w_in[chosen].to(x.dtype)))
+        return torch.einsum("te,ted->td", hidden, self.w_out[chosen].to(x.dtype))
+
+
+class _MoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router, self.experts = _LinearRouter(), _ExpertsOfChosen()
+
+    def forward(self, x):
+        _, chosen = self.router(x)
+        return self.experts(x, chosen)
+
+
+def test_a_choice_b_ran_on_as_a_is_bounded_in_a_rerun(tmp_path):
+    """A router whose near-tie flips under bfloat16 chooses other experts in B, but the re-run
+    on A's values gives the experts A's choice: what their code makes of it has a bound again,
+    and a 10 % error planted in the gradient their code sends to the activation is named
+    (before: the choice's error, which B did not run on, left it without one)."""
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    model = _MoE()
+    with torch.no_grad():
+        w = model.router.weight
+        w[2:] *= 0.01
+        w[1] = w[0] * (1 + 1e-4 * torch.randn(8).sign())
+    bf16 = torch.autocast("cpu", torch.bfloat16)
+    plant = {"include": ["experts.act"], "where": fmt.GRAD_OUTPUT, "scale": 1.1}
+    runs = {"a": ({"params": True}, contextlib.nullcontext(), None),
+            "b": ({}, bf16, plant), "i": ({"inject": tmp_path / "a"}, bf16, plant)}
+    for name, (options, precision, planted) in runs.items():
+        planted = perturb(model, **planted) if planted else None
+        with HookerAndDumper(tmp_path / name, **options).hooks(model, 0, 0):
+            with precision:
+                out = model(x)
+            out.float().pow(2).sum().backward()
+        model.zero_grad()
+        if planted:
+            planted.remove()
+    result = compare_dumps(tmp_path / "a", tmp_path / "i")
+    chosen = result[(result["module"] == "experts") & (result["kind"] == fmt.INPUT)
+                    & (result["index"] == 1)].iloc[0]
+    assert chosen["injected"] == 1 and chosen["rel_error"] > 0  # B's own choice differed
+    table = localize(tmp_path / "a", tmp_path / "b", tmp_path / "i")
+    origins = table[table["verdict"] == ORIGIN]
+    assert list(zip(origins["module"], origins["kind"])) == [("experts.act", fmt.GRAD_OUTPUT)]
+
+
 class _Positions(nn.Module):
     """Token and position embeddings summed; ``shift`` moves the positions its code makes."""
 
