@@ -4,8 +4,9 @@ Every compared record has a relative error ``rel_error`` (``||b - a|| / ||a||``;
 known by their statistics, an estimate from them; where B holds A's rows in another order,
 ``reordered_rel_err`` at least ``REORDERED_MARGIN`` times smaller, that one: code that orders
 rows otherwise, e.g. tokens grouped by expert with an unstable sort, is no error until a
-consumer's result differs, and the reason says so; never for weights). Its *input error* combines the errors of the
-records it is computed from (:mod:`compare.sources`, earlier in execution order): the largest
+consumer's result differs, and the reason says so; never for weights). Its *input error*
+(computed with the other figures below by :mod:`compare.evidence`, whose constants the
+upper-case names here are) combines the errors of the records it is computed from (:mod:`compare.sources`, earlier in execution order): the largest
 of the data it receives and ``WEIGHT_GAIN`` times the largest of its weights (a bias: its
 error at its scale in the output, :func:`compare.gains.bias_scales`), in quadrature
 (independent errors: weights drifted in earlier steps, data in this one; several sources of
@@ -89,44 +90,16 @@ import pandas as pd
 
 from . import format as fmt
 from . import status as st
-from .centering import normalizes
 from .calibration import EXACT_GAIN, EXACT_LABEL, GAIN, Expectation, calibrate
-from .precision import computed_in, lowest, precision_of, rounding_of
-from .gains import adjoint_gains, bias_scales, linear_gains
-from .metrics import REORDERED_MARGIN
-from .formulas import ELEMENTWISE, near_zero_roundings
-from .formulas import allowed as recompute_allowance
-from .routing import moved_rows
-from .scale import added_scale, scale_noise
+from .evidence import STATS_GAIN, Evidence
+from .gains import adjoint_gains
+from .precision import computed_in, precision_of, rounding_of
 from .scale import describe as describe_scale
-from .sources import STEP_KEY, code_values, earlier_sources
-from .statistics import STATS_RESOLUTION
-from .sums import CallRows, cancelled
 from .transit import SUM_OF_RECORDS
 
-# Errors estimated from statistics (min, max: single elements) scatter around the true one by
-# a few times: records judged from them get this much more room.
-STATS_GAIN = 2.0
 SPREAD = 6.0    # how far above the typical added error of comparable records one may go
 LAST_BITS = 4.0  # units of rounding that differ in the last bits where no error is expected
-# (x - mean) / std: an error d moves x - mean by |d_c| and std by at most as much, relatively
-NORMALIZATION_GAIN = 2.0
-# its backward, gx = (w / std) (g - mean(g) - x_hat mean(g x_hat)), depends on the input
-# through the spread once and through the normalized values twice
-BACKWARD_NORMALIZATION_GAIN = 3.0
 LINEAR_MARGIN = 1.3  # the random-error gain of a weight matrix is met within 15 % (tuning set)
-# A relative error is a norm over the elements that carry it: where few do, what a record
-# passes on of its inputs' error is a ratio of a few random numbers. The norm of n independent
-# errors spreads by 1/sqrt(2 n) of itself; gains get this many such spreads more room, with n
-# the elements the record's error is spread over, at least ||d||² / max|d|².
-SAMPLING_SPREADS = 3.0
-DECIDING_SHARE = 0.25  # least share of an input a ReLU-like decision passes gradients for
-# Weights drift in training along the data (a gradient is an outer product of the data), so the
-# error a drift makes in a module's output can exceed the drift's share of the weights: up to
-# 2x in 99 %, 12x at most of 121 drifted Linear/Embedding records (5 architectures, 4 steps).
-WEIGHT_GAIN = 4.0
-# Error propagation by gains is first-order: inputs off by their own size are other values.
-UNRELATED = 1.0
 STATS_NOTE = ("; estimated from statistics (a difference that keeps min, max, mean, std and "
               "norm cannot be seen)")
 
@@ -136,13 +109,6 @@ MISCOMPUTED = "B's values differ by"  # how the reason of a call B computed wron
 USER_TOLERANCE = "user_tolerance"  # attribute of a judged result: judged by the user's rtol/atol
 VERDICT_COLUMNS = ("rel_error", "input_rel_error", "added_rel_error", "expected_rel_error",
                    "added_ratio", "hidden_rel_error", "source", "same_as", "reason")
-
-
-def labels(frame: pd.DataFrame) -> np.ndarray:
-    """:func:`compare.format.record_label` of each row."""
-    columns = ["module", "cls", "call_idx", "kind", "index", "occurrence"]
-    return np.array([fmt.record_label(*r) for r in frame[columns].itertuples(index=False)],
-                    dtype=object)
 
 
 def judge(result: pd.DataFrame, rtol: Optional[float] = None, atol: Optional[float] = None,
@@ -157,7 +123,7 @@ def judge(result: pd.DataFrame, rtol: Optional[float] = None, atol: Optional[flo
     may have used TF32 (:func:`compare.format.tf32_allowed`)."""
     frame = result.reset_index(drop=True)
     computed = computed_in(frame, tf32)
-    records = _Records(frame, user_tol=rtol is not None or atol is not None,
+    records = Evidence(frame, user_tol=rtol is not None or atol is not None,
                        computed_b=computed[1])
     expected = calibrate(frame, records.err, records.err_in, records.added,
                          records.compared & records.has_sources & ~records.repeat,
@@ -171,306 +137,11 @@ def judge(result: pd.DataFrame, rtol: Optional[float] = None, atol: Optional[flo
     return judgement.result()
 
 
-def _rel_error(frame: pd.DataFrame) -> np.ndarray:
-    """``rel_l2_err`` where values were compared, else the statistics' estimate; non-finite
-    mismatches count as infinite error."""
-    err = frame["rel_l2_err"].to_numpy(float, copy=True)
-    from_stats = np.isnan(err)
-    estimate = frame["rel_err_from_stats"].to_numpy(float)
-    err[from_stats] = np.where(estimate < STATS_RESOLUTION, 0.0, estimate)[from_stats]
-    err[frame["status"].to_numpy() == st.NAN_MISMATCH] = np.inf
-    err[frame["status"].to_numpy() == st.EQUAL] = 0.0
-    return np.nan_to_num(err, nan=0.0, posinf=np.inf)
-
-
-def _combined(errors: np.ndarray, weights: np.ndarray) -> float:
-    """The error sources give together: the largest of the data's (``~weights``) and the
-    largest of the weights', in quadrature."""
-    data, drift = errors[~weights], errors[weights]
-    return math.hypot(data.max() if len(data) else 0.0, drift.max() if len(drift) else 0.0)
-
-
-class _Records:
-    """The rows of one comparison as arrays: errors, sources (records that are the same
-    tensor merged), and what holds without a bound."""
-
-    def __init__(self, frame: pd.DataFrame, user_tol: bool, computed_b: pd.Series):
-        self.frame, self.n, self.user_tol = frame, len(frame), user_tol
-        n = self.n
-        self.err = err = _rel_error(frame)
-        # B's rows are A's in another order (not weights): judged with the rows paired
-        self.elementwise = err.copy()
-        paired = frame["reordered_rel_err"].to_numpy(float)
-        with np.errstate(invalid="ignore"):
-            self.reordered = (REORDERED_MARGIN * paired < err) & ~frame["kind"].isin(
-                [fmt.PARAM, fmt.PARAM_GRAD]).to_numpy()
-        err[self.reordered] = paired[self.reordered]
-        self.from_stats = frame["rel_l2_err"].isna().to_numpy() & \
-            frame["rel_err_from_stats"].notna().to_numpy()
-        self.measured = frame["status"].to_numpy(object)  # the metrics': equal, nan_mismatch...
-        self.compared = np.isin(self.measured, list(st.COMPARED))
-        self.seq = frame["seq"].to_numpy(np.int64)
-        self.rank = frame["rank"].fillna(-1).to_numpy()
-        self.step_key = list(zip(frame["epoch"], frame["step"]))
-        # both runs computed in the same dtypes throughout (then weights must agree exactly)
-        self.one_precision = bool((frame["dtype_a"] == frame["dtype_b"])[self.compared].all())
-        self.params = (frame["kind"] == fmt.PARAM).to_numpy()
-        self.label = labels(frame)
-        self.dtypes = list(zip(frame["dtype_a"], frame["dtype_b"]))
-        self.sketched = (frame["sketched"] == 1).to_numpy()
-        # integer records: indices, masks, routing
-        self.discrete = np.array([rounding_of(a).unit == 0 and rounding_of(b).unit == 0
-                                  for a, b in self.dtypes])
-        # integers a call returns, decided from floating values it gets (a router's top-k);
-        # where its inputs were not dumped (kinds=), any call's may be
-        calls = list(zip(self.step_key, self.rank, frame["call"]))
-        kind = frame["kind"].to_numpy(object)
-        floating = {c for c, k, d, both in zip(calls, kind, self.discrete, self.compared)
-                    if k in (fmt.INPUT, fmt.PARAM) and not d and both}
-        inputs = {c for c, k in zip(calls, kind) if k == fmt.INPUT}
-        self.decided = self.discrete & (kind == fmt.OUTPUT) & np.array(
-            [c in floating or c not in inputs for c in calls])
-        self.first = np.arange(n)  # the first record of the same tensor
-        self.all_sources = earlier_sources(frame)  # compared or not
-        self.moved = moved_rows(frame)
-        self.sources = self._merged_sources(frame)
-        self.repeat = self.first != np.arange(n)
-        self.has_sources = np.array([len(s) > 0 for s in self.sources])
-        # a normalization's input gives its call the error of the values it normalizes (a
-        # LayerNorm, RMSNorm, BatchNorm: exactly, whatever the group's size), else the error
-        # its centered values carry, up to twice: through them and through their spread; its
-        # weights weigh the groups unevenly (NORMALIZATION_GAIN)
-        forward = (frame["kind"] == fmt.INPUT).to_numpy()  # (a gradient's: its grad_input's)
-        normalized = frame["normalized_rel_err"].to_numpy(float)
-        exact = normalizes(frame) & np.isfinite(normalized)
-        seen = NORMALIZATION_GAIN * np.where(exact, normalized,
-                                             frame["centered_rel_err"].to_numpy(float))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            amplified = np.where(seen > err, seen / err, 1.0)
-        amplified[~np.isfinite(amplified)] = 1.0
-        # B ran on A's value instead (a localizing re-run): as a source it gives what the cast
-        # to B's dtype moves A's value by, whatever arrived
-        self.replaced = (frame["injected"] == 1).to_numpy()
-        cast = np.array([rounding_of(precision_of(a, b)).unit if a != b else 0.0
-                         for a, b in self.dtypes]) * amplified
-        # as a source, weights count WEIGHT_GAIN times their error, a bias its error at its
-        # scale in the output (times STATS_GAIN more when estimated from their sketch)
-        data = np.where(np.isnan(seen) | ~forward, err,
-                        np.where(exact, seen, np.fmax(err, seen)))
-        bias_scale = bias_scales(frame)
-        param_error = err * np.where(np.isnan(bias_scale), WEIGHT_GAIN, bias_scale)
-        self.given = np.where(self.replaced, cast, np.where(
-            self.params, param_error * np.where(self.from_stats, STATS_GAIN, 1), data))
-        self.err_in = np.array([self.combined(self.given, s) for s in self.sources])
-        # the largest error of the data (not the weights) a record is computed from
-        plain = np.where(self.replaced, cast, err)
-        self.data_in = np.array([np.nanmax(plain[s[~self.params[s]]], initial=0.0)
-                                 for s in self.sources])
-        self.err_in = np.fmax.reduce([np.hypot(self.err_in, self._decided(frame)),
-                                      self._normalized_backward(frame),
-                                      cancelled(frame, self.sources, self.first, self.given)])
-        with np.errstate(invalid="ignore"):  # inf - inf: a non-finite record, judged apart
-            self.added = np.sqrt(np.clip(err ** 2 - self.err_in ** 2, 0.0, None))
-        self.added[np.isnan(self.added)] = np.inf
-        self.through_code = self._through_code(frame)
-        self.linear_gain = linear_gains(frame)
-        self.scale_added = added_scale(frame, self.sources, self.replaced)
-        self.scale_noise = scale_noise(frame, self.sources, err, self.err_in)
-        self.sampling = self._sampling(frame)
-        self.weight_status = self._weight_statuses()
-        self.unbounded = self._unbounded()
-        # what B's code between two records of one tensor changed (compare.transit), and what
-        # casts may: one rounding to the lowest precision B computes in, relatively, or at the
-        # tensor's scale its underflow (code between modules may round through it and back)
-        self.transit = frame["transit_rel_diff"].to_numpy(float)
-        cast = rounding_of(lowest(frame["dtype_b"][self.compared].unique()) if self.compared.any()
-                           else "float64")
-        with np.errstate(divide="ignore"):
-            self.transit_floor = cast.unit + cast.underflow / frame["rms_a"].to_numpy(float)
-        self.in_transit = self.transit > self.transit_floor  # changed beyond that (NaN: no link)
-        # B's value is the sum of other records' values, as in A, within rounding: its error
-        # is theirs, summed (cancelling terms amplify it relatively)
-        self.summed = (self.transit <= self.transit_floor) & frame["transit_from"].fillna(
-            "").str.contains(SUM_OF_RECORDS, regex=False).to_numpy(bool)
-        # what B's computation of a call added, recomputed from its records (compare.recompute),
-        # and what rounding in the dtype it computes in explains, relatively and near zero
-        self.recomputed = frame["recomputed_rel_err"].to_numpy(float)
-        # (the lower of the dtype the call computed in and the lowest it was given)
-        dtypes = [lowest([c, r]) if r else c for c, r in zip(
-            computed_b, frame["recomputed_dtype"].fillna(""))]
-        unit, underflow = (np.array([getattr(rounding_of(d), f) for d in dtypes])
-                           for f in ("unit", "underflow"))
-        with np.errstate(invalid="ignore"):
-            terms = frame["recomputed_terms"].to_numpy(float)
-            self.recomputed_floor = recompute_allowance(
-                unit, frame["recomputed_spread"].to_numpy(float), terms, underflow,
-                frame["rms_a"].to_numpy(float),
-                near_zero_roundings(frame["cls"].fillna("").to_numpy(object), terms))
-        # what a recomputation within rounding proves: all of an elementwise call (no
-        # setting of its own that B could have otherwise) recomputed on every sample
-        self.recomputed_whole = ((frame["recomputed_stride"].to_numpy(float) == 1)
-                                 & frame["cls"].isin(list(ELEMENTWISE)).to_numpy(bool))
-        self.miscomputed = self.recomputed > self.recomputed_floor  # NaN: not recomputed
-
-    def _merged_sources(self, frame: pd.DataFrame) -> list[np.ndarray]:
-        sources = [s[self.compared[s]] for s in self.all_sources]
-        for members in _same_tensor(frame, self.err, self.compared):
-            first = min(members, key=lambda i: (self.seq[i], i))
-            merged = np.setdiff1d(np.concatenate([sources[i] for i in members]), members)
-            merged = merged[self.seq[merged] < self.seq[first]]
-            for i in members:
-                self.first[i], sources[i] = first, merged
-        return sources
-
-    def _decided(self, frame: pd.DataFrame) -> np.ndarray:
-        """For a grad_input, the error that decisions on its call's inputs may put in it: where
-        an input is positive on one side only (a fraction f of it), a ReLU, a max or a clamp
-        passes the gradient in one run and not in the other: sqrt(f / active) of it,
-        relatively, with ``active`` the share of the input that passes gradients (taken as at
-        least a quarter: a ReLU passes about half). That error sits in the k flipped elements:
-        it gets the room of an error spread over k elements (``_sampling``), a few times
-        itself where k is 1 (a TF32 convolution's rounding tipping one element of a ReLU's
-        input)."""
-        flips = np.where(self.reordered, 0.0, frame["sign_flips"].fillna(0.0).to_numpy(float))
-        numel = frame["numel"].to_numpy(float)
-        share = np.divide(flips, numel, out=np.zeros(self.n), where=numel > 0)
-        inputs = (frame["kind"] == fmt.INPUT).to_numpy()
-        out = np.zeros(self.n)
-        for i in np.flatnonzero((frame["kind"] == fmt.GRAD_INPUT).to_numpy()):
-            s = self.sources[i][inputs[self.sources[i]] & (share[self.sources[i]] > 0)]
-            if len(s):
-                k = s[np.argmax(share[s])]
-                out[i] = math.sqrt(share[k] / DECIDING_SHARE) * (
-                    1.0 + SAMPLING_SPREADS / math.sqrt(2.0 * flips[k]))
-        return out
-
-    def _sampling(self, frame: pd.DataFrame) -> np.ndarray:
-        """Per row, the room a gain gets for the few elements its error may be spread over:
-        ``1 + SAMPLING_SPREADS / sqrt(2 n)``, ``n = ||d||² / max|d|²``, the larger of the
-        record's and its largest source's (1 where not known)."""
-        peak = frame["max_abs_err"].to_numpy(float)
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            spread = self.err * frame["rms_a"].to_numpy(float) * np.sqrt(
-                frame["numel"].to_numpy(float))
-            elements = (spread / peak) ** 2
-        # (a record of rows in another order: its element-by-element peak says nothing)
-        elements = np.where(np.isfinite(elements) & ~self.reordered, elements, 0.0)
-        # an error of the record's own in few elements (a bug in one) gets no more room than
-        # the error it receives is spread over
-        widest = np.array([max(elements[i], elements[s[np.argmax(self.given[s])]])
-                           if len(s) else elements[i] for i, s in enumerate(self.sources)])
-        with np.errstate(divide="ignore"):
-            room = 1.0 + SAMPLING_SPREADS / np.sqrt(2.0 * widest)
-        return np.where(widest >= 1.0, room, 1.0)
-
-    def _normalized_backward(self, frame: pd.DataFrame) -> np.ndarray:
-        """For the grad_input and the weight's gradient (index 0, the same as the first input's
-        and incoming gradient's) of a call whose input or incoming gradient has a centered
-        error (a normalization's, :func:`compare.centering.normalized_sizes`):
-        ``NORMALIZATION_GAIN`` times the incoming gradient's and ``BACKWARD_NORMALIZATION_GAIN``
-        times the input's (an input B ran on A's value instead gives what ``given`` says), in
-        quadrature. Both are projections of the gradient on what centering leaves; the bias's
-        gradient, its sum, is not."""
-        centered = np.nan_to_num(frame["centered_rel_err"].to_numpy(float), nan=0.0)
-        rows = CallRows(frame)
-        out = np.zeros(self.n)
-        for i in np.flatnonzero(frame["kind"].isin([fmt.GRAD_INPUT, fmt.PARAM_GRAD]).to_numpy()):
-            x, gy = rows.of_call(i, fmt.INPUT), rows.of_call(i, fmt.GRAD_OUTPUT)
-            from_x = 0.0 if x is None else (
-                self.given[x] if self.replaced[x] else BACKWARD_NORMALIZATION_GAIN * centered[x])
-            from_gy = 0.0 if gy is None or self.replaced[gy] else \
-                NORMALIZATION_GAIN * centered[gy]
-            if (x is not None and centered[x]) or (gy is not None and centered[gy]):
-                out[i] = math.hypot(from_x, from_gy)
-        return out
-
-    def _through_code(self, frame: pd.DataFrame) -> np.ndarray:
-        """For a gradient that comes back through its parent's own code (attention, a gate),
-        the error of the gradients it is sent back from plus that of the forward values the
-        code's backward multiplies them by (:func:`compare.sources.code_values`: the
-        probabilities, keys and values of attention): where one upstream error reaches every
-        factor of a product, their relative errors add (independent roundings do not: the
-        judgement takes this only downstream of an error that is not rounding). The dump does
-        not show which values the code multiplies: where it only adds the gradient on (a
-        residual), this allows up to twice the error that passes through."""
-        out = np.zeros(self.n)
-        for i, values in enumerate(code_values(frame)):
-            values = np.intersect1d(values, self.sources[i])
-            gradients = np.setdiff1d(self.sources[i], values)
-            if len(values) and len(gradients):
-                out[i] = self.combined(self.given, gradients) + self.combined(self.given, values)
-        return out
-
-    def combined(self, errors: np.ndarray, rows: np.ndarray) -> float:
-        """The error that records ``rows`` (with ``errors``) give together (``_combined``)."""
-        return _combined(errors[rows], self.params[rows])
-
-    def within_rounding(self, i: int) -> bool:
-        """The same values stored in two dtypes: one rounding of the lower precision apart
-        (in equal dtypes, equal)."""
-        dtype_a, dtype_b = self.dtypes[i]
-        return dtype_a != dtype_b and self.err[i] <= rounding_of(
-            precision_of(dtype_a, dtype_b)).unit
-
-    def within_tolerance(self, i: int) -> bool:
-        """Within the user's rtol/atol (the metrics judged every element, or each statistic)."""
-        return self.measured[i] in st.PASSING
-
-    def _weight_statuses(self) -> np.ndarray:
-        """Weights come from before the step: ``close`` within one rounding (or the given
-        tolerance), else ``inherited``."""
-        out = self.measured.copy()
-        for i in np.flatnonzero(self.params & self.compared & (self.measured != st.EQUAL)):
-            within = self.err[i] == 0 or (self.within_tolerance(i) if self.user_tol
-                                          else self.within_rounding(i))
-            out[i] = st.CLOSE if within else st.INHERITED
-        return out
-
-    def _unbounded(self) -> np.ndarray:
-        """Records without a bound (see the module docstring). Weights are looked up by
-        indices where their module's own code gets integers: as its inputs (an embedding's
-        token ids) or from its children (a router's choice of experts whose weights the
-        parent holds); another module's integers (the position ids an attention's
-        projections never see) select nothing of them."""
-        drifted = (self.weight_status == st.INHERITED) & ~self.replaced
-        unknown = self.from_stats & ~self.sketched  # how much: five statistics cannot tell
-        module = self.frame["module"].to_numpy(object)
-        kind = self.frame["kind"].to_numpy(object)
-        out = (self.discrete & (self.err_in > 0)) | (self.data_in >= UNRELATED)
-        for i, s in enumerate(self.sources):
-            moved = s[drifted[s]]
-            integers = s[self.discrete[s] & ~self.replaced[s]]  # (A's, where B ran on them)
-            out[i] |= bool(np.any(self.err[integers] > 0)) or bool(np.any(unknown[moved])) or any(
-                _selects(module[j], kind[j], owner) for owner in set(module[moved])
-                for j in integers)
-        return out
-
-
-def _selects(module: str, kind: str, owner: str) -> bool:
-    """Whether an integer record (of ``module``, ``kind``) is one the code of ``owner`` gets:
-    its input, or a child's output."""
-    if kind == fmt.INPUT:
-        return module == owner
-    return kind == fmt.OUTPUT and module != owner and fmt.contains(owner, module)
-
-
-def _same_tensor(frame: pd.DataFrame, err: np.ndarray, compared: np.ndarray) -> list[np.ndarray]:
-    """Groups of two or more rows that are evidently one tensor seen by several records (same
-    step, size and every error figure identical)."""
-    candidates = frame[compared & (err > 0) & np.isfinite(err)]
-    key = [*STEP_KEY, "numel", "rel_l2_err", "max_abs_err", "mean_abs_err", "stat_rel_diff"]
-    members: dict[tuple, list[int]] = {}
-    for position, figures in zip(candidates.index, candidates[key].fillna(-1).itertuples(
-            index=False, name=None)):
-        members.setdefault(figures, []).append(position)
-    return [np.array(rows) for rows in members.values() if len(rows) > 1]
-
-
 class _Judgement:
     """Statuses and reasons, decided record by record in execution order (a record's sources
     are judged before it)."""
 
-    def __init__(self, records: _Records, expected: Expectation):
+    def __init__(self, records: Evidence, expected: Expectation):
         self.r, self.expected = records, expected
         n = records.n
         self.adjoint_gain = adjoint_gains(records.frame, records.err, expected.level,
@@ -619,7 +290,7 @@ class _Judgement:
         """The calibrated gain, or what the module's weight matrix gives a random error, with
         ``LINEAR_MARGIN``, or what its forward pass shows its backward gives one, with a
         calibrated gain's margin (:mod:`compare.gains`), if either is more; with the room
-        for an error spread over few elements (``_Records._sampling``)."""
+        for an error spread over few elements (``Evidence._sampling``)."""
         linear, adjoint = self.r.linear_gain[i], self.adjoint_gain[i]
         return self.r.sampling[i] * max(self.expected.gain[i],
                                         LINEAR_MARGIN * linear if math.isfinite(linear) else 0.0,
