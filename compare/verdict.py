@@ -5,8 +5,9 @@ known by their statistics, an estimate from them; where B holds A's rows in anot
 ``reordered_rel_err`` at least ``REORDERED_MARGIN`` times smaller, that one: code that orders
 rows otherwise, e.g. tokens grouped by expert with an unstable sort, is no error until a
 consumer's result differs, and the reason says so; never for weights). Its *input error*
-(computed with the other figures below by :mod:`compare.evidence`, whose constants the
-upper-case names here are) combines the errors of the records it is computed from (:mod:`compare.sources`, earlier in execution order): the largest
+(computed, with the other figures below, by :mod:`compare.evidence`, which defines
+``WEIGHT_GAIN``, ``STATS_GAIN``, ``SAMPLING_SPREADS`` and ``UNRELATED``) combines the errors
+of the records it is computed from (:mod:`compare.sources`, earlier in execution order): the largest
 of the data it receives and ``WEIGHT_GAIN`` times the largest of its weights (a bias: its
 error at its scale in the output, :func:`compare.gains.bias_scales`), in quadrature
 (independent errors: weights drifted in earlier steps, data in this one; several sources of
@@ -16,7 +17,7 @@ on one side only: a ReLU passes those gradients in one run only); for a gradient
 back through a parent's own code (attention, a gate) downstream of an error that is not
 rounding (an inherited or failing source), the gradients' error plus that of the forward
 values the code multiplies them by (one upstream error reaches every factor of a product, and
-the factors' relative errors add), and no bound (below). A normalization's input counts with the error of the values
+the factors' relative errors add). A normalization's input counts with the error of the values
 it normalizes (a LayerNorm, RMSNorm or BatchNorm fed it alone), else with its error after
 centering, as its incoming gradient does (:mod:`compare.centering`);
 a sum that cancels, with its terms' absolute errors (:mod:`compare.sums`). Its *added error*
@@ -59,13 +60,7 @@ sketch, as in format version 1 dumps, or looked up by indices: a module's weight
 own code gets integers, as its inputs or from its children); and what is computed from data
 (not weights) off by ``UNRELATED`` of its size or more (B's inputs are no longer A's with an
 error, so no gain bounds what code makes of them: a loss from logits 118 % off, after runs
-diverged); and a gradient that comes back through a parent's own code downstream of an
-error that is not rounding: that code sums as well as multiplies (attention's backward sums
-over positions, ``P^T g``), and where the terms' signal cancels but one upstream error in all
-of them does not, the sum amplifies it by a ratio the dumps do not show (a 10 % error in
-Qwen2-MoE's o_proj grad_input became 29 % at v_proj's grad_output, where independent
-roundings grew 1.7x). Weights known by their sketch count with ``STATS_GAIN`` times their
-estimate.
+diverged). Weights known by their sketch count with ``STATS_GAIN`` times their estimate.
 
 With user-given ``rtol``/``atol`` a record within them (every element ``|b - a| <= atol +
 rtol |b|``, or, known by statistics, each statistic) is ``close``; outside them it is
@@ -155,7 +150,6 @@ class _Judgement:
         self.failed: set[tuple] = set()  # (rank, (epoch, step)) with a failing record
         self.err_in, self.added = records.err_in.copy(), records.added.copy()
         self.hidden = np.zeros(n)  # the added error that inputs' error could hide
-        self.code_carried = np.zeros(n, bool)  # sent back through code, downstream of an error
         self.source = np.full(n, "", object)
         self.same_as = np.full(n, "", object)
 
@@ -169,10 +163,8 @@ class _Judgement:
         carrying = s[(np.isin(self.status[s], list(st.CARRYING)) | self.tainted[s])
                      & ~r.replaced[s]]
         self.tainted[i] = len(carrying) > 0
-        # one upstream error in every factor of the parent's code's product, and in every term
-        # of its sums, whose cancelling the dumps do not show: no bound
-        self.code_carried[i] = self.tainted[i] and r.through_code[i] > 0
-        if self.code_carried[i] and r.through_code[i] > self.err_in[i]:
+        if self.tainted[i] and r.through_code[i] > self.err_in[i]:
+            # one upstream error in every factor of the parent's code's product
             self.err_in[i] = r.through_code[i]
             self.added[i] = math.sqrt(max(r.err[i] ** 2 - self.err_in[i] ** 2, 0.0))
         level = SPREAD * self.expected.level[i]
@@ -218,7 +210,7 @@ class _Judgement:
         if not r.moved[i]:
             return
         causes = [j for j in r.all_sources[i]
-                  if (r.compared[j] and r.discrete[j] and r.err[j] > 0)
+                  if (r.compared[j] and r.discrete[j] and r.err[j] > 0 and not r.replaced[j])
                   or (r.measured[j] == st.SHAPE_MISMATCH and self.status[j] == st.INHERITED)]
         if causes:
             self.status[i], self.source[i] = st.INHERITED, r.label[causes[0]]
@@ -242,19 +234,18 @@ class _Judgement:
 
     def _status(self, i: int, carrying: np.ndarray, envelope: float, level: float) -> str:
         r = self.r
-        gain = self.gain(i) if r.user_tol else self._judged_gain(i)
         if r.user_tol:
             outside = carrying[~np.isin(self.status[carrying], list(st.PASSING))]
             explains = len(outside) and r.err[i] <= math.hypot(
-                gain * r.combined(r.err, outside), level)
+                self.gain(i) * r.combined(r.err, outside), level)
             return (st.CLOSE if r.within_tolerance(i) else st.INHERITED if explains
                     else r.measured[i])
         if r.measured[i] == st.NAN_MISMATCH:
             explains = any(r.measured[j] == st.NAN_MISMATCH or not math.isfinite(r.err[j])
                            for j in carrying)
             return st.INHERITED if explains else st.NAN_MISMATCH
-        bound = math.inf if self._unbounded(i, level) else math.hypot(gain * self.err_in[i], level,
-                                                      self._last_bit(i))
+        bound = math.inf if self._unbounded(i, level) else math.hypot(
+            self._judged_gain(i) * self.err_in[i], level, self._last_bit(i))
         # an error up to this size, added here, passes for its inputs' error amplified, but
         # where what it adds is the change since a record of the same tensor, measured
         self.hidden[i] = math.sqrt(max(bound ** 2 - level ** 2 - self._last_bit(i) ** 2, 0.0))
@@ -266,10 +257,9 @@ class _Judgement:
             return st.DIFF
         if r.transit[i] <= r.transit_floor[i]:
             self.hidden[i] = min(self.hidden[i], r.transit_floor[i])
-        if r.recomputed[i] <= r.recomputed_floor[i]:  # B computed it as A's code does
+        settled = r.recomputed[i] <= r.recomputed_floor[i]  # B computed it as A's code does
+        if settled:
             self.hidden[i] = min(self.hidden[i], r.recomputed_floor[i])
-            # what it adds itself, measured: the rest of a first-order estimate is its inputs'
-            self.added[i] = min(self.added[i], r.recomputed[i])
         if r.summed[i] and (r.err[i] > bound or self._scale_moves(i, level)):
             self.added[i] = r.transit[i]
             self.reason[i] = (f"its terms' error, summed ({r.frame.at[i, 'transit_from']}), "
@@ -284,6 +274,8 @@ class _Judgement:
             self.reason[i] = (f"its inputs' error ({self.err_in[i]:.3g}) amplified by its "
                               f"call, which B computed within rounding (recomputed "
                               f"{r.recomputed[i]:.3g} from its own records)")
+        elif settled:  # what it adds itself, measured: the rest of a first-order estimate
+            self.added[i] = min(self.added[i], r.recomputed[i])  # is its inputs' error
         return st.INHERITED if self.tainted[i] and r.err[i] > envelope else st.CLOSE
 
     def gain(self, i: int) -> float:
@@ -297,9 +289,9 @@ class _Judgement:
                                         GAIN * adjoint if math.isfinite(adjoint) else 0.0)
 
     def _unbounded(self, i: int, level: float) -> bool:
-        """Without a bound (the module docstring): as the records say, a decision that rounds,
-        or a gradient sent back through code downstream of an error."""
-        return self.r.unbounded[i] or (self.r.decided[i] and level > 0) or self.code_carried[i]
+        """Without a bound (the module docstring): what :attr:`Evidence.unbounded` says, and
+        an integer a call decides while it rounds (where some error is expected)."""
+        return self.r.unbounded[i] or (self.r.decided[i] and level > 0)
 
     def _judged_gain(self, i: int) -> float:
         """``gain``, at least ``EXACT_GAIN`` downstream of a failing record (only more than
