@@ -79,6 +79,16 @@ class Divergence:
         module, cls = self.enclosing
         return module or cls  # the root by its class (its key)
 
+    def _carried(self) -> Optional[pd.Series]:
+        """For an incoming gradient, its gradient source with the largest error among those
+        that carry one from before this record (``inherited``: drifted weights, an upstream
+        error), if any."""
+        if self.row["kind"] != fmt.GRAD_OUTPUT or self.upstream.empty:
+            return None
+        carrying = self.upstream[(self.upstream["status"] == st.INHERITED)
+                                 & self.upstream["kind"].isin(list(fmt.BACKWARD_KINDS))]
+        return None if carrying.empty else carrying.loc[carrying["rel_error"].idxmax()]
+
     def describe(self) -> str:
         r = self.row
         micro_batch = f" (micro-batch {r['micro_batch']})" if r["micro_batch"] > 0 else ""
@@ -130,6 +140,13 @@ class Divergence:
                 f"communication)" if str(r["reason"]).startswith(IN_TRANSIT) else
                 f"  the difference is already in this {r['kind']}: it arose outside any "
                 f"hooked submodule (in {origin}, the loss, or the data)")
+            carried = self._carried()
+            if carried is not None and not str(r["reason"]).startswith(IN_TRANSIT):
+                lines.append(f"  but it is sent back from records that already differ "
+                             f"({record_label(carried)}: {carried['rel_error']:.3g}), and code "
+                             f"that sums them (attention's backward, over positions) may amplify "
+                             f"that beyond the gain allowed here, as far as two dumps can tell; "
+                             f"{SETTLE}")
             hint = self._ops_hint()
             if hint is not None:
                 lines.append(f"  to see which of {self.parent}'s ops: dump both runs again with "
