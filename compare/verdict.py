@@ -42,8 +42,8 @@ A record is
   records (:mod:`compare.recompute`: a ``Linear``, a convolution, an elementwise
   activation, a normalization), is off by more than rounding in the dtype it computed in
   explains (a bound, not a typical figure: a call recomputed within it is still judged by the
-  rule above, what could hide in it is at most that bound, and what it adds at most its
-  recomputed error, measured; but where its recomputed
+  rule above, what could hide in it is at most that bound, and, where it passes, what it
+  adds at most its recomputed error, measured; but where its recomputed
   error is at most half its error, the rest is its inputs' error through the call, however
   far beyond the gain: :meth:`_Judgement._amplified`);
 - ``inherited`` when not, but it carries an error from a failing (or inherited) source beyond
