@@ -1263,30 +1263,46 @@ class _RoutedExperts(_Experts):
         return self.out(picked * logits.max(-1, keepdim=True).values.sigmoid())
 
 
+def _with_near_tie(make: type) -> nn.Module:
+    """``make()`` (seeded) whose ``router`` rows for experts 0 and 1 differ by less than a
+    bfloat16 rounding (the others far below): under bf16 autocast they tie."""
+    torch.manual_seed(0)
+    model = make()
+    with torch.no_grad():
+        w = model.router.weight
+        w[2:] *= 0.01
+        w[1] = w[0] * (1 + 1e-4 * torch.randn(8).sign())
+    return model
+
+
+def _dump_runs(model: nn.Module, directory, runs: dict) -> None:
+    """One step of ``model`` per run ``name: (dumper options, precision context, plant or
+    None)``, dumped into ``directory / name``, on the same batch."""
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(2))
+    for name, (options, precision, plant) in runs.items():
+        planted = perturb(model, **plant) if plant else None
+        with HookerAndDumper(directory / name, **options).hooks(model, 0, 0):
+            with precision:
+                out = model(x)
+            out.float().pow(2).sum().backward()
+        model.zero_grad()
+        if planted:
+            planted.remove()
+
+
 def test_a_router_that_rounds_is_no_origin_where_a_near_tie_flips(tmp_path):
     """Two experts whose router rows differ by less than a bfloat16 rounding: under bf16
     autocast they tie, so a re-run on A's inputs and weights routes tokens otherwise. A
     decision of a call that rounds has no bound: the re-run names no origin, and the tokens
     routed otherwise are really there."""
-    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(2))
-    torch.manual_seed(0)
-    model = _RoutedExperts()
-    with torch.no_grad():
-        w = model.router.weight
-        w[2:] *= 0.01
-        w[1] = w[0] * (1 + 1e-4 * torch.randn(8).sign())
+    model = _with_near_tie(_RoutedExperts)
     bf16 = torch.autocast("cpu", torch.bfloat16)
     # "ao", "bo": outputs alone dumped (no inputs to tell which calls get floating values)
-    runs = {"a": ({"params": True}, contextlib.nullcontext()), "b": ({}, bf16),
-            "i": ({"inject": tmp_path / "a"}, bf16),
-            "ao": ({"kinds": ["output"]}, contextlib.nullcontext()),
-            "bo": ({"kinds": ["output"]}, bf16)}
-    for name, (options, precision) in runs.items():
-        with HookerAndDumper(tmp_path / name, **options).hooks(model, 0, 0):
-            with precision:
-                out = model(x)
-            out.float().pow(2).sum().backward()
-        model.zero_grad()
+    _dump_runs(model, tmp_path, {
+        "a": ({"params": True}, contextlib.nullcontext(), None), "b": ({}, bf16, None),
+        "i": ({"inject": tmp_path / "a"}, bf16, None),
+        "ao": ({"kinds": ["output"]}, contextlib.nullcontext(), None),
+        "bo": ({"kinds": ["output"]}, bf16, None)})
     for a, b in (("a", "i"), ("ao", "bo")):
         result = compare_dumps(tmp_path / a, tmp_path / b)
         chosen = result[(result["module"] == "router") & (result["kind"] == fmt.OUTPUT)].iloc[1]
@@ -1325,26 +1341,12 @@ def test_a_choice_b_ran_on_as_a_is_bounded_in_a_rerun(tmp_path):
     on A's values gives the experts A's choice: what their code makes of it has a bound again,
     and a 10 % error planted in the gradient their code sends to the activation is named
     (before: the choice's error, which B did not run on, left it without one)."""
-    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(2))
-    torch.manual_seed(0)
-    model = _MoE()
-    with torch.no_grad():
-        w = model.router.weight
-        w[2:] *= 0.01
-        w[1] = w[0] * (1 + 1e-4 * torch.randn(8).sign())
+    model = _with_near_tie(_MoE)
     bf16 = torch.autocast("cpu", torch.bfloat16)
     plant = {"include": ["experts.act"], "where": fmt.GRAD_OUTPUT, "scale": 1.1}
-    runs = {"a": ({"params": True}, contextlib.nullcontext(), None),
-            "b": ({}, bf16, plant), "i": ({"inject": tmp_path / "a"}, bf16, plant)}
-    for name, (options, precision, planted) in runs.items():
-        planted = perturb(model, **planted) if planted else None
-        with HookerAndDumper(tmp_path / name, **options).hooks(model, 0, 0):
-            with precision:
-                out = model(x)
-            out.float().pow(2).sum().backward()
-        model.zero_grad()
-        if planted:
-            planted.remove()
+    _dump_runs(model, tmp_path, {"a": ({"params": True}, contextlib.nullcontext(), None),
+                                 "b": ({}, bf16, plant),
+                                 "i": ({"inject": tmp_path / "a"}, bf16, plant)})
     result = compare_dumps(tmp_path / "a", tmp_path / "i")
     chosen = result[(result["module"] == "experts") & (result["kind"] == fmt.INPUT)
                     & (result["index"] == 1)].iloc[0]
