@@ -457,6 +457,14 @@ class Pending:
             return tuple(row[len(RAW_SUMS):])
         return stats_of_sums(row, slot.numel)
 
+    def again(self) -> Optional["Pending"]:
+        """The same numbers for another record of the same tensor (released on its own);
+        None once this one is released (its buffers may be gone)."""
+        with self._batch.lock:
+            if self._open is None:
+                return None
+            return Pending(self._batch, self._open, self._slot, self.what)
+
     def release(self) -> None:
         with self._batch.lock:  # against hooks adding to its arena, a seal reading it
             where, self._open = self._open, None

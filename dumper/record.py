@@ -11,6 +11,7 @@ from compare import format as fmt
 
 from .arena import Pending, StepBatch, on_device, on_host_arena
 from .flatten import clip, short_repr
+from .known import KnownNumbers
 from .snapshot import Snapshot, SnapshotPool
 from .digest import tensor_digest
 from .sharding import ShardMarks, Sharding, local_part
@@ -143,7 +144,19 @@ class RecordMaker:
                  marks: Optional[ShardMarks] = None):
         self._pool, self._budget, self._drop = pool, budget, drop_when_full
         self._marks = marks if marks is not None else ShardMarks()
-        self.batch: Optional[StepBatch] = None  # the dumped step's (dumper.arena), if any
+        self._batch: Optional[StepBatch] = None
+        self._known: Optional[KnownNumbers] = None
+
+    @property
+    def batch(self) -> Optional[StepBatch]:
+        """The dumped step's arenas (:mod:`dumper.arena`), if any; setting one also starts the
+        step's :class:`~dumper.known.KnownNumbers`."""
+        return self._batch
+
+    @batch.setter
+    def batch(self, batch: Optional[StepBatch]) -> None:
+        self._batch = batch
+        self._known = None if batch is None else KnownNumbers()
 
     def tensor(self, seq: int, call: CallInfo, kind: str, index: int, path: str,
                t: torch.Tensor, owned: bool = False, stats: bool = False,
@@ -171,21 +184,21 @@ class RecordMaker:
             return rec
         hashed = call.mode == fmt.MODE_HASH or digest
         summed = call.mode == fmt.MODE_STATS or stats
-        batch = self.batch if self.batch is not None and t.numel() else None
+        batch = self._batch if self._batch is not None and t.numel() else None
         if hashed or summed:
-            try:
-                if batch is not None and (on_device(t) or on_host_arena(t)):
-                    taken = batch.take(t, stats=summed, sketch=summed and sketch, digest=hashed)
-                    rec.stats, rec.sketch, rec.digest = (
-                        taken.get(what) for what in ("stats", "sketch", "digest"))
+            wanted = tuple(what for what, wants in zip(
+                NUMBERS, (summed, summed and sketch, hashed)) if wants)
+            known = self._known if sharding is None else None  # (a shard is a new tensor)
+            numbers = known.get(t, wanted) if known is not None else None
+            if numbers is None:
+                try:
+                    numbers = _take_numbers(t, wanted, batch)
+                except Exception as exc:  # a tensor type nobody foresaw must not stop training
+                    rec.status, rec.value = fmt.ST_UNSUPPORTED, unreadable(exc)
                     return rec
-                bits = tensor_digest(t) if hashed else None
-                stats = tensor_stats(t) if summed else None
-                drawn = tensor_sketch(t) if summed and sketch else None
-            except Exception as exc:  # a tensor type nobody foresaw must not stop training
-                rec.status, rec.value = fmt.ST_UNSUPPORTED, unreadable(exc)
-                return rec
-            rec.digest, rec.stats, rec.sketch = bits, stats, drawn
+                if known is not None:
+                    known.put(t, numbers)
+            rec.stats, rec.sketch, rec.digest = (numbers.get(what) for what in NUMBERS)
             return rec
         nbytes = t.numel() * t.element_size()
         if not self._budget.try_acquire(nbytes):
@@ -215,6 +228,20 @@ class RecordMaker:
         for numbers in (record.stats, record.sketch, record.digest):
             if isinstance(numbers, Pending):
                 numbers.release()
+
+
+NUMBERS = ("stats", "sketch", "digest")  # what a record may take instead of values
+_COMPUTED = {"stats": tensor_stats, "sketch": tensor_sketch, "digest": tensor_digest}
+
+
+def _take_numbers(t: torch.Tensor, wanted: tuple[str, ...], batch: Optional[StepBatch]
+                  ) -> dict:
+    """The numbers ``wanted`` (of :data:`NUMBERS`) of ``t``: taken into ``batch`` where it
+    takes them (an accelerator's tensor, a small CPU float one), else computed now."""
+    if batch is not None and (on_device(t) or on_host_arena(t)):
+        return batch.take(t, stats="stats" in wanted, sketch="sketch" in wanted,
+                          digest="digest" in wanted)
+    return {what: _COMPUTED[what](t) for what in wanted}
 
 
 def unreadable(exc: BaseException, limit: int = 200) -> str:

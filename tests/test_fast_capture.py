@@ -394,3 +394,81 @@ def test_statistics_of_large_tensors_agree_with_their_values(tmp_path):
     result = compare_dumps(tmp_path / "tensors", tmp_path / "stats")
     assert set(result["status"]) <= {"equal", "close"}, result[["module", "kind", "status",
                                                                 "stat_rel_diff"]]
+
+
+class _ChangedBetweenCalls(nn.Module):
+    """``a``'s output is ``b``'s input as it is, then changed in place by the parent's code
+    before ``c`` reads it: a tensor recorded three times at two versions."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.a, self.c = nn.Linear(width, width), nn.Linear(width, width)
+        self.b = nn.Tanh()
+
+    def forward(self, x):
+        y = self.a(x)
+        z = self.b(y)
+        y.mul_(-3.0)  # nothing saved y for backward: allowed
+        return self.c(y) + z
+
+
+@pytest.mark.parametrize("width", [64, 256], ids=["host arena", "reduced in the hook"])
+@pytest.mark.parametrize("mode", ["stats", "hash"])
+def test_a_tensor_recorded_again_at_its_version_is_taken_once(tmp_path, monkeypatch, width,
+                                                              mode):
+    """Numbers are taken once per tensor and version (dumper.known): ``b``'s input shares
+    ``a``'s output's, while ``c``'s input, changed in place since, gets its own, equal to
+    the values ``c`` really got."""
+    import dumper.record as record_module
+    taken = []
+
+    def counting(t, wanted, batch):
+        taken.append((t, t._version, wanted))  # kept alive: ids stay unique
+        return take(t, wanted, batch)
+    take = record_module._take_numbers
+    monkeypatch.setattr(record_module, "_take_numbers", counting)
+    torch.manual_seed(0)
+    model, x = _ChangedBetweenCalls(width), torch.randn(128, width)
+    y = model.a(x).detach()
+    with HookerAndDumper(tmp_path, mode=mode).hooks(model, 0, 0):
+        model(x).square().mean().backward()
+    keys = [(id(t), version, wanted) for t, version, wanted in taken]
+    assert len(keys) == len(set(keys))  # never twice the same tensor at the same version
+    index = load_dump(tmp_path).index
+    row = {(r.module, r.kind, r.index): r for r in index.itertuples()}
+    numbers = ["digest"] if mode == "hash" else list(fmt.STAT_COLUMNS)
+    a_out, b_in, c_in = (row[key] for key in (("a", "output", 0), ("b", "input", 0),
+                                              ("c", "input", 0)))
+    assert [getattr(b_in, n) for n in numbers] == [getattr(a_out, n) for n in numbers]
+    assert len(taken) < (index["digest" if mode == "hash" else "stat_norm"] != (
+        0 if mode == "hash" else np.nan)).sum()  # some records shared their numbers
+    changed = (y * -3.0).numpy()
+    if mode == "hash":
+        assert c_in.digest == fmt.data_checksum(changed) != a_out.digest
+    else:
+        assert (c_in.stat_min, c_in.stat_max) == (changed.min(), changed.max())
+        assert c_in.stat_mean == pytest.approx(changed.astype(np.float64).mean(), rel=1e-9)
+
+
+def test_numbers_shared_after_their_first_record_is_released_are_taken_anew():
+    """A record written and released before the same tensor is recorded again (the writer
+    ran ahead) has let its arena's buffers go: the later record takes its own numbers."""
+    from dumper.arena import StepBatch
+    from dumper.known import KnownNumbers
+    from dumper.snapshot import SnapshotPool
+    batch, known = StepBatch(SnapshotPool(1 << 26)), KnownNumbers()
+    t = torch.randn(32, 64)
+    first = batch.take(t, stats=True)
+    known.put(t, first)
+    again = known.get(t, ("stats",))
+    assert again is not None and again["stats"] is not first["stats"]
+    assert known.get(t, ("stats", "digest")) is None  # a digest was not taken
+    batch.seal()
+    assert again["stats"].wait() == first["stats"].wait()
+    first["stats"].release()
+    assert known.get(t, ("stats",)) is None
+    again["stats"].release()
+    u = torch.randn(32, 64)
+    known.put(u, batch.take(u, stats=True))
+    u.add_(1.0)  # in place: another version
+    assert known.get(u, ("stats",)) is None
