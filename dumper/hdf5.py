@@ -64,11 +64,21 @@ class LowLevelGroup:
               ) -> None:
         """Dataset ``name`` holding ``array`` in subgroup ``group`` (created on first use);
         ``dtype``: the name of the dtype whose bits ``array`` holds (its named datatype)."""
+        self._create(self._group(group), name, array, dtype)
+
+    def _group(self, group: str) -> h5g.GroupID:
         gid = self._groups.get(group)
         if gid is None:
             gid = self._groups[group] = h5g.create(self._parent, fmt.name_bytes(group),
                                                    lcpl=self._lcpl)
-        self._create(gid, name, array, dtype)
+        return gid
+
+    def link(self, group: str, name: str, target_group: str, target_name: str) -> None:
+        """``name`` in subgroup ``group``: a hard link to dataset ``target_name`` of subgroup
+        ``target_group`` (written before), the same HDF5 object under two names."""
+        gid = self._group(group)
+        target = fmt.name_bytes(target_group) + b"/" + target_name.encode()  # from the parent
+        gid.links.create_hard(name.encode(), self._parent, target, lcpl=self._lcpl)
 
     def write_here(self, name: str, array: np.ndarray) -> None:
         """Dataset ``name`` holding ``array`` in the parent group itself."""

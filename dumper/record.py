@@ -11,7 +11,7 @@ from compare import format as fmt
 
 from .arena import Pending, StepBatch, on_device, on_host_arena
 from .flatten import clip, short_repr
-from .known import KnownNumbers
+from .known import KnownTensors, SharedValues
 from .snapshot import Snapshot, SnapshotPool
 from .digest import tensor_digest
 from .sharding import ShardMarks, Sharding, local_part
@@ -53,7 +53,8 @@ class Record:
     requires_grad: bool
     status: str
     value: str = ""
-    snapshot: Union[Snapshot, Pending, None] = None  # values: a host copy, or in an arena
+    snapshot: Union[Snapshot, Pending, SharedValues, None] = None  # values: a host copy,
+    #                                          in an arena, or another record's (dumper.known)
     stats: Union[tuple, Pending, None] = None  # a tuple (CPU), or numbers on their device
     sketch: Union[tuple, Pending, None] = None  # likewise (parameter statistics)
     digest: Union[int, Pending, None] = None  # hash mode: the digest (CPU), or on the device
@@ -145,18 +146,18 @@ class RecordMaker:
         self._pool, self._budget, self._drop = pool, budget, drop_when_full
         self._marks = marks if marks is not None else ShardMarks()
         self._batch: Optional[StepBatch] = None
-        self._known: Optional[KnownNumbers] = None
+        self._known: Optional[KnownTensors] = None
 
     @property
     def batch(self) -> Optional[StepBatch]:
         """The dumped step's arenas (:mod:`dumper.arena`), if any; setting one also starts the
-        step's :class:`~dumper.known.KnownNumbers`."""
+        step's :class:`~dumper.known.KnownTensors`."""
         return self._batch
 
     @batch.setter
     def batch(self, batch: Optional[StepBatch]) -> None:
         self._batch = batch
-        self._known = None if batch is None else KnownNumbers()
+        self._known = None if batch is None else KnownTensors()
 
     def tensor(self, seq: int, call: CallInfo, kind: str, index: int, path: str,
                t: torch.Tensor, owned: bool = False, stats: bool = False,
@@ -171,7 +172,9 @@ class RecordMaker:
         A ``DTensor``, or a tensor a :class:`ShardMarks` mark covers, is recorded as this
         rank's shard, with its ``sharding``. An accelerator's tensor is taken into the step's
         :attr:`batch` (:mod:`dumper.arena`) where it can be: no host work, no sync; so are
-        the numbers (not the values) of a small CPU float tensor, reduced with the others."""
+        the numbers (not the values) of a small CPU float tensor, reduced with the others.
+        A tensor recorded again at the same version shares what was taken of it
+        (:mod:`dumper.known`)."""
         requires_grad = t.requires_grad
         t, sharding = local_part(t)
         if sharding is None and self._marks:
@@ -185,11 +188,11 @@ class RecordMaker:
         hashed = call.mode == fmt.MODE_HASH or digest
         summed = call.mode == fmt.MODE_STATS or stats
         batch = self._batch if self._batch is not None and t.numel() else None
+        known = self._known if sharding is None and not owned else None  # (new tensors)
         if hashed or summed:
             wanted = tuple(what for what, wants in zip(
                 NUMBERS, (summed, summed and sketch, hashed)) if wants)
-            known = self._known if sharding is None else None  # (a shard is a new tensor)
-            numbers = known.get(t, wanted) if known is not None else None
+            numbers = known.numbers(t, wanted) if known is not None else None
             if numbers is None:
                 try:
                     numbers = _take_numbers(t, wanted, batch)
@@ -197,8 +200,12 @@ class RecordMaker:
                     rec.status, rec.value = fmt.ST_UNSUPPORTED, unreadable(exc)
                     return rec
                 if known is not None:
-                    known.put(t, numbers)
+                    known.put_numbers(t, numbers)
             rec.stats, rec.sketch, rec.digest = (numbers.get(what) for what in NUMBERS)
+            return rec
+        shared = known.values(t) if known is not None else None
+        if shared is not None:
+            rec.snapshot = shared
             return rec
         nbytes = t.numel() * t.element_size()
         if not self._budget.try_acquire(nbytes):
@@ -218,6 +225,9 @@ class RecordMaker:
         except Exception as exc:  # as above
             self._budget.release(nbytes)
             rec.status, rec.value = fmt.ST_UNSUPPORTED, unreadable(exc)
+            return rec
+        if known is not None:
+            known.put_values(t, rec)
         return rec
 
     def release(self, record: Record) -> None:

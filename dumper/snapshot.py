@@ -25,15 +25,28 @@ def _size_class(nbytes: int) -> int:
     return (nbytes + GRANULE - 1) // GRANULE * GRANULE
 
 
-class Snapshot:
-    """The values of a tensor at hook time, as a dense CPU tensor (see :meth:`wait`)."""
+_SHARING = threading.Lock()  # a snapshot's holders: shared by a hook, released by the writer
 
-    __slots__ = ("tensor", "_buffer", "_pool", "_ready", "_pinned")
+
+class Snapshot:
+    """The values of a tensor at hook time, as a dense CPU tensor (see :meth:`wait`); held by
+    one record, or by more through :meth:`again` (each releases it)."""
+
+    __slots__ = ("tensor", "_buffer", "_pool", "_ready", "_pinned", "_holders")
 
     def __init__(self, tensor: torch.Tensor, buffer: Optional[torch.Tensor] = None,
                  pool: Optional["SnapshotPool"] = None, ready=None, pinned: bool = False):
         self.tensor, self._buffer, self._pool, self._ready = tensor, buffer, pool, ready
         self._pinned = pinned
+        self._holders = 1
+
+    def again(self) -> Optional["Snapshot"]:
+        """This snapshot, held once more (released once more); None once it was released."""
+        with _SHARING:
+            if self._holders == 0:
+                return None
+            self._holders += 1
+            return self
 
     @property
     def nbytes(self) -> int:
@@ -47,7 +60,12 @@ class Snapshot:
         return self.tensor
 
     def release(self) -> None:
-        """Give the buffer back to the pool; the tensor must not be used afterwards."""
+        """Let go of it; the last holder gives the buffer back to the pool (the tensor must
+        not be used afterwards)."""
+        with _SHARING:
+            self._holders = max(0, self._holders - 1)
+            if self._holders:
+                return
         if self._pool is not None and self._buffer is not None:
             self._pool.give(self._buffer, self._pinned)
         self._buffer = self._pool = None

@@ -183,6 +183,9 @@ class StepWriter:
         self._saw_accelerator = False   # whether any record of the step did
         self._step_bytes = 0              # bytes of values held in the step
         self._index = _IndexRows()
+        # id of a record whose values were written -> (group, dataset, encoding, checksum), for
+        # the records sharing them (dumper.known, which keeps those records alive in the step)
+        self._written: dict[int, tuple[str, str, str, int]] = {}
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name=f"h5cmp-writer:{claim.path.name}",
                                         daemon=True)
@@ -321,7 +324,12 @@ class StepWriter:
         try:
             encoding, checksum, values = fmt.ENC_NONE, fmt.NO_CHECKSUM, None
             group, dataset = self._index.group(record.call), record.dataset
-            if record.snapshot is not None:
+            linked = self._written.get(id(getattr(record.snapshot, "first", None)))
+            if linked is not None:  # the same values as a record written before: linked
+                values = record.snapshot.wait()
+                datasets.link(group, dataset, linked[0], linked[1])
+                encoding, checksum = linked[2], linked[3]
+            elif record.snapshot is not None:
                 try:
                     values = record.snapshot.wait()
                     array, encoding = encode(values)
@@ -332,6 +340,7 @@ class StepWriter:
                     datasets.write(group, dataset, array, dtype_name(record.dtype)
                                    if encoding == fmt.ENC_BITS else None)
                     checksum = fmt.data_checksum(array)
+                    self._written[id(record)] = (group, dataset, encoding, checksum)
             try:
                 stats, sketch = (_numbers(record.stats, _NO_STATS),
                                  _numbers(record.sketch, _NO_SKETCH))

@@ -46,7 +46,7 @@ opt = torch.optim.SGD(model.parameters(), lr=0.01)
 dumper = HookerAndDumper(args.dir, params=True,
                          publish="background" if args.hang_publishing_at >= 0 else "auto")
 for step in range(args.steps):
-    x = torch.randn(64 * (step + 1), 64)  # steps grow: a size limit hits a later step first
+    x = torch.randn(64 * 3 ** step, 64)  # steps grow: a size limit hits a later step first
     dumper.register_hooks(model, 0, step)
     out = model(x)
     if step == args.hang_at:

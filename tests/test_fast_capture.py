@@ -454,21 +454,49 @@ def test_numbers_shared_after_their_first_record_is_released_are_taken_anew():
     """A record written and released before the same tensor is recorded again (the writer
     ran ahead) has let its arena's buffers go: the later record takes its own numbers."""
     from dumper.arena import StepBatch
-    from dumper.known import KnownNumbers
+    from dumper.known import KnownTensors
     from dumper.snapshot import SnapshotPool
-    batch, known = StepBatch(SnapshotPool(1 << 26)), KnownNumbers()
+    batch, known = StepBatch(SnapshotPool(1 << 26)), KnownTensors()
     t = torch.randn(32, 64)
     first = batch.take(t, stats=True)
-    known.put(t, first)
-    again = known.get(t, ("stats",))
+    known.put_numbers(t, first)
+    again = known.numbers(t, ("stats",))
     assert again is not None and again["stats"] is not first["stats"]
-    assert known.get(t, ("stats", "digest")) is None  # a digest was not taken
+    assert known.numbers(t, ("stats", "digest")) is None  # a digest was not taken
     batch.seal()
     assert again["stats"].wait() == first["stats"].wait()
     first["stats"].release()
-    assert known.get(t, ("stats",)) is None
+    assert known.numbers(t, ("stats",)) is None
     again["stats"].release()
     u = torch.randn(32, 64)
-    known.put(u, batch.take(u, stats=True))
+    known.put_numbers(u, batch.take(u, stats=True))
     u.add_(1.0)  # in place: another version
-    assert known.get(u, ("stats",)) is None
+    assert known.numbers(u, ("stats",)) is None
+
+
+def test_values_of_a_tensor_recorded_again_are_stored_once_and_linked(tmp_path):
+    """Full tensors: ``b``'s input is ``a``'s output's dataset under a second name (a hard
+    link: one HDF5 object), ``c``'s input, changed in place since, a dataset of its own;
+    every record reads back as the values its module got, and compares as before."""
+    import h5py
+    torch.manual_seed(0)
+    model, x = _ChangedBetweenCalls(256), torch.randn(128, 256)
+    y = model.a(x).detach()
+    for run in ("a", "b"):
+        with HookerAndDumper(tmp_path / run).hooks(model, 0, 0):
+            model(x).square().mean().backward()
+    index = load_dump(tmp_path / "a").index
+    row = {(r.module, r.kind, r.index): r for r in index.itertuples()}
+    path = {key: f"{r.group}/{r.dataset}" for key, r in row.items() if r.dataset}
+    [file_path] = (tmp_path / "a").glob("*.hdf5")
+    with h5py.File(file_path) as f:
+        step = f[next(iter(f.keys() - {fmt.DTYPES_GROUP}))]
+        assert step[path["b", "input", 0]] == step[path["a", "output", 0]]
+        assert step[path["c", "input", 0]] != step[path["a", "output", 0]]
+        assert step[path["a", "input", 0]] == step[path["", "input", 0]]
+    values = read_tensors(tmp_path / "a")
+    assert torch.equal(values["b", 0, "input", 0], y)
+    assert torch.equal(values["c", 0, "input", 0], y * -3.0)
+    assert row["b", "input", 0].checksum == row["a", "output", 0].checksum
+    result = compare_dumps(tmp_path / "a", tmp_path / "b")
+    assert len(result) == len(index) and (result["status"] == "equal").all()
