@@ -465,11 +465,14 @@ class Pending:
                 return None
             return Pending(self._batch, self._open, self._slot, self.what)
 
-    def release(self) -> None:
+    def release(self) -> int:
+        """Let it go; returns the budget's bytes given back (:attr:`nbytes`, once)."""
         with self._batch.lock:  # against hooks adding to its arena, a seal reading it
             where, self._open = self._open, None
-            if where is not None:
-                where.release()
+            if where is None:
+                return 0
+            where.release()
+            return self.nbytes
 
 
 class StepBatch:

@@ -25,7 +25,8 @@ from .selection import Patterns
 @dataclasses.dataclass(frozen=True)
 class CapturedRecord:
     """One captured tensor, as a consumer sees it (fields as the index's columns). ``values`` is
-    the snapshot (a CPU tensor, valid only during the call: copy what you keep), None for
+    the snapshot (a CPU tensor, valid only during the call and shared by the records of the
+    same tensor, :mod:`dumper.known`: read it, copy what you keep, never change it), None for
     statistics-only records, which carry ``stats`` (``stat_min`` ... as in the index) instead."""
 
     epoch: int

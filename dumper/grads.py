@@ -108,8 +108,10 @@ class GradInputCollector:
     def _contribute(self, idx: int, grads: list[torch.Tensor]) -> None:
         """One expected contribution to input ``idx`` (the gradients one node sends it, maybe
         none), summed left to right after the earlier ones, in delivery order."""
-        parts = list(grads)  # detached where summed: autograd's own tensor goes on as it is,
-        earlier = self._sums.pop(idx, None)  # the one later records of it see (dumper.known)
+        # autograd's own tensor, not a detached alias, where it is not part of a graph: the
+        # object later records of it see (dumper.known)
+        parts = [g.detach() if g.requires_grad else g for g in grads]
+        earlier = self._sums.pop(idx, None)
         if earlier is not None:
             parts.insert(0, earlier)
         self._pending[idx] -= 1
@@ -120,7 +122,7 @@ class GradInputCollector:
             return
         total = parts[0]
         for part in parts[1:]:
-            total = total.detach() + part.detach()
+            total = total + part
         made_here = len(parts) > 1 or earlier is not None  # else autograd's own tensor
         if complete:
             self._emit(idx, total, made_here)

@@ -189,21 +189,22 @@ class RecordMaker:
         summed = call.mode == fmt.MODE_STATS or stats
         batch = self._batch if self._batch is not None and t.numel() else None
         known = self._known if sharding is None and not owned else None  # (new tensors)
+        now = known.identify(t, kind) if known is not None else None
         if hashed or summed:
             wanted = tuple(what for what, wants in zip(
                 NUMBERS, (summed, summed and sketch, hashed)) if wants)
-            numbers = known.numbers(t, wanted) if known is not None else None
+            numbers = known.numbers(t, now, wanted) if now is not None else None
             if numbers is None:
                 try:
                     numbers = _take_numbers(t, wanted, batch)
                 except Exception as exc:  # a tensor type nobody foresaw must not stop training
                     rec.status, rec.value = fmt.ST_UNSUPPORTED, unreadable(exc)
                     return rec
-                if known is not None:
-                    known.put_numbers(t, numbers)
+                if now is not None:
+                    known.put_numbers(t, now, numbers)
             rec.stats, rec.sketch, rec.digest = (numbers.get(what) for what in NUMBERS)
             return rec
-        shared = known.values(t) if known is not None else None
+        shared = known.values(t, now) if now is not None else None
         if shared is not None:
             rec.snapshot = shared
             return rec
@@ -226,15 +227,14 @@ class RecordMaker:
             self._budget.release(nbytes)
             rec.status, rec.value = fmt.ST_UNSUPPORTED, unreadable(exc)
             return rec
-        if known is not None:
-            known.put_values(t, rec)
+        if now is not None:
+            known.put_values(t, now, rec)
         return rec
 
     def release(self, record: Record) -> None:
         """Return a written (or discarded) record's buffers and budget."""
         if record.snapshot is not None:
-            self._budget.release(record.nbytes)
-            record.snapshot.release()
+            self._budget.release(record.snapshot.release())
         for numbers in (record.stats, record.sketch, record.digest):
             if isinstance(numbers, Pending):
                 numbers.release()

@@ -32,11 +32,12 @@ class Snapshot:
     """The values of a tensor at hook time, as a dense CPU tensor (see :meth:`wait`); held by
     one record, or by more through :meth:`again` (each releases it)."""
 
-    __slots__ = ("tensor", "_buffer", "_pool", "_ready", "_pinned", "_holders")
+    __slots__ = ("tensor", "nbytes", "_buffer", "_pool", "_ready", "_pinned", "_holders")
 
     def __init__(self, tensor: torch.Tensor, buffer: Optional[torch.Tensor] = None,
                  pool: Optional["SnapshotPool"] = None, ready=None, pinned: bool = False):
         self.tensor, self._buffer, self._pool, self._ready = tensor, buffer, pool, ready
+        self.nbytes = tensor.numel() * tensor.element_size()
         self._pinned = pinned
         self._holders = 1
 
@@ -48,10 +49,6 @@ class Snapshot:
             self._holders += 1
             return self
 
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
-
     def wait(self) -> torch.Tensor:
         """The tensor, once its (possibly asynchronous) copy has landed."""
         if self._ready is not None:
@@ -59,16 +56,21 @@ class Snapshot:
             self._ready = None
         return self.tensor
 
-    def release(self) -> None:
+    def release(self) -> int:
         """Let go of it; the last holder gives the buffer back to the pool (the tensor must
-        not be used afterwards)."""
+        not be used afterwards). Returns the bytes given back: :attr:`nbytes` for the last
+        holder, else 0 (what the byte budget counted, once)."""
         with _SHARING:
-            self._holders = max(0, self._holders - 1)
+            if self._holders == 0:
+                return 0
+            self._holders -= 1
             if self._holders:
-                return
+                return 0
         if self._pool is not None and self._buffer is not None:
             self._pool.give(self._buffer, self._pinned)
         self._buffer = self._pool = None
+        self.tensor = None
+        return self.nbytes
 
 
 class SnapshotPool:

@@ -183,9 +183,9 @@ class StepWriter:
         self._saw_accelerator = False   # whether any record of the step did
         self._step_bytes = 0              # bytes of values held in the step
         self._index = _IndexRows()
-        # id of a record whose values were written -> (group, dataset, encoding, checksum), for
-        # the records sharing them (dumper.known, which keeps those records alive in the step)
-        self._written: dict[int, tuple[str, str, str, int]] = {}
+        # id of a record whose values were written -> (that record, kept so that the id stays
+        # its own, group, dataset, encoding, checksum): for the records sharing them
+        self._written: dict[int, tuple[Record, str, str, str, int]] = {}
         self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name=f"h5cmp-writer:{claim.path.name}",
                                         daemon=True)
@@ -324,11 +324,12 @@ class StepWriter:
         try:
             encoding, checksum, values = fmt.ENC_NONE, fmt.NO_CHECKSUM, None
             group, dataset = self._index.group(record.call), record.dataset
-            linked = self._written.get(id(getattr(record.snapshot, "first", None)))
-            if linked is not None:  # the same values as a record written before: linked
+            first = getattr(record.snapshot, "first", None)  # (dumper.known.SharedValues)
+            linked = self._written.get(id(first))
+            if linked is not None and linked[0] is first:  # values a record wrote: linked
                 values = record.snapshot.wait()
-                datasets.link(group, dataset, linked[0], linked[1])
-                encoding, checksum = linked[2], linked[3]
+                _, first_group, first_dataset, encoding, checksum = linked
+                datasets.link(group, dataset, first_group, first_dataset)
             elif record.snapshot is not None:
                 try:
                     values = record.snapshot.wait()
@@ -340,7 +341,7 @@ class StepWriter:
                     datasets.write(group, dataset, array, dtype_name(record.dtype)
                                    if encoding == fmt.ENC_BITS else None)
                     checksum = fmt.data_checksum(array)
-                    self._written[id(record)] = (group, dataset, encoding, checksum)
+                    self._written[id(record)] = (record, group, dataset, encoding, checksum)
             try:
                 stats, sketch = (_numbers(record.stats, _NO_STATS),
                                  _numbers(record.sketch, _NO_SKETCH))

@@ -458,20 +458,67 @@ def test_numbers_shared_after_their_first_record_is_released_are_taken_anew():
     from dumper.snapshot import SnapshotPool
     batch, known = StepBatch(SnapshotPool(1 << 26)), KnownTensors()
     t = torch.randn(32, 64)
+    now = known.identify(t, fmt.OUTPUT)
     first = batch.take(t, stats=True)
-    known.put_numbers(t, first)
-    again = known.numbers(t, ("stats",))
+    known.put_numbers(t, now, first)
+    again = known.numbers(t, known.identify(t, fmt.INPUT), ("stats",))
     assert again is not None and again["stats"] is not first["stats"]
-    assert known.numbers(t, ("stats", "digest")) is None  # a digest was not taken
+    assert known.numbers(t, now, ("stats", "digest")) is None  # a digest was not taken
+    assert known.identify(t, fmt.PARAM) is None  # parameters are never shared
     batch.seal()
     assert again["stats"].wait() == first["stats"].wait()
     first["stats"].release()
-    assert known.numbers(t, ("stats",)) is None
+    assert known.numbers(t, now, ("stats",)) is None
     again["stats"].release()
-    u = torch.randn(32, 64)
-    known.put_numbers(u, batch.take(u, stats=True))
-    u.add_(1.0)  # in place: another version
-    assert known.numbers(u, ("stats",)) is None
+
+
+def _unscale_in_place(t: torch.Tensor) -> None:
+    """GradScaler's in-place unscaling: a write autograd's version counter does not see."""
+    torch._amp_foreach_non_finite_check_and_unscale_([t], torch.zeros(1), torch.full((1,), 0.5))
+
+
+@pytest.mark.parametrize("write", [
+    _unscale_in_place,
+    lambda t: t.data.mul_(0.5),
+    lambda t: setattr(t, "data", torch.full((t.shape[0] // 2, t.shape[1]), 0.25)),
+], ids=["foreach unscale", ".data in place", ".data replaced"])
+@pytest.mark.parametrize("mode", ["tensors", "stats"])
+def test_a_write_autograd_does_not_see_is_taken_anew(tmp_path, write, mode):
+    """Between two records of one tensor, a write that leaves its version as it was (the
+    in-place ops GradScaler and collectives use, ``.data``) must not make the later record
+    repeat the earlier values: the later record holds the values its module really got."""
+
+    class WrittenBetweenCalls(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(64, 64), nn.Tanh(), nn.Tanh()
+
+        def forward(self, x):
+            with torch.no_grad():
+                y = self.a(x)
+            z = self.b(y)
+            version = y._version
+            write(y)
+            assert y._version == version  # what this test is about
+            return self.c(y), z
+
+    torch.manual_seed(0)
+    model, x = WrittenBetweenCalls(), torch.randn(32, 64)
+    with HookerAndDumper(tmp_path, mode=mode).hooks(model, 0, 0):
+        _, z = model(x)
+    with torch.no_grad():
+        y = model.a(x)
+    write(y)
+    index = load_dump(tmp_path).index
+    row = {(r.module, r.kind, r.index): r for r in index.itertuples()}
+    if mode == "tensors":
+        values = read_tensors(tmp_path)
+        assert torch.equal(values["b", 0, "input", 0], model.a(x).detach())
+        assert torch.equal(values["c", 0, "input", 0], y)
+    else:
+        c_in = row["c", "input", 0]
+        assert (c_in.stat_min, c_in.stat_max) == (y.min().item(), y.max().item())
+        assert c_in.stat_norm != row["b", "input", 0].stat_norm
 
 
 def test_values_of_a_tensor_recorded_again_are_stored_once_and_linked(tmp_path):
@@ -500,3 +547,31 @@ def test_values_of_a_tensor_recorded_again_are_stored_once_and_linked(tmp_path):
     assert row["b", "input", 0].checksum == row["a", "output", 0].checksum
     result = compare_dumps(tmp_path / "a", tmp_path / "b")
     assert len(result) == len(index) and (result["status"] == "equal").all()
+
+
+@pytest.mark.parametrize("mode", ["tensors", "stats"])
+def test_parameter_gradients_unscaled_in_place_are_recorded_as_stepped_with(tmp_path, mode):
+    """GradScaler unscales ``p.grad`` in place without a version bump, between the gradient's
+    accumulation and the optimizer step: the record holds the unscaled gradient the optimizer
+    steps with (parameters and their gradients are never shared, dumper.known)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    stepped = {}
+    opt.register_step_pre_hook(lambda o, a, k: stepped.update(
+        {name: p.grad.clone() for name, p in model.named_parameters()}))
+    with HookerAndDumper(tmp_path, params=True, mode=mode).hooks(model, 0, 0):
+        scaler.scale(model(torch.randn(8, 16)).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+    index = load_dump(tmp_path).index
+    grads = index[index["kind"] == fmt.PARAM_GRAD]
+    assert len(grads) == len(stepped) == 4
+    values = read_tensors(tmp_path) if mode == "tensors" else {}
+    for row in grads.itertuples():
+        want = stepped[f"{row.module}.{row.path}"]
+        if mode == "tensors":
+            assert torch.equal(values[row.module, row.call_idx, row.kind, row.index], want)
+        else:
+            assert row.stat_norm == pytest.approx(want.double().norm().item(), rel=1e-12)
