@@ -312,6 +312,7 @@ class StepWriter:
             if not ended:
                 self._drain()
         finally:
+            self._written.clear()  # the records it kept for their sharers
             self._claim.release()
             if self._step_bytes >= TRIM_AFTER_BYTES:
                 trim_heap()
