@@ -469,7 +469,7 @@ def test_a_tensor_that_cannot_be_read_loses_only_its_own_row(tmp_path, monkeypat
     """Safety nets for tensor types nobody foresaw: a failure to take statistics (in the hook,
     or into the step's batch) or to read a snapshot (in the writer) makes that row
     `unsupported`; training goes on and the rest of the step is written."""
-    import dumper.arena
+    import dumper.stores
     import dumper.record
     import dumper.writer
 
@@ -481,7 +481,7 @@ def test_a_tensor_that_cannot_be_read_loses_only_its_own_row(tmp_path, monkeypat
         return wrapped
     if batched:  # CPU tensors taken as an accelerator's, into the step's batch
         monkeypatch.setattr(dumper.record, "on_device", lambda t: True)
-    for arena in (dumper.arena._Arena, dumper.arena._HostArena):  # small CPU tensors' numbers
+    for arena in (dumper.stores.DeviceArena, dumper.stores.HostArena):  # small CPU tensors' numbers
         monkeypatch.setattr(arena, "add", lambda self, t, *args, add=arena.add: add(
             self, fails_on_width_3(lambda x: x)(t), *args))
     monkeypatch.setattr(dumper.record, "tensor_stats", fails_on_width_3(dumper.record.tensor_stats))
@@ -503,13 +503,13 @@ def test_a_tensor_that_cannot_be_read_loses_only_its_own_row(tmp_path, monkeypat
 def test_a_batch_that_cannot_be_reduced_loses_only_its_rows(tmp_path, monkeypatch):
     """A failure to reduce the step's batch (at the seal) leaves its records `unsupported`;
     training goes on, the records that did not go through it are written whole."""
-    import dumper.arena
+    import dumper.stores
     import dumper.record
 
     def fails(self):
         raise RuntimeError("segmented reduction failed\nsecond line")
     monkeypatch.setattr(dumper.record, "on_device", lambda t: True)
-    for arena in (dumper.arena._Arena, dumper.arena._HostArena):
+    for arena in (dumper.stores.DeviceArena, dumper.stores.HostArena):
         monkeypatch.setattr(arena, "_numbers", fails)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 70_000))  # its output: no arena's

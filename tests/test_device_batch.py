@@ -14,7 +14,7 @@ from compare import compare_dumps
 from compare import format as fmt
 from compare.dump import load_dump
 from dumper import HookerAndDumper
-from dumper import arena, hooker, record
+from dumper import arena, hooker, record, stores
 
 from helpers import read_tensors
 
@@ -128,8 +128,8 @@ def test_full_arenas_and_tables_keep_one_sync_for_numbers_and_seal_values(tmp_pa
     _run(tmp_path / "host-path", "stats")
     _run(tmp_path / "host-path-tensors", "tensors")
     device_path.on()
-    monkeypatch.setattr(arena, "ARENA_BYTES", 4096)
-    monkeypatch.setattr(arena, "TABLE_ROWS", 2)
+    monkeypatch.setattr(stores, "ARENA_BYTES", 4096)
+    monkeypatch.setattr(stores, "TABLE_ROWS", 2)
     _run(tmp_path / "device-path", "stats")
     # numbers only: full arenas and tables are reduced at once and sent with the step's seal
     assert all((batch.seals, batch.host_syncs) == (1, 1) for batch in device_path)
@@ -173,8 +173,8 @@ def test_a_host_arena_gives_the_numbers_of_the_per_tensor_path(monkeypatch):
     from dumper.digest import tensor_digest
     from dumper.snapshot import SnapshotPool
     from dumper.stats import tensor_sketch, tensor_stats
-    monkeypatch.setattr(arena, "ARENA_BYTES", 1 << 17)  # arenas fill, and are reduced then
-    monkeypatch.setattr(arena, "HOST_CHUNK", 1000)      # chunks end within and between slots
+    monkeypatch.setattr(stores, "ARENA_BYTES", 1 << 17)  # arenas fill, and are reduced then
+    monkeypatch.setattr(stores, "HOST_CHUNK", 1000)      # chunks end within and between slots
     gen = torch.Generator().manual_seed(0)
     odd = torch.randn(6, generator=gen)
     odd[1], odd[2], odd[4] = math.nan, math.inf, 0.0
@@ -182,7 +182,7 @@ def test_a_host_arena_gives_the_numbers_of_the_per_tensor_path(monkeypatch):
                torch.randn(64, dtype=torch.float64, generator=gen), odd, torch.zeros(10),
                torch.full((3,), -math.inf), torch.randn(1, generator=gen),
                torch._neg_view(torch.randn(9, generator=gen)),
-               torch.randn(arena.HOST_SMALL, generator=gen) * 1e30]
+               torch.randn(stores.HOST_SMALL, generator=gen) * 1e30]
     tensors += [torch.randn(int(n), generator=gen) - 0.5 for n in
                 torch.randint(1, 3000, (60,), generator=gen)]
     batch = arena.StepBatch(SnapshotPool(1 << 26))
