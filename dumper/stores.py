@@ -4,7 +4,7 @@ A :class:`DeviceArena` holds small tensors of one accelerator and dtype, copied 
 another into one buffer and reduced together (segmented reductions) when sealed; a
 :class:`HostArena` the small CPU float tensors whose numbers alone are wanted, reduced with
 numpy's segmented reductions; a :class:`NumbersTable` the numbers of larger accelerator
-tensors, reduced one by one into rows. Each is a :class:`Store` of :class:`Slot`\ s that a
+tensors, reduced one by one into rows. Each is a :class:`Store` of slots (:class:`Slot`) that a
 :class:`Seal` sends to the host.
 """
 from __future__ import annotations

@@ -575,3 +575,27 @@ def test_parameter_gradients_unscaled_in_place_are_recorded_as_stepped_with(tmp_
             assert torch.equal(values[row.module, row.call_idx, row.kind, row.index], want)
         else:
             assert row.stat_norm == pytest.approx(want.double().norm().item(), rel=1e-12)
+
+
+def test_values_shared_by_two_records_count_in_the_budget_until_both_are_written():
+    """The byte budget bounds the snapshots held: a snapshot two records share counts once,
+    until the last of them lets it go, whichever is written first."""
+    from dumper.arena import StepBatch
+    from dumper.record import RecordMaker
+    from dumper.snapshot import SnapshotPool
+    t = torch.randn(256, 256)  # 256 KiB: a pooled snapshot
+    nbytes = t.numel() * t.element_size()
+    for first_out in (True, False):
+        budget = ByteBudget(nbytes)
+        maker = RecordMaker(SnapshotPool(1 << 26), budget, drop_when_full=True)
+        maker.batch = StepBatch(SnapshotPool(1 << 26))
+        call = CallInfo(0, "m", "Linear", 0)
+        first = maker.tensor(0, call, fmt.OUTPUT, 0, "", t)
+        second = maker.tensor(1, CallInfo(1, "n", "Linear", 0), fmt.INPUT, 0, "", t)
+        assert second.status == fmt.ST_OK and second.nbytes == 0  # shared, not dropped
+        assert torch.equal(second.snapshot.wait(), t)
+        maker.release(first if first_out else second)
+        assert not budget.try_acquire(1)  # still held by the other record
+        assert torch.equal((second if first_out else first).snapshot.wait(), t)
+        maker.release(second if first_out else first)
+        assert budget.try_acquire(nbytes)
