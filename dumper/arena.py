@@ -38,7 +38,9 @@ from .stores import (HOST_FLOATS, HOST_SMALL, DeviceArena, HostArena, NumbersTab
                      Store)
 
 SMALL_BYTES = 1 << 18   # tensors up to this size go into an arena
-WANTS = ("values", "stats", "sketch", "digest")  # what a record can take of a tensor
+VALUES = "values"  # what a record can take of a tensor: its values, or its numbers
+NUMBERS = ("stats", "sketch", "digest")
+WANTS = (VALUES, *NUMBERS)
 
 
 def on_host_arena(t: torch.Tensor) -> bool:

@@ -26,10 +26,9 @@ import torch
 
 from compare import format as fmt
 
-from .arena import Pending
+from .arena import VALUES, Pending
 from .snapshot import Snapshot
 
-VALUES = "values"
 WINDOW = 32  # bytes compared at the start, the middle and the end of a tensor
 UNSHARED = frozenset({fmt.PARAM, fmt.PARAM_GRAD})  # kinds whose records are never shared
 Taken = dict  # what -> a tuple (statistics, sketch), an int (digest), or a Pending of them

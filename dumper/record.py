@@ -9,7 +9,7 @@ import torch
 
 from compare import format as fmt
 
-from .arena import Pending, StepBatch, on_device, on_host_arena
+from .arena import NUMBERS, Pending, StepBatch, on_device, on_host_arena
 from .flatten import clip, short_repr
 from .known import KnownTensors, SharedValues
 from .snapshot import Snapshot, SnapshotPool
@@ -240,7 +240,6 @@ class RecordMaker:
                 numbers.release()
 
 
-NUMBERS = ("stats", "sketch", "digest")  # what a record may take instead of values
 _COMPUTED = {"stats": tensor_stats, "sketch": tensor_sketch, "digest": tensor_digest}
 
 
