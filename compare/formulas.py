@@ -16,6 +16,8 @@ the one that A's own records follow best.
   padded by its padding mode (backward: zeros only); ``ConvTranspose1d``/``2d``/``3d``, the
   same two the other way round;
 - the elementwise activations of :data:`ELEMENTWISE`: ``y = f(x)``, ``gx = g f'(x)``;
+- ``Embedding`` (:data:`GATHERS`): ``y = W[x]``, the rows its integer input names (exact: no
+  rounding; its gradient goes to the weight only, none is sent back);
 - normalizations (class names with ``LayerNorm``, ``RMSNorm`` or ``BatchNorm``; not
   ``SyncBatchNorm`` or gated ones), at the module's recorded ``eps``: ``x̂ = (x - μ) / σ``
   (``σ = sqrt(mean((x - μ)²) + eps)``; ``μ = 0`` for an RMSNorm), ``y = γ x̂ + β``,
@@ -64,13 +66,15 @@ def allowed(unit: np.ndarray, spread: np.ndarray, terms: np.ndarray,
 class Operands(NamedTuple):
     """A call's records by kind (``input``, ``output``, ``grad_output``, ``grad_input``) and
     its parameters, float64; ``eps`` a normalization's (NaN: not recorded), ``conv`` a
-    convolution's geometry (None: not recorded)."""
+    convolution's geometry (None: not recorded); ``rows``: for a gathering call, which rows
+    of its weight ``weight`` holds, in increasing order (None: all of them)."""
 
     tensors: dict
     weight: Optional[np.ndarray]
     bias: Optional[np.ndarray]
     eps: float
     conv: Optional[fmt.ConvGeometry] = None
+    rows: Optional[np.ndarray] = None
 
 
 class Figures:
@@ -119,6 +123,7 @@ CONVOLUTIONS = {"Conv1d": 1, "Conv2d": 2, "Conv3d": 3,
                 "ConvTranspose1d": 1, "ConvTranspose2d": 2, "ConvTranspose3d": 3}
 TRANSPOSED = frozenset(c for c in CONVOLUTIONS if c.startswith("ConvTranspose"))
 WEIGHTED = ("Linear", "Conv1D", *CONVOLUTIONS)  # Conv1D: Hugging Face's transposed Linear
+GATHERS = ("Embedding",)  # rows of its weight, by its integer input
 NORMALIZATIONS = ("LayerNorm", "RMSNorm", "BatchNorm")
 NOT_NORMALIZATIONS = ("SyncBatchNorm", "Gated")
 
@@ -143,6 +148,8 @@ def candidates(cls: str) -> list[Formula]:
         return [functools.partial(formula, CONVOLUTIONS[cls])]
     if cls in WEIGHTED:
         return [functools.partial(_linear, cls == "Conv1D")]
+    if cls in GATHERS:
+        return [_gathered]
     if not any(n in cls for n in NORMALIZATIONS) or any(n in cls for n in NOT_NORMALIZATIONS):
         return []
     if "BatchNorm" in cls:
@@ -184,6 +191,22 @@ def _linear(transposed: bool, kind: str, ops: Operands) -> Optional[Figures]:
     rows = g.reshape(-1, out_features)
     squared = float(np.square(rows).sum(axis=0) @ np.square(weight).sum(axis=1))
     return Figures(gx.reshape(-1, in_features), rows @ weight, squared, out_features)
+
+
+def _gathered(kind: str, ops: Operands) -> Optional[Figures]:
+    """An ``Embedding``: the rows of its weight its input names, in the input's shape."""
+    x, weight = ops.tensors.get(fmt.INPUT), ops.weight
+    if kind != fmt.OUTPUT or x is None or weight is None or weight.ndim != 2:
+        return None
+    rows = np.arange(len(weight)) if ops.rows is None else ops.rows
+    if len(rows) != len(weight) or len(rows) == 0:
+        return None
+    at = np.minimum(np.searchsorted(rows, x), len(rows) - 1)  # where each named row is held
+    y = ops.tensors[fmt.OUTPUT]
+    if (rows[at] != x).any() or y.shape != (*x.shape, weight.shape[1]):
+        return None  # names a row it does not have, or is no index (not an integer)
+    want = weight[at]
+    return Figures(y, want, float(np.square(want).sum()), 1)
 
 
 # torch's padding modes as numpy.pad's

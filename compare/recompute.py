@@ -1,8 +1,9 @@
 """A call recomputed from its own records: what B's computation of one call added.
 
 Where a module's class says what it computes (:mod:`compare.formulas`: ``Linear``,
-convolutions, elementwise activations, normalizations), its output follows from its input and
-weights, and the gradient it sends back from the gradient that arrives and its input.
+convolutions, elementwise activations, normalizations, ``Embedding``), its output follows
+from its input and weights, and the gradient it sends back from the gradient that arrives
+and its input.
 Recomputed in float64 from B's own records of the call, the difference is what B's
 computation of that call added, whatever error its operands carried: the error of a call's
 own forward or backward, measured exactly where the error figures of
@@ -33,8 +34,8 @@ neither have no figures. The formula is the class's candidate that A's records f
 within A's rounding (each side at its own recorded ``eps``): where none does (a class of that
 name that computes something else; TF32 in A), no figures; nor for records of statistics or
 digests, non-finite values (among those recomputed), and weights of more than
-:data:`MAX_ELEMENTS` elements. A large call is recomputed on every k-th of the samples its
-formula treats apart (:data:`SAMPLE_ELEMENTS`, :data:`SAMPLE_PRODUCTS`; a BatchNorm's
+:data:`MAX_ELEMENTS` elements (an ``Embedding``'s: of the rows its input names, the only
+ones read). A large call is recomputed on every k-th of the samples its formula treats apart (:data:`SAMPLE_ELEMENTS`, :data:`SAMPLE_PRODUCTS`; a BatchNorm's
 channels): time and memory stay bounded.
 """
 from __future__ import annotations
@@ -51,8 +52,8 @@ from .decoding import decode
 from .dump import StepReaders, one_side, reading
 from .pairing import from_shards
 from .attributes import NO_ATTRIBUTES, Attributes, Recorded
-from .formulas import (CONVOLUTIONS, ELEMENTWISE, RECOMPUTE_FIGURES, WEIGHTED, Operands,
-                       allowed, candidates, near_zero_roundings)
+from .formulas import (CONVOLUTIONS, ELEMENTWISE, GATHERS, RECOMPUTE_FIGURES, WEIGHTED,
+                       Operands, allowed, candidates, near_zero_roundings)
 from .precision import lowest, rounded, rounding_of
 from .statistics import STATS_RESOLUTION
 
@@ -64,6 +65,7 @@ MAX_ELEMENTS = 1 << 24  # per weight: 128 MiB in float64
 SAMPLE_ELEMENTS = 1 << 20
 SAMPLE_PRODUCTS = 1 << 28
 FLOATS = ("float64", "float32", "float16", "bfloat16")  # what is recomputed from
+INDICES = ("int64", "int32", "int16", "uint8", "int8")  # and what a gathering call's input is
 
 
 # the records a check reads besides its own: forward from the input, backward from the
@@ -196,6 +198,7 @@ class _Call:
                 self.by_kind.setdefault(row["kind"], row)
         cls = next(iter(rows.values()))["cls_a"]
         self.formulas, self.takes_weights = candidates(cls), cls not in ELEMENTWISE
+        self.gathers = cls in GATHERS  # its weight is read at the rows its input names
         self.sampling = self._sampling(cls)
         self.cache: dict[tuple, Optional[np.ndarray]] = {}
 
@@ -210,19 +213,22 @@ class _Call:
         if any(_shape(r, "a") != _shape(r, "b") for r in rows):
             return None
         shapes = [_shape(row, "a") for row in self.by_kind.values()]
-        ndims = {len(s) for s in shapes}
+        # the axes samples may lie along: a gathering call's output has a row per index
+        leading = [s[:-1] if self.gathers and kind != fmt.INPUT else s
+                   for kind, s in zip(self.by_kind, shapes)]
+        ndims = {len(s) for s in leading}
         if len(ndims) != 1:  # parameters only (nothing to recompute), or records that differ
             return None
         ndim = ndims.pop()
         channels = "BatchNorm" in cls and ndim >= 2
-        finest = 0 if channels else self._sample_axes(cls, ndim, shapes)
+        finest = 0 if channels else self._sample_axes(cls, ndim, leading)
         weight = self.params.get("weight")
         # multiply-adds per element of a sample: a weighted call's smaller weight dimension
         # (times a convolution's kernel size)
         products = math.prod(_shape(weight, "a")[2:]) * min(_shape(weight, "a")[:2]) if (
             cls in WEIGHTED and weight) else 0
         for axes in range(min(1, finest), finest + 1):  # the coarsest samples first
-            samples = {s[1] if channels else math.prod(s[:axes]) for s in shapes}
+            samples = {s[1] if channels else math.prod(s[:axes]) for s in leading}
             count = samples.pop()
             per_sample = max(math.prod(s) for s in shapes) // max(count, 1)
             if samples or per_sample == 0:
@@ -239,7 +245,7 @@ class _Call:
         (0: it needs them whole)."""
         if "BatchNorm" in cls:
             return 0
-        if cls in ELEMENTWISE:
+        if cls in ELEMENTWISE or self.gathers:
             return ndim
         if cls in WEIGHTED:
             return 1 if cls in CONVOLUTIONS else max(ndim - 1, 0)
@@ -296,7 +302,19 @@ class _Call:
             return None  # its weights are recorded at the module's first call only
         recorded = self.recorded[side]
         return Operands(tensors, params.get("weight"), params.get("bias"), eps=recorded.eps,
-                        conv=recorded.conv)
+                        conv=recorded.conv, rows=self._rows() if self.gathers else None)
+
+    def _rows(self) -> Optional[np.ndarray]:
+        """A gathering call's weight rows its input names on either side, in increasing
+        order (None: no input known): all the weight it is recomputed from."""
+        key = ("rows",)
+        if key not in self.cache:
+            named = [self._operand(self.by_kind[fmt.INPUT], side) for side in ("a", "b")
+                     ] if fmt.INPUT in self.by_kind else []
+            named = [n for n in named if n is not None]
+            self.cache[key] = np.unique(np.concatenate([n.ravel() for n in named])).astype(
+                np.int64) if named else None
+        return self.cache[key]
 
     def _operand(self, row: dict, side: str) -> Optional[np.ndarray]:
         """What the call computed from on ``side``: where B ran on A's values (``injected``),
@@ -306,7 +324,8 @@ class _Call:
             key = (row["label"], "a as b")
             if key not in self.cache:
                 values = self._tensor(row, "a")
-                self.cache[key] = None if values is None else rounded(values, row["dtype_b"])
+                self.cache[key] = values if values is None or row["dtype_b"] in INDICES \
+                    else rounded(values, row["dtype_b"])
             return self.cache[key]
         return self._tensor(row, side)
 
@@ -331,14 +350,18 @@ class _Call:
             self.cache[key] = None
             shape = _shape(row, side)
             param, sampling = row["kind"] == fmt.PARAM, self.sampling
-            usable = (row[f"dataset_{side}"] and row[f"dtype_{side}"] in FLOATS and
+            rows = self._rows() if param and self.gathers else None  # (reads the inputs)
+            dtypes = INDICES + FLOATS if self.gathers and row["kind"] == fmt.INPUT else FLOATS
+            elements = math.prod(shape) if rows is None else len(rows) * math.prod(shape[1:])
+            usable = (row[f"dataset_{side}"] and row[f"dtype_{side}"] in dtypes and
                       row[f"digest_{side}"] == fmt.NO_DIGEST and sampling is not None and
-                      0 < math.prod(shape) <= (MAX_ELEMENTS if param else math.inf))
+                      0 < elements <= (MAX_ELEMENTS if param else math.inf) and
+                      (rows is None or 0 <= rows[0] and rows[-1] < shape[0]))
             if usable:
                 reader = self.readers[side][(row["epoch"], row["step"], row["rank"])]
                 ds = reader.dataset(one_side(row, side))
-                values = decode(_sampled(ds, shape, sampling, param), row[f"dtype_{side}"],
-                                row[f"encoding_{side}"])
+                stored = ds[rows] if rows is not None else _sampled(ds, shape, sampling, param)
+                values = decode(stored, row[f"dtype_{side}"], row[f"encoding_{side}"])
                 if not np.iscomplexobj(values) and np.isfinite(values).all():
                     self.cache[key] = values.astype(np.float64)
         return self.cache[key]

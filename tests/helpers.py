@@ -55,6 +55,44 @@ class Planted(torch.nn.Module):
         return self.out(self.relu(h))
 
 
+class Embedded(torch.nn.Module):
+    """Token ids -> Embedding(64, 16) -> Linear -> (times ``between``, code between modules)
+    -> Linear."""
+
+    def __init__(self, between: float = 1.0):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 16)
+        self.lin1 = torch.nn.Linear(16, 16)
+        self.lin2 = torch.nn.Linear(16, 4)
+        self.between = between
+
+    def forward(self, ids):
+        return self.lin2(self.lin1(self.emb(ids)) * self.between)
+
+
+def dump_embedded(directory, dtype: torch.dtype, *, drift: float = 0.0, plant: float = 1.0,
+                  between: float = 1.0, step: int = 3, **options):
+    """Dump one step (labelled ``step``) of :class:`Embedded` in ``dtype`` on ids naming 12 of
+    its 64 rows; ``drift``: every weight off by that much (relative, random), as after
+    training; ``plant``: the embedding's output scaled so (``dumper.perturb``). ``options``
+    go to ``HookerAndDumper``."""
+    from dumper import HookerAndDumper, perturb
+    torch.manual_seed(0)
+    model = Embedded(between)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 + drift * torch.randn(p.shape, generator=gen))
+    model = model.to(dtype)
+    ids = torch.randint(0, 12, (4, 6), generator=torch.Generator().manual_seed(1)) * 5
+    planted = perturb(model, "emb", where="output", scale=plant) if plant != 1.0 else None
+    with HookerAndDumper(directory, **options).hooks(model, 0, step):
+        model(ids).pow(2).mean().backward()
+    if planted is not None:
+        planted.remove()
+    return directory
+
+
 def plant_error(model: Planted, where: str) -> None:
     """Make ``model.mid`` itself wrong: its output (``forward``), or, inside it, the gradient
     it sends back to its input (``backward``)."""

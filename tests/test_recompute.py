@@ -24,6 +24,7 @@ from compare.verdict import MISCOMPUTED
 from dumper import HookerAndDumper, perturb
 
 from architectures import cannot_run, run_step
+from helpers import dump_embedded, read_tensors
 
 COLUMNS = ["recomputed_rel_err", "recomputed_spread", "recomputed_terms"]
 
@@ -522,3 +523,35 @@ def test_transposed_convolutions_are_recomputed_and_their_errors_found(tmp_path)
         first = summarize(compare_dumps(a, planted)).first
         assert (first.row["module"], first.row["kind"]) == (module, where)
         assert first.row["recomputed_rel_err"] == pytest.approx(1e-3, rel=0.05)
+
+
+def test_an_embedding_is_recomputed_from_the_rows_its_ids_name(tmp_path, monkeypatch):
+    """An Embedding's output is the rows of its weight its ids name: recomputed exactly from
+    B's records (0 in a healthy pair, however far the weights drifted), its planted error
+    measured (the torch-computed figure), found as the origin at a later step where drifted
+    weights hide it from the error figures; only the rows named are read (a weight larger
+    than ``MAX_ELEMENTS`` whose named rows fit is still recomputed); and on integers B ran on
+    as A's (``inject=A``) too."""
+    monkeypatch.setattr("compare.recompute.MAX_ELEMENTS", 64 * 16 // 2)  # 12 rows fit
+    a = dump_embedded(tmp_path / "a", torch.float64, params=True)
+    healthy = compare_dumps(a, dump_embedded(tmp_path / "b", torch.float32, drift=1e-3,
+                                             params=True))
+    out = healthy[(healthy["module"] == "emb") & (healthy["kind"] == "output")].iloc[0]
+    assert out["recomputed_rel_err"] == 0.0 and out["recomputed_terms"] == 1
+    assert summarize(healthy).ok, summarize(healthy).verdict()
+    planted = compare_dumps(a, dump_embedded(tmp_path / "p", torch.float32, drift=1e-3,
+                                             plant=1.1, params=True))
+    first = summarize(planted).first
+    assert (first.row["module"], first.row["kind"]) == ("emb", "output")
+    assert first.row["reason"].startswith(MISCOMPUTED)
+    # by hand: B's output against B's weight rows at B's ids, relatively
+    tensors = read_tensors(tmp_path / "p")
+    ids, weight, output = (tensors[("emb", 0, kind, 0)] for kind in ("input", "param", "output"))
+    want = weight.double()[ids]
+    expected = float((output.double() - want).norm() / want.norm())
+    assert first.row["recomputed_rel_err"] == pytest.approx(expected, rel=1e-12)
+    assert expected == pytest.approx(0.1, rel=1e-3)
+    injected = compare_dumps(a, dump_embedded(tmp_path / "i", torch.float32, plant=1.1,
+                                              inject=a))
+    row = injected[(injected["module"] == "emb") & (injected["kind"] == "output")].iloc[0]
+    assert row["recomputed_rel_err"] == pytest.approx(0.1, rel=1e-3)
