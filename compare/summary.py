@@ -178,7 +178,8 @@ class Summary:
     user_tolerance: bool = False          # judged by the user's rtol/atol
     incomplete: tuple[str, ...] = ()      # compared steps their dumper marked incomplete
     # passing records where the inputs' error could hide an error that clean inputs would
-    # show, most added over the expected first: two dumps cannot tell there
+    # show, most added over the expected first: two dumps cannot tell there (where a record
+    # fails: only the outliers before the first failing one, where it may begin instead)
     undecided: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     @property
@@ -191,8 +192,11 @@ class Summary:
 
     @property
     def cannot_tell(self) -> bool:
-        """Nothing fails, but two dumps cannot rule out an error the verdict would name."""
-        return self.ok and not self.user_tolerance and len(self.undecided) > 0
+        """Nothing fails, but two dumps cannot rule out an error the verdict would name; or
+        the first divergence may begin at an earlier record, an outlier two dumps cannot
+        judge."""
+        return ((self.ok or self.first is not None) and not self.user_tolerance
+                and len(self.undecided) > 0)
 
     @property
     def ok(self) -> bool:
@@ -212,9 +216,16 @@ class Summary:
                          f"compared ({st.UNSUPPORTED})")
         if self.first is not None:
             r = self.first.row
+            earlier = ""
+            if self.cannot_tell:
+                worst = self.undecided.iloc[0]
+                earlier = (f"; two dumps cannot tell whether it begins earlier: "
+                           f"{worst['label']} ({fmt.direction_of(worst['kind'])}) adds "
+                           f"{worst['added_rel_error']:.3g}, {_ratio(worst['added_ratio'])} "
+                           f"typical, which {_hiding(worst)}")
             return (f"B diverges from A: first at step {fmt.step_label(r['epoch'], r['step'], r['rank'])} "
                     f"{self.first.direction} in {r['module'] or '<root>'} "
-                    f"({r['kind']}[{r['index']}]){weights}")
+                    f"({r['kind']}[{r['index']}]){earlier}{weights}")
         if not self.ok:
             bad = ", ".join(f"{self.counts[s]} {s}" for s in st.STATUSES
                             if s in st.FAILING and self.counts[s])
@@ -227,8 +238,7 @@ class Summary:
             if worst is not None:
                 return (f"B may diverge from A; two dumps cannot tell: {worst['label']} adds "
                         f"{worst['added_rel_error']:.3g}, {_ratio(worst['added_ratio'])} "
-                        f"typical, which its inputs' error ({worst['input_rel_error']:.3g}) "
-                        f"could hide{weights}")
+                        f"typical, which {_hiding(worst)}{weights}")
             where = self.undecided.loc[self.undecided["hidden_rel_error"].idxmax(), "label"]
             return (f"B agrees with A {within} as far as two dumps can tell: an added error "
                     f"of up to {bound:.3g} could hide in its inputs' error (in {where}; "
@@ -251,14 +261,17 @@ class Summary:
         if self.first is not None:
             lines.append(self.first.describe())
         if self.cannot_tell:
-            lines.append(f"cannot tell: in {len(self.undecided)} records an added error larger "
-                         f"than what comparable records add could pass for their inputs' error "
-                         f"amplified; suspects, most added over the typical first:")
+            where = ("before the first divergence, " if self.first is not None else "")
+            lines.append(f"cannot tell: {where}in {len(self.undecided)} records an added error "
+                         f"larger than what comparable records add could pass for their inputs' "
+                         f"error amplified; suspects, most added over the typical first:")
             for r in self.undecided.head(SUSPECTS).itertuples():
+                hidden = (f"up to {r.hidden_rel_error:.3g}" if r.hidden_rel_error < 1
+                          else "any error")
                 lines.append(f"  {_ratio(r.added_ratio):>5}  step "
                              f"{fmt.step_label(r.epoch, r.step, r.rank)} "
                              f"{fmt.direction_of(r.kind):<8} {r.label} (added "
-                             f"{r.added_rel_error:.3g}; up to {r.hidden_rel_error:.3g} could hide)")
+                             f"{r.added_rel_error:.3g}; {hidden} could hide)")
             lines.append(f"  {SETTLE}")
         if len(self.suspects) > 1:
             lines.append("suspects, worst first (added error in units of the expected one; "
@@ -269,6 +282,14 @@ class Summary:
             if len(self.suspects) > SUSPECTS:
                 lines.append(f"  ... {len(self.suspects) - SUSPECTS} more")
         return "\n".join(lines)
+
+
+def _hiding(row: pd.Series) -> str:
+    """What could hide an undecided record's added error, in words."""
+    if row["hidden_rel_error"] < 1:
+        return f"its inputs' error ({row['input_rel_error']:.3g}) could hide"
+    return (f"two dumps cannot bound (its inputs carry {row['input_rel_error']:.3g}, through "
+            f"weights it looks up or integers that differ)")
 
 
 def summarize(result: pd.DataFrame) -> Summary:
@@ -298,11 +319,17 @@ def summarize(result: pd.DataFrame) -> Summary:
     # added no more than an outlier would: what it adds itself is measured, not bounded)
     measured = ((result["recomputed_stride"] == 1)
                 & (result["recomputed_rel_err"] <= OUTLIER * result["expected_rel_error"]))
+    # (a record any error could pass in, where it stands out: the others would make every
+    # later step undecided)
+    outlier = (result["added_ratio"] >= OUTLIER) & np.isfinite(result["added_ratio"])
     undecided = result[result["status"].isin([st.CLOSE, st.INHERITED])
                        & (result["kind"] != fmt.PARAM) & (result["same_as"] == "")
                        & (result["hidden_rel_error"] > OUTLIER * result["expected_rel_error"])
-                       & (result["hidden_rel_error"] < 1)  # a record any error could be
+                       & ((result["hidden_rel_error"] < 1) | outlier)
                        & ~measured]
+    if first is not None:  # where it may begin instead: an outlier before it
+        before = np.arange(len(result)) < result.index.get_loc(first.row.name)
+        undecided = undecided[(outlier & before)[undecided.index]]
     undecided = undecided.sort_values(["added_ratio", "hidden_rel_error"], ascending=False,
                                       kind="stable")
     undecided = undecided.assign(label=[record_label(r) for _, r in undecided.iterrows()])

@@ -40,7 +40,7 @@ A record is
   rounding through B's lowest precision may (:mod:`compare.transit`: an error between
   modules, found exactly); and where B's own computation of a call, recomputed from its
   records (:mod:`compare.recompute`: a ``Linear``, a convolution, an elementwise
-  activation, a normalization), is off by more than rounding in the dtype it computed in
+  activation, a normalization, an ``Embedding``), is off by more than rounding in the dtype it computed in
   explains (a bound, not a typical figure: a call recomputed within it is still judged by the
   rule above, what could hide in it is at most that bound, and, where it passes, what it
   adds at most its recomputed error, measured; but where its recomputed

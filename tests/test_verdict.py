@@ -1388,3 +1388,38 @@ def test_wrong_integers_nothing_rounded_are_named_under_autocast(tmp_path, wrong
     first = summarize(compare_dumps(tmp_path / "a", tmp_path / "b")).first
     assert (first.row["module"], first.row["kind"]) == (
         ("", fmt.INPUT) if wrong == "ids" else ("pemb", fmt.INPUT))
+
+
+def test_an_outlier_two_dumps_cannot_bound_is_never_agreement(tmp_path):
+    """At a later step an Embedding's weights drifted (B float32 against A float64, B's
+    weights known by statistics only): which rows its ids pick, and how far those drifted,
+    two dumps cannot say, so its output has no bound. A 10 % error planted there is still
+    no agreement: it adds 10^5 times what comparable records do, so the verdict says two
+    dumps cannot tell and names it (exit 0); where a later record fails (code between the
+    Linears scales their tensor), the first divergence is that record, and the verdict says
+    it may begin at the embedding instead (exit 1). The drift alone stays agreement."""
+    from helpers import dump_embedded
+    a = dump_embedded(tmp_path / "a", torch.float64, params=True)
+    healthy = summarize(compare_dumps(a, dump_embedded(tmp_path / "b", torch.float32,
+                                                       drift=1e-3)))
+    assert healthy.ok and "emb" not in set(healthy.undecided["module"]), healthy.verdict()
+    label = "emb.Embedding#0 output[0]"
+    planted = dump_embedded(tmp_path / "p", torch.float32, drift=1e-3, plant=1.1)
+    summary = summarize(compare_dumps(a, planted))
+    assert summary.ok and summary.cannot_tell
+    worst = summary.undecided.iloc[0]
+    assert worst["label"] == label and worst["added_rel_error"] == pytest.approx(0.1, rel=0.01)
+    assert summary.verdict().startswith(f"B may diverge from A; two dumps cannot tell: {label} "
+                                        f"adds {worst['added_rel_error']:.3g}"), summary.verdict()
+    out = CliRunner().invoke(h5cmp, [str(a), str(planted)])
+    assert out.exit_code == 0 and f"forward  {label} (added" in out.output, out.output
+    assert "any error could hide" in out.output
+    later = dump_embedded(tmp_path / "q", torch.float32, drift=1e-3, plant=1.1, between=1.1)
+    summary = summarize(compare_dumps(a, later))
+    assert (summary.first.row["module"], summary.first.row["kind"]) == ("lin2", "input")
+    assert summary.cannot_tell and summary.undecided.iloc[0]["label"] == label
+    assert (f"; two dumps cannot tell whether it begins earlier: {label} (forward) adds "
+            f"{summary.undecided.iloc[0]['added_rel_error']:.3g}" in summary.verdict()), \
+        summary.verdict()
+    out = CliRunner().invoke(h5cmp, [str(a), str(later)])
+    assert out.exit_code == 1 and "cannot tell: before the first divergence, in " in out.output, out.output
