@@ -15,7 +15,9 @@ in-place change) changed the values in B only, whatever error the values carried
 Per later record of a link:
 
 ``transit_rel_diff``
-    ``||later_b - earlier_b|| / ||earlier_b||`` from B's values (the smallest over its links);
+    ``||later_b - earlier_b|| / ||earlier_b||`` from B's values (the largest over its links:
+    a change any of them shows is a change; a tensor handed back by a call, as an eval-mode
+    dropout does, is in several links, and one made after the change shows none);
     0 where B's bits agree; where B holds statistics only, the difference of the two norms (a
     lower bound); where a digest stands for B's values and the bits differ, inf; for a sum,
     ``||later_b - sum(terms_b)|| / ||sum(|terms_b|)||`` (its rounding, where B's bits agree).
@@ -234,7 +236,7 @@ def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, chunk_elements: i
     out: dict[int, dict] = {}
 
     def note(later: int, diff: float, earlier: list[pd.Series]) -> None:
-        if math.isnan(diff) or (later in out and diff >= out[later]["transit_rel_diff"]):
+        if math.isnan(diff) or (later in out and diff <= out[later]["transit_rel_diff"]):
             return
         out[later] = {"transit_rel_diff": diff, "transit_from": SUM_OF_RECORDS.join(
             fmt.record_label(e["module"], e["cls_a"], e["call_idx"], e["kind"], e["index"],

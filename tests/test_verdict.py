@@ -17,6 +17,7 @@ from compare import format as fmt
 from compare import status as st
 from compare.cli import main as h5cmp
 from compare.status import FAILING, INHERITED, ORIGIN
+from compare.verdict import IN_TRANSIT
 from dumper import HookerAndDumper, Injector, perturb
 
 from architectures import cannot_run, run_step
@@ -247,7 +248,10 @@ def test_a_low_precision_backward_error_is_found_by_its_scale(tmp_path):
     assert _named(first, "layer1") and first.row["kind"] == "grad_input"
     assert first.row["reason"].startswith("its error along A's values (scale) moves by 0.07")
     assert first.row["rel_error"] <= first.row["hidden_rel_error"]  # hidden from rel error
-    assert (result["transit_rel_diff"].fillna(0) == 0).all()  # handed on unchanged
+    # handed on unchanged, but from layer1's first block's gradient to what layer1 sent back
+    # (its own code changed it: the same tensor as the first divergence)
+    changed = result[result["transit_rel_diff"].fillna(0) > 0]
+    assert set(changed["same_as"]) == {"layer1.Sequential#0 grad_input[0]"}, changed
 
 
 @pytest.mark.slow
@@ -1122,6 +1126,45 @@ def test_a_module_that_hands_its_input_back_sends_no_transit_link(tmp_path):
     linked = result[result["transit_rel_diff"].notna()]
     assert ("inp", "grad_output") not in set(zip(linked["module"], linked["kind"]))
     assert ("cast", "input") in set(zip(linked["module"], linked["kind"]))  # forward: a link
+
+
+class _PassedResidual(nn.Module):
+    """``x + drop(lin(x))`` with ``drop`` an eval-mode Dropout: it hands ``lin``'s output back,
+    so that one tensor is ``lin``'s output, ``drop``'s input and output, and an addend."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.drop, self.out = nn.Linear(16, 16), nn.Dropout(0.5).eval(), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(x + self.drop(self.lin(x)))
+
+
+def test_a_gradient_changed_where_one_link_cannot_see_it_is_found_by_another(tmp_path):
+    """The gradient arriving at ``lin``'s output scaled by 1.03 in B: ``drop`` sends back what
+    arrives (its grad_input, the same tensor's gradient, is changed too: that link shows no
+    change), but the residual sum's gradient, which A hands on unchanged to its addend, shows
+    it: a change on any link of a record is a change (as a T5 cross-attention layer's
+    planted gradient went unseen, its dropout handing its output back)."""
+    batch = torch.randn(8, 16)
+
+    def run(name, plant=None):
+        torch.manual_seed(0)
+        model = _PassedResidual()
+        planted = perturb(model, "lin", where="grad_output", scale=1.03) if plant else None
+        with HookerAndDumper(tmp_path / name).hooks(model, 0, 0):
+            model(batch).pow(2).mean().backward()
+        if planted is not None:
+            planted.remove()
+        return tmp_path / name
+
+    a = run("a")
+    assert summarize(compare_dumps(a, run("b"))).ok
+    result = compare_dumps(a, run("p", plant=True))
+    first = summarize(result).first
+    assert (first.row["module"], first.row["kind"]) == ("lin", "grad_output")
+    assert first.row["transit_rel_diff"] == pytest.approx(0.03, rel=1e-3)
+    assert first.row["reason"].startswith(f"{IN_TRANSIT} 0.03 (rel) since out.Linear#0 grad_input[0]")
 
 
 def _sparse_relu(directory, dtype: torch.dtype, plant: dict = None):
