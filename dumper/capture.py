@@ -146,9 +146,9 @@ class StepCapture:
         self.handles: list[RemovableHandle] = []
         modules = [(path, m) for path, m in modules if runs_hooks(m)]
         # op-level capture (dumper.ops), if any is selected
-        self._ops: Optional[OpMode] = OpMode(self._run_op, selection.skip_ops) if any(
-            selection.wants_ops(path, m) for path, m in modules
-            if selection.wants_module(path, m)) else None
+        self._ops: Optional[OpMode] = OpMode(self._run_op, selection.skip_ops) if (
+            selection.ops and any(selection.wants_ops(path, m) for path, m in modules
+                                  if selection.wants_module(path, m))) else None
         self._op_counts: dict[tuple[int, str], int] = defaultdict(int)
         # the hooks' own ops are not the model's
         quiet = ops.quietly if self._ops is not None else (lambda fn: fn)
