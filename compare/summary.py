@@ -288,8 +288,8 @@ def _hiding(row: pd.Series) -> str:
     """What could hide an undecided record's added error, in words."""
     if row["hidden_rel_error"] < 1:
         return f"its inputs' error ({row['input_rel_error']:.3g}) could hide"
-    return (f"two dumps cannot bound (its inputs carry {row['input_rel_error']:.3g}, through "
-            f"weights it looks up or integers that differ)")
+    return (f"two dumps cannot bound (its inputs carry {row['input_rel_error']:.3g}: weights "
+            f"looked up by indices, integers that differ, or values off by their own size)")
 
 
 def summarize(result: pd.DataFrame) -> Summary:
