@@ -356,7 +356,7 @@ class _Call:
             usable = (row[f"dataset_{side}"] and row[f"dtype_{side}"] in dtypes and
                       row[f"digest_{side}"] == fmt.NO_DIGEST and sampling is not None and
                       0 < elements <= (MAX_ELEMENTS if param else math.inf) and
-                      (rows is None or 0 <= rows[0] and rows[-1] < shape[0]))
+                      (rows is None or len(shape) == 2 and 0 <= rows[0] and rows[-1] < shape[0]))
             if usable:
                 reader = self.readers[side][(row["epoch"], row["step"], row["rank"])]
                 ds = reader.dataset(one_side(row, side))

@@ -322,14 +322,17 @@ def summarize(result: pd.DataFrame) -> Summary:
     # (a record any error could pass in, where it stands out: the others would make every
     # later step undecided)
     outlier = (result["added_ratio"] >= OUTLIER) & np.isfinite(result["added_ratio"])
-    undecided = result[result["status"].isin([st.CLOSE, st.INHERITED])
-                       & (result["kind"] != fmt.PARAM) & (result["same_as"] == "")
-                       & (result["hidden_rel_error"] > OUTLIER * result["expected_rel_error"])
-                       & ((result["hidden_rel_error"] < 1) | outlier)
-                       & ~measured]
-    if first is not None:  # where it may begin instead: an outlier before it
-        before = np.arange(len(result)) < result.index.get_loc(first.row.name)
-        undecided = undecided[(outlier & before)[undecided.index]]
+    candidates = (result["status"].isin([st.CLOSE, st.INHERITED])
+                  & (result["kind"] != fmt.PARAM) & (result["same_as"] == "")
+                  & (result["hidden_rel_error"] > OUTLIER * result["expected_rel_error"])
+                  & ((result["hidden_rel_error"] < 1) | outlier) & ~measured).to_numpy()
+    undecided = result[candidates]
+    if first is not None:  # where it may begin instead: an outlier before it, where as
+        # much as the first divergence adds could hide
+        at = int(np.flatnonzero(result["status"].isin(st.VALUE_FAILURES).to_numpy())[0])
+        keep = (outlier.to_numpy() & (np.arange(len(result)) < at)
+                & (result["hidden_rel_error"] >= first.row["added_rel_error"]).to_numpy())
+        undecided = result[candidates & keep]
     undecided = undecided.sort_values(["added_ratio", "hidden_rel_error"], ascending=False,
                                       kind="stable")
     undecided = undecided.assign(label=[record_label(r) for _, r in undecided.iterrows()])

@@ -1466,3 +1466,36 @@ def test_an_outlier_two_dumps_cannot_bound_is_never_agreement(tmp_path):
         summary.verdict()
     out = CliRunner().invoke(h5cmp, [str(a), str(later)])
     assert out.exit_code == 1 and "cannot tell: before the first divergence, in " in out.output, out.output
+
+
+def test_a_failure_found_where_planted_is_not_said_to_begin_at_a_smaller_outlier(tmp_path):
+    """At a later step (drifted weights, float64 against float32) lin2's own backward off by
+    10 %: found there; earlier records that stand out by drift alone could not hide as much,
+    so the verdict does not say it may begin at one of them."""
+    from helpers import dump_embedded
+    a = dump_embedded(tmp_path / "a", torch.float64, params=True)
+    original = perturb
+
+    def planted(model, *args, **kwargs):
+        return original(model, "lin2", where="grad_input", scale=1.1)
+    import helpers
+    b = tmp_path / "b"
+    handle = None
+    try:
+        torch.manual_seed(0)
+        model = helpers.Embedded()
+        gen = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + 1e-3 * torch.randn(p.shape, generator=gen))
+        handle = planted(model)
+        ids = torch.randint(0, 12, (4, 6), generator=torch.Generator().manual_seed(1)) * 5
+        with HookerAndDumper(b).hooks(model, 0, 3):
+            model(ids).pow(2).mean().backward()
+    finally:
+        if handle is not None:
+            handle.remove()
+    summary = summarize(compare_dumps(a, b))
+    assert (summary.first.row["module"], summary.first.row["kind"]) == ("lin2", "grad_input")
+    assert not summary.cannot_tell and "begins earlier" not in summary.verdict(), \
+        summary.verdict()
