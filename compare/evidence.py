@@ -164,7 +164,7 @@ class Evidence:
         self.scale_noise = scale_noise(frame, self.sources, err, self.err_in)
         self.sampling = self._sampling(frame)
         self.weight_status = self._weight_statuses()
-        self.unbounded = self._unbounded()
+        self.unbounded = self._unbounded()  # why there is no bound, "" where there is
         # what B's code between two records of one tensor changed (compare.transit), and what
         # casts may: one rounding to the lowest precision B computes in, relatively, or at the
         # tensor's scale its underflow (code between modules may round through it and back)
@@ -313,22 +313,32 @@ class Evidence:
         return out
 
     def _unbounded(self) -> np.ndarray:
-        """Records without a bound (see the module docstring). Weights are looked up by
-        indices where their module's own code gets integers: as its inputs (an embedding's
-        token ids) or from its children (a router's choice of experts whose weights the
-        parent holds); another module's integers (the position ids an attention's
-        projections never see) select nothing of them."""
+        """Why two dumps cannot bound what each record adds ("" where they can; see the
+        module docstring). Weights are looked up by indices where their module's own code
+        gets integers: as its inputs (an embedding's token ids) or from its children (a
+        router's choice of experts whose weights the parent holds); another module's integers
+        (the position ids an attention's projections never see) select nothing of them."""
         drifted = (self.weight_status == st.INHERITED) & ~self.replaced
         unknown = self.from_stats & ~self.sketched  # how much: five statistics cannot tell
         module = self.frame["module"].to_numpy(object)
         kind = self.frame["kind"].to_numpy(object)
-        out = (self.discrete & (self.err_in > 0)) | (self.data_in >= UNRELATED)
+        out = np.full(self.n, "", object)
         for i, s in enumerate(self.sources):
             moved = s[drifted[s]]
             integers = s[self.discrete[s] & ~self.replaced[s]]  # (A's, where B ran on them)
-            out[i] |= bool(np.any(self.err[integers] > 0)) or bool(np.any(unknown[moved])) or any(
-                _selects(module[j], kind[j], owner) for owner in set(module[moved])
-                for j in integers)
+            if self.discrete[i] and self.err_in[i] > 0:
+                out[i] = "its integers are decided from inputs with an error"
+            elif self.data_in[i] >= UNRELATED:
+                out[i] = (f"the data it is computed from is off by {self.data_in[i]:.3g}, its "
+                          f"own size or more")
+            elif np.any(self.err[integers] > 0):
+                out[i] = "integers it is computed with differ between the runs"
+            elif np.any(unknown[moved]):
+                out[i] = ("its weights differ by an amount their five statistics cannot "
+                          "tell")
+            elif any(_selects(module[j], kind[j], owner) for owner in set(module[moved])
+                     for j in integers):
+                out[i] = "drifted weights it gets are looked up by indices"
         return out
 
 

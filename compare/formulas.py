@@ -16,8 +16,9 @@ the one that A's own records follow best.
   padded by its padding mode (backward: zeros only); ``ConvTranspose1d``/``2d``/``3d``, the
   same two the other way round;
 - the elementwise activations of :data:`ELEMENTWISE`: ``y = f(x)``, ``gx = g f'(x)``;
-- ``Embedding`` (:data:`GATHERS`): ``y = W[x]``, the rows its integer input names (exact: no
-  rounding; its gradient goes to the weight only, none is sent back);
+- ``Embedding`` (:data:`GATHERS`): ``y = W[x]``, the rows its integer input names (a copy:
+  rounding explains one rounding of the result, no sum; its gradient goes to the weight only,
+  none is sent back);
 - normalizations (class names with ``LayerNorm``, ``RMSNorm`` or ``BatchNorm``; not
   ``SyncBatchNorm`` or gated ones), at the module's recorded ``eps``: ``x̂ = (x - μ) / σ``
   (``σ = sqrt(mean((x - μ)²) + eps)``; ``μ = 0`` for an RMSNorm), ``y = γ x̂ + β``,
@@ -205,8 +206,7 @@ def _gathered(kind: str, ops: Operands) -> Optional[Figures]:
     y = ops.tensors[fmt.OUTPUT]
     if (rows[at] != x).any() or y.shape != (*x.shape, weight.shape[1]):
         return None  # names a row it does not have, or is no index (not an integer)
-    want = weight[at]
-    return Figures(y, want, float(np.square(want).sum()), 1)
+    return Figures(y, weight[at], 0.0, 1)  # a copy: at most the rounding of storing it
 
 
 # torch's padding modes as numpy.pad's

@@ -35,8 +35,9 @@ within A's rounding (each side at its own recorded ``eps``): where none does (a 
 name that computes something else; TF32 in A), no figures; nor for records of statistics or
 digests, non-finite values (among those recomputed), and weights of more than
 :data:`MAX_ELEMENTS` elements (an ``Embedding``'s: of the rows its input names, the only
-ones read). A large call is recomputed on every k-th of the samples its formula treats apart (:data:`SAMPLE_ELEMENTS`, :data:`SAMPLE_PRODUCTS`; a BatchNorm's
-channels): time and memory stay bounded.
+ones read). A large call is recomputed on every k-th of the samples its formula treats apart
+(:data:`SAMPLE_ELEMENTS`, :data:`SAMPLE_PRODUCTS`; a BatchNorm's channels): time and memory
+stay bounded.
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ MAX_ELEMENTS = 1 << 24  # per weight: 128 MiB in float64
 SAMPLE_ELEMENTS = 1 << 20
 SAMPLE_PRODUCTS = 1 << 28
 FLOATS = ("float64", "float32", "float16", "bfloat16")  # what is recomputed from
-INDICES = ("int64", "int32", "int16", "uint8", "int8")  # and what a gathering call's input is
+INDICES = ("int64", "int32")  # what a gathering call's input is (torch takes these only)
 
 
 # the records a check reads besides its own: forward from the input, backward from the
@@ -143,7 +144,8 @@ def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, metrics: dict[int
 def _parts(work: list[_Work], files_a: dict, files_b: dict, jobs: int) -> list[tuple]:
     """``work`` cut into at most ``jobs`` tasks of about equal elements (each with the
     locations of the step files it reads), the largest calls placed first."""
-    size = {id(w): sum(math.prod(_shape(r, "a")) for r in w.rows.values()) for w in work}
+    size = {id(w): sum(math.prod(_shape(r, "a")) for r in w.rows.values()
+                       if r["kind"] != fmt.PARAM or r["cls_a"] not in GATHERS) for w in work}
     parts: list[list[_Work]] = [[] for _ in range(max(1, min(jobs, len(work))))]
     loads = [0] * len(parts)
     for w in sorted(work, key=lambda w: -size[id(w)]):
@@ -324,7 +326,7 @@ class _Call:
             key = (row["label"], "a as b")
             if key not in self.cache:
                 values = self._tensor(row, "a")
-                self.cache[key] = values if values is None or row["dtype_b"] in INDICES \
+                self.cache[key] = values if values is None or row["dtype_b"] not in FLOATS \
                     else rounded(values, row["dtype_b"])
             return self.cache[key]
         return self._tensor(row, side)
@@ -350,17 +352,19 @@ class _Call:
             self.cache[key] = None
             shape = _shape(row, side)
             param, sampling = row["kind"] == fmt.PARAM, self.sampling
-            rows = self._rows() if param and self.gathers else None  # (reads the inputs)
-            dtypes = INDICES + FLOATS if self.gathers and row["kind"] == fmt.INPUT else FLOATS
+            gathered = param and self.gathers  # read at the rows its input names only
+            rows = self._rows() if gathered else None  # (reads the inputs)
+            dtypes = INDICES if self.gathers and row["kind"] == fmt.INPUT else FLOATS
             elements = math.prod(shape) if rows is None else len(rows) * math.prod(shape[1:])
             usable = (row[f"dataset_{side}"] and row[f"dtype_{side}"] in dtypes and
                       row[f"digest_{side}"] == fmt.NO_DIGEST and sampling is not None and
                       0 < elements <= (MAX_ELEMENTS if param else math.inf) and
-                      (rows is None or len(shape) == 2 and 0 <= rows[0] and rows[-1] < shape[0]))
+                      (not gathered or rows is not None and len(shape) == 2
+                       and 0 <= rows[0] and rows[-1] < shape[0]))
             if usable:
                 reader = self.readers[side][(row["epoch"], row["step"], row["rank"])]
                 ds = reader.dataset(one_side(row, side))
-                stored = ds[rows] if rows is not None else _sampled(ds, shape, sampling, param)
+                stored = ds[rows] if gathered else _sampled(ds, shape, sampling, param)
                 values = decode(stored, row[f"dtype_{side}"], row[f"encoding_{side}"])
                 if not np.iscomplexobj(values) and np.isfinite(values).all():
                     self.cache[key] = values.astype(np.float64)

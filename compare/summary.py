@@ -216,16 +216,18 @@ class Summary:
                          f"compared ({st.UNSUPPORTED})")
         if self.first is not None:
             r = self.first.row
+            at = fmt.step_label(r["epoch"], r["step"], r["rank"])
             earlier = ""
             if self.cannot_tell:
                 worst = self.undecided.iloc[0]
+                where = fmt.step_label(worst["epoch"], worst["step"], worst["rank"])
                 earlier = (f"; two dumps cannot tell whether it begins earlier: "
-                           f"{worst['label']} ({fmt.direction_of(worst['kind'])}) adds "
+                           f"{'' if where == at else f'step {where} '}{worst['label']} "
+                           f"({fmt.direction_of(worst['kind'])}) adds "
                            f"{worst['added_rel_error']:.3g}, {_ratio(worst['added_ratio'])} "
                            f"typical, which {_hiding(worst)}")
-            return (f"B diverges from A: first at step {fmt.step_label(r['epoch'], r['step'], r['rank'])} "
-                    f"{self.first.direction} in {r['module'] or '<root>'} "
-                    f"({r['kind']}[{r['index']}]){earlier}{weights}")
+            return (f"B diverges from A: first at step {at} {self.first.direction} in "
+                    f"{r['module'] or '<root>'} ({r['kind']}[{r['index']}]){earlier}{weights}")
         if not self.ok:
             bad = ", ".join(f"{self.counts[s]} {s}" for s in st.STATUSES
                             if s in st.FAILING and self.counts[s])
@@ -288,8 +290,8 @@ def _hiding(row: pd.Series) -> str:
     """What could hide an undecided record's added error, in words."""
     if row["hidden_rel_error"] < 1:
         return f"its inputs' error ({row['input_rel_error']:.3g}) could hide"
-    return (f"two dumps cannot bound (its inputs carry {row['input_rel_error']:.3g}: weights "
-            f"looked up by indices, integers that differ, or values off by their own size)")
+    return (f"two dumps cannot bound: {row['unbounded']} (its inputs carry "
+            f"{row['input_rel_error']:.3g})")
 
 
 def summarize(result: pd.DataFrame) -> Summary:
@@ -329,9 +331,8 @@ def summarize(result: pd.DataFrame) -> Summary:
     undecided = result[candidates]
     if first is not None:  # where it may begin instead: an outlier before it, where as
         # much as the first divergence adds could hide
-        at = int(np.flatnonzero(result["status"].isin(st.VALUE_FAILURES).to_numpy())[0])
-        keep = (outlier.to_numpy() & (np.arange(len(result)) < at)
-                & (result["hidden_rel_error"] >= first.row["added_rel_error"]).to_numpy())
+        keep = (outlier & _before(result, first.row)
+                & (result["hidden_rel_error"] >= first.row["added_rel_error"])).to_numpy()
         undecided = result[candidates & keep]
     undecided = undecided.sort_values(["added_ratio", "hidden_rel_error"], ascending=False,
                                       kind="stable")
@@ -339,6 +340,20 @@ def summarize(result: pd.DataFrame) -> Summary:
     return Summary(counts, len(result), first, precision, suspects, largest, weights, later,
                    from_stats, bool(result.attrs.get(USER_TOLERANCE)),
                    tuple(result.attrs.get(INCOMPLETE_STEPS, ())), undecided)
+
+
+def _before(result: pd.DataFrame, row: pd.Series) -> pd.Series:
+    """Records that ran before ``row``: in an earlier step (any rank: ranks exchange
+    gradients), or earlier in its step on its rank, unless it is a weight (which the step
+    gets from the ones before)."""
+    step = list(zip(result["epoch"], result["step"]))
+    at = (row["epoch"], row["step"])
+    earlier = pd.Series([k < at for k in step], index=result.index)
+    if row["kind"] == fmt.PARAM:
+        return earlier
+    same = pd.Series([k == at for k in step], index=result.index) & (
+        result["rank"].fillna(-1) == (-1 if pd.isna(row["rank"]) else row["rank"]))
+    return earlier | (same & (result["seq"] < row["seq"]))
 
 
 def _enclosing(same_step: pd.DataFrame, row: pd.Series) -> Optional[tuple[str, str]]:

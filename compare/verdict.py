@@ -103,7 +103,8 @@ IN_TRANSIT = "B changed its values by"  # how the reason of a record changed in 
 MISCOMPUTED = "B's values differ by"  # how the reason of a call B computed wrongly begins
 USER_TOLERANCE = "user_tolerance"  # attribute of a judged result: judged by the user's rtol/atol
 VERDICT_COLUMNS = ("rel_error", "input_rel_error", "added_rel_error", "expected_rel_error",
-                   "added_ratio", "hidden_rel_error", "source", "same_as", "reason")
+                   "added_ratio", "hidden_rel_error", "unbounded", "source", "same_as",
+                   "reason")
 
 
 def judge(result: pd.DataFrame, rtol: Optional[float] = None, atol: Optional[float] = None,
@@ -150,6 +151,7 @@ class _Judgement:
         self.failed: set[tuple] = set()  # (rank, (epoch, step)) with a failing record
         self.err_in, self.added = records.err_in.copy(), records.added.copy()
         self.hidden = np.zeros(n)  # the added error that inputs' error could hide
+        self.unbounded = np.full(n, "", object)  # why no bound holds what it adds, if none
         self.source = np.full(n, "", object)
         self.same_as = np.full(n, "", object)
 
@@ -226,6 +228,7 @@ class _Judgement:
         self.tainted[i] = self.tainted[first] or self.status[first] in st.FAILING
         self.healthy[i] = self.healthy[first]
         self.hidden[i] = self.hidden[first]
+        self.unbounded[i] = self.unbounded[first]
         if self.r.measured[i] == st.EQUAL:
             return
         carried = self.status[first] in st.CARRYING
@@ -244,7 +247,8 @@ class _Judgement:
             explains = any(r.measured[j] == st.NAN_MISMATCH or not math.isfinite(r.err[j])
                            for j in carrying)
             return st.INHERITED if explains else st.NAN_MISMATCH
-        bound = math.inf if self._unbounded(i, level) else math.hypot(
+        self.unbounded[i] = self._unbounded(i, level)
+        bound = math.inf if self.unbounded[i] else math.hypot(
             self._judged_gain(i) * self.err_in[i], level, self._last_bit(i))
         # an error up to this size, added here, passes for its inputs' error amplified, but
         # where what it adds is the change since a record of the same tensor, measured
@@ -288,10 +292,13 @@ class _Judgement:
                                         LINEAR_MARGIN * linear if math.isfinite(linear) else 0.0,
                                         GAIN * adjoint if math.isfinite(adjoint) else 0.0)
 
-    def _unbounded(self, i: int, level: float) -> bool:
-        """Without a bound (the module docstring): what :attr:`Evidence.unbounded` says, and
-        an integer a call decides while it rounds (where some error is expected)."""
-        return self.r.unbounded[i] or (self.r.decided[i] and level > 0)
+    def _unbounded(self, i: int, level: float) -> str:
+        """Why no bound holds what it adds ("" where one does; the module docstring): what
+        :attr:`Evidence.unbounded` says, and an integer a call decides while it rounds
+        (where some error is expected)."""
+        if self.r.unbounded[i] or not (self.r.decided[i] and level > 0):
+            return self.r.unbounded[i]
+        return "its call decides its integers from values it rounds (a near-tie flips)"
 
     def _judged_gain(self, i: int) -> float:
         """``gain``, at least ``EXACT_GAIN`` downstream of a failing record (only more than
@@ -377,7 +384,7 @@ class _Judgement:
                    "expected_rel_error": level, "added_ratio": ratio,
                    "hidden_rel_error": self.hidden}
         out = r.frame.assign(
-            status=self.status, source=self.source,
+            status=self.status, source=self.source, unbounded=self.unbounded,
             same_as=self.same_as, reason=self.reason,
             **{k: np.where(r.compared, v, np.nan) for k, v in numbers.items()})
         out.attrs[USER_TOLERANCE] = r.user_tol

@@ -199,6 +199,8 @@ def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: P
                 named="-" if first is None else f"{first.row['module'] or '<root>'} "
                                                f"{first.row['kind']}",
                 verdict=summary.verdict(), cannot_tell=summary.cannot_tell,
+                # how it says so: nothing fails, or a failure elsewhere may begin earlier
+                begins_earlier=summary.cannot_tell and first is not None,
                 suspected=module in set(summary.undecided.head(5)["module"]),
                 bound=float(hidden.get((module, where), float("nan"))), size=size,
                 injected=_named(_first_origin(table), module),
@@ -256,7 +258,9 @@ def report(outcome: dict) -> None:
                   f"{noise:>7}{len(rows) - len(seen) - noise:>7}{median:>12}")
             for p in seen:
                 if not p["two_dump"]:
-                    honest = ("cannot tell" + (", suspected" if p["suspected"] else "")
+                    honest = ("cannot tell" + (" whether it begins earlier" if
+                                               p["begins_earlier"] else "")
+                              + (", suspected" if p["suspected"] else "")
                               if p["cannot_tell"] else "NOT cannot tell")
                     print(f"      two-dump miss: {p['arch']} seed {p['seed']} "
                           f"{p['module'] or '<root>'}: named {p['named']}; {honest}; plant "
@@ -271,7 +275,9 @@ def report(outcome: dict) -> None:
             print(f"{set_}: two-dump {len(seen) - len(missed)}/{len(seen)}, injected "
                   f"{sum(p['injected'] for p in seen)}/{len(seen)} visible plants localized; "
                   f"two-dump misses with a cannot-tell verdict "
-                  f"{sum(p['cannot_tell'] for p in missed)}/{len(missed)}, of which the plant "
+                  f"{sum(p['cannot_tell'] for p in missed)}/{len(missed)} (where another "
+                  f"record fails, saying it may begin earlier: "
+                  f"{sum(p['begins_earlier'] for p in missed)}), of which the plant "
                   f"was a suspect {sum(p['suspected'] for p in missed)}; misses of a plant 10x "
                   f"the bound there or more: {sum(p['size'] >= 10 * p['bound'] for p in missed)}")
     print("\nhealthy pairs (two-dump false alarm: any failing row, and how many say they cannot "

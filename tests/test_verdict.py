@@ -1454,6 +1454,9 @@ def test_an_outlier_two_dumps_cannot_bound_is_never_agreement(tmp_path):
     assert worst["label"] == label and worst["added_rel_error"] == pytest.approx(0.1, rel=0.01)
     assert summary.verdict().startswith(f"B may diverge from A; two dumps cannot tell: {label} "
                                         f"adds {worst['added_rel_error']:.3g}"), summary.verdict()
+    assert worst["unbounded"] == "drifted weights it gets are looked up by indices"
+    assert "which two dumps cannot bound: drifted weights it gets are looked up by indices (its " \
+        "inputs carry" in summary.verdict(), summary.verdict()
     out = CliRunner().invoke(h5cmp, [str(a), str(planted)])
     assert out.exit_code == 0 and f"forward  {label} (added" in out.output, out.output
     assert "any error could hide" in out.output
@@ -1466,6 +1469,22 @@ def test_an_outlier_two_dumps_cannot_bound_is_never_agreement(tmp_path):
         summary.verdict()
     out = CliRunner().invoke(h5cmp, [str(a), str(later)])
     assert out.exit_code == 1 and "cannot tell: before the first divergence, in " in out.output, out.output
+
+
+def test_an_outlier_in_an_earlier_step_is_named_with_its_step(tmp_path):
+    """The embedding's 10 % error planted at step 3, code between the Linears wrong at step 4
+    (both after drift): the first divergence is step 4's; where it may begin instead is the
+    outlier of step 3, named with its step."""
+    from helpers import dump_embedded
+    for step in (3, 4):
+        a = dump_embedded(tmp_path / "a", torch.float64, params=True, step=step)
+    dump_embedded(tmp_path / "b", torch.float32, drift=1e-3, plant=1.1, step=3)
+    b = dump_embedded(tmp_path / "b", torch.float32, drift=1e-3, between=1.1, step=4)
+    summary = summarize(compare_dumps(a, b))
+    assert summary.verdict().startswith(
+        "B diverges from A: first at step 0:4 forward in lin2 (input[0]); two dumps cannot tell "
+        "whether it begins earlier: step 0:3 emb.Embedding#0 output[0] (forward) adds "), \
+        summary.verdict()
 
 
 def test_a_failure_found_where_planted_is_not_said_to_begin_at_a_smaller_outlier(tmp_path):
