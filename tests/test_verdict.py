@@ -1471,10 +1471,12 @@ def test_an_outlier_two_dumps_cannot_bound_is_never_agreement(tmp_path):
     assert out.exit_code == 1 and "cannot tell: before the first divergence, in " in out.output, out.output
 
 
-def test_an_outlier_in_an_earlier_step_is_named_with_its_step(tmp_path):
+def test_an_earlier_outlier_is_one_that_ran_before(tmp_path):
     """The embedding's 10 % error planted at step 3, code between the Linears wrong at step 4
     (both after drift): the first divergence is step 4's; where it may begin instead is the
-    outlier of step 3, named with its step."""
+    outlier of step 3, named with its step. Within one step, an outlier on another rank did
+    not run before the failure: not named (the result's ranks relabelled as a two-rank run's
+    would be)."""
     from helpers import dump_embedded
     for step in (3, 4):
         a = dump_embedded(tmp_path / "a", torch.float64, params=True, step=step)
@@ -1485,6 +1487,14 @@ def test_an_outlier_in_an_earlier_step_is_named_with_its_step(tmp_path):
         "B diverges from A: first at step 0:4 forward in lin2 (input[0]); two dumps cannot tell "
         "whether it begins earlier: step 0:3 emb.Embedding#0 output[0] (forward) adds "), \
         summary.verdict()
+    one_step = compare_dumps(tmp_path / "a", dump_embedded(
+        tmp_path / "c", torch.float32, drift=1e-3, plant=1.1, between=1.1))
+    one_step = one_step[one_step["step"] == 3]
+    assert "emb" in set(summarize(one_step).undecided["module"])
+    ranks = summarize(one_step.assign(rank=[1.0 if m == "emb" else 0.0
+                                            for m in one_step["module"]]))
+    assert ranks.first.row["module"] == "lin2" and "emb" not in set(ranks.undecided["module"])
+    assert "begins earlier: emb" not in ranks.verdict(), ranks.verdict()
 
 
 def test_a_failure_found_where_planted_is_not_said_to_begin_at_a_smaller_outlier(tmp_path):
