@@ -326,8 +326,8 @@ class _Call:
             key = (row["label"], "a as b")
             if key not in self.cache:
                 values = self._tensor(row, "a")
-                self.cache[key] = values if values is None or row["dtype_b"] not in FLOATS \
-                    else rounded(values, row["dtype_b"])
+                self.cache[key] = (values if values is None or row["dtype_b"] in INDICES
+                                   else rounded(values, row["dtype_b"]))
             return self.cache[key]
         return self._tensor(row, side)
 

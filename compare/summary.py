@@ -290,8 +290,11 @@ def _hiding(row: pd.Series) -> str:
     """What could hide an undecided record's added error, in words."""
     if row["hidden_rel_error"] < 1:
         return f"its inputs' error ({row['input_rel_error']:.3g}) could hide"
-    return (f"two dumps cannot bound: {row['unbounded']} (its inputs carry "
-            f"{row['input_rel_error']:.3g})")
+    why = row.get("unbounded")
+    if isinstance(why, str) and why:
+        return (f"two dumps cannot bound: {why} (its inputs carry "
+                f"{row['input_rel_error']:.3g})")
+    return f"its inputs' error ({row['input_rel_error']:.3g}), amplified, could hide any of it"
 
 
 def summarize(result: pd.DataFrame) -> Summary:
@@ -344,16 +347,20 @@ def summarize(result: pd.DataFrame) -> Summary:
 
 def _before(result: pd.DataFrame, row: pd.Series) -> pd.Series:
     """Records that ran before ``row``: in an earlier step (any rank: ranks exchange
-    gradients), or earlier in its step on its rank, unless it is a weight (which the step
-    gets from the ones before)."""
+    gradients), or earlier in its step on its rank; for a weight (which the step gets from
+    the ones before) only the former; for a weight's gradient (taken after ranks sum
+    theirs) also every other record of its step, on any rank."""
     step = list(zip(result["epoch"], result["step"]))
     at = (row["epoch"], row["step"])
     earlier = pd.Series([k < at for k in step], index=result.index)
     if row["kind"] == fmt.PARAM:
         return earlier
-    same = pd.Series([k == at for k in step], index=result.index) & (
-        result["rank"].fillna(-1) == (-1 if pd.isna(row["rank"]) else row["rank"]))
-    return earlier | (same & (result["seq"] < row["seq"]))
+    same = pd.Series([k == at for k in step], index=result.index)
+    rank = result["rank"].fillna(-1) == (-1 if pd.isna(row["rank"]) else row["rank"])
+    before = earlier | (same & rank & (result["seq"] < row["seq"]))
+    if row["kind"] == fmt.PARAM_GRAD:
+        before |= same & (result["kind"] != fmt.PARAM_GRAD)
+    return before
 
 
 def _enclosing(same_step: pd.DataFrame, row: pd.Series) -> Optional[tuple[str, str]]:

@@ -264,6 +264,8 @@ class _Judgement:
         settled = r.recomputed[i] <= r.recomputed_floor[i]  # B computed it as A's code does
         if settled:
             self.hidden[i] = min(self.hidden[i], r.recomputed_floor[i])
+        if math.isfinite(self.hidden[i]):  # (a link or its recomputation bounds it)
+            self.unbounded[i] = ""
         if r.summed[i] and (r.err[i] > bound or self._scale_moves(i, level)):
             self.added[i] = r.transit[i]
             self.reason[i] = (f"its terms' error, summed ({r.frame.at[i, 'transit_from']}), "
@@ -298,7 +300,7 @@ class _Judgement:
         (where some error is expected)."""
         if self.r.unbounded[i] or not (self.r.decided[i] and level > 0):
             return self.r.unbounded[i]
-        return "its call decides its integers from values it rounds (a near-tie flips)"
+        return "its call decides its integers from values it rounds, where a near-tie flips"
 
     def _judged_gain(self, i: int) -> float:
         """``gain``, at least ``EXACT_GAIN`` downstream of a failing record (only more than

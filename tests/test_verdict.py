@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import warnings
 
 import numpy as np
@@ -1528,3 +1529,50 @@ def test_a_failure_found_where_planted_is_not_said_to_begin_at_a_smaller_outlier
     assert (summary.first.row["module"], summary.first.row["kind"]) == ("lin2", "grad_input")
     assert not summary.cannot_tell and "begins earlier" not in summary.verdict(), \
         summary.verdict()
+
+
+def test_an_outlier_whose_bound_is_large_is_not_said_to_have_none(tmp_path):
+    """Weights 30 % off (float64 against float32, B's drifted) count four times their error
+    as input error, so the bound of what a record adds can be finite yet 1 or more: such an
+    outlier is named for its inputs' error, never with an empty reason for having no bound."""
+    import torch.nn.functional as F
+
+    class Proj(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(16, 16) / 4)
+
+        def forward(self, x):
+            return F.linear(x, self.weight)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.p, self.out = nn.Linear(16, 16), Proj(), nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.out(torch.relu(self.p(self.inp(x))))
+
+    def dump(directory, dtype, drift, scale):
+        torch.manual_seed(0)
+        model = Model()
+        with torch.no_grad():
+            model.p.weight.mul_(1 + drift * torch.randn(
+                16, 16, generator=torch.Generator().manual_seed(7)))
+        model = model.to(dtype)
+        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+        planted = perturb(model, "p", where="output", scale=scale) if scale != 1 else None
+        with HookerAndDumper(directory, params=True).hooks(model, 0, 3):
+            model(x).pow(2).mean().backward()
+        if planted is not None:
+            planted.remove()
+        return directory
+
+    result = compare_dumps(dump(tmp_path / "a", torch.float64, 0.0, 1.0),
+                           dump(tmp_path / "b", torch.float32, 0.3, 1.8))
+    summary = summarize(result)
+    worst = summary.undecided.iloc[0]
+    assert 1 <= worst["hidden_rel_error"] < math.inf and worst["unbounded"] == ""
+    assert (f"which its inputs' error ({worst['input_rel_error']:.3g}), amplified, could hide "
+            f"any of it" in summary.verdict()), summary.verdict()
+    assert (result["unbounded"] != "").eq(result["hidden_rel_error"] == math.inf).all()
