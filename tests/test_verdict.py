@@ -1496,6 +1496,13 @@ def test_an_earlier_outlier_is_one_that_ran_before(tmp_path):
                                             for m in one_step["module"]]))
     assert ranks.first.row["module"] == "lin2" and "emb" not in set(ranks.undecided["module"])
     assert "begins earlier: emb" not in ranks.verdict(), ranks.verdict()
+    # a weight's gradient is taken after the ranks sum theirs: every record of its step, on
+    # any rank, came before it (the failing row relabelled as one)
+    first = ranks.first.row.name
+    summed = one_step.assign(rank=[1.0 if m == "emb" else 0.0 for m in one_step["module"]],
+                             kind=[fmt.PARAM_GRAD if i == first else k
+                                   for i, k in zip(one_step.index, one_step["kind"])])
+    assert "emb" in set(summarize(summed).undecided["module"])
 
 
 def test_a_failure_found_where_planted_is_not_said_to_begin_at_a_smaller_outlier(tmp_path):
