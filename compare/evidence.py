@@ -330,7 +330,9 @@ class Evidence:
                 out[i] = "its integers are decided from inputs with an error"
             elif self.data_in[i] >= UNRELATED:
                 out[i] = (f"the data it is computed from is off by {self.data_in[i]:.3g}, its "
-                          f"own size or more")
+                          f"own size or more" if math.isfinite(self.data_in[i]) else
+                          "the data it is computed from is off without measure (zero or not "
+                          "finite on one side only)")
             elif np.any(self.err[integers] > 0):
                 out[i] = "integers it is computed with differ between the runs"
             elif np.any(unknown[moved]):
