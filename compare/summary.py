@@ -331,12 +331,12 @@ def summarize(result: pd.DataFrame) -> Summary:
                   & (result["kind"] != fmt.PARAM) & (result["same_as"] == "")
                   & (result["hidden_rel_error"] > OUTLIER * result["expected_rel_error"])
                   & ((result["hidden_rel_error"] < 1) | outlier) & ~measured).to_numpy()
-    undecided = result[candidates]
     if first is not None:  # where it may begin instead: an outlier before it, where as
         # much as the first divergence adds could hide
-        keep = (outlier & _before(result, first.row)
-                & (result["hidden_rel_error"] >= first.row["added_rel_error"])).to_numpy()
-        undecided = result[candidates & keep]
+        candidates = candidates & (
+            outlier & _before(result, first.row)
+            & (result["hidden_rel_error"] >= first.row["added_rel_error"])).to_numpy()
+    undecided = result[candidates]
     undecided = undecided.sort_values(["added_ratio", "hidden_rel_error"], ascending=False,
                                       kind="stable")
     undecided = undecided.assign(label=[record_label(r) for _, r in undecided.iterrows()])

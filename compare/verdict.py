@@ -151,7 +151,8 @@ class _Judgement:
         self.failed: set[tuple] = set()  # (rank, (epoch, step)) with a failing record
         self.err_in, self.added = records.err_in.copy(), records.added.copy()
         self.hidden = np.zeros(n)  # the added error that inputs' error could hide
-        self.unbounded = np.full(n, "", object)  # why no bound holds what it adds, if none
+        self.unbounded = np.full(n, "", object)  # why no bound holds what it adds (where no
+        # link or recomputation bounds it either: result() keeps it where hidden is infinite)
         self.source = np.full(n, "", object)
         self.same_as = np.full(n, "", object)
 
@@ -264,8 +265,6 @@ class _Judgement:
         settled = r.recomputed[i] <= r.recomputed_floor[i]  # B computed it as A's code does
         if settled:
             self.hidden[i] = min(self.hidden[i], r.recomputed_floor[i])
-        if math.isfinite(self.hidden[i]):  # (a link or its recomputation bounds it)
-            self.unbounded[i] = ""
         if r.summed[i] and (r.err[i] > bound or self._scale_moves(i, level)):
             self.added[i] = r.transit[i]
             self.reason[i] = (f"its terms' error, summed ({r.frame.at[i, 'transit_from']}), "
@@ -386,7 +385,8 @@ class _Judgement:
                    "expected_rel_error": level, "added_ratio": ratio,
                    "hidden_rel_error": self.hidden}
         out = r.frame.assign(
-            status=self.status, source=self.source, unbounded=self.unbounded,
+            status=self.status, source=self.source,
+            unbounded=np.where(np.isinf(self.hidden), self.unbounded, ""),
             same_as=self.same_as, reason=self.reason,
             **{k: np.where(r.compared, v, np.nan) for k, v in numbers.items()})
         out.attrs[USER_TOLERANCE] = r.user_tol
