@@ -30,6 +30,15 @@ except ImportError:  # not POSIX: the in-process registry only
 _claimed: set[str] = set()
 _claimed_lock = threading.Lock()
 
+# What a lock file holds: the writer's pid, padded to a fixed width so that writing it over a
+# stale lock file's pid needs no truncation (ext4 flushes a file truncated to zero when it is
+# closed, which cost ~2 ms of every dumped step; docs/benchmarks.md, "Dump")
+_HOLDER_BYTES = 32
+
+
+def _holder_text() -> bytes:
+    return str(os.getpid()).ljust(_HOLDER_BYTES - 1).encode() + b"\n"
+
 
 class StepConflictError(RuntimeError):
     """Another dumper writes, or has published, the same step file."""
@@ -70,7 +79,7 @@ class StepClaim:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                holder = os.pread(fd, _HOLDER_BYTES, 0).decode(errors="replace").strip() or "?"
                 os.close(fd)
                 raise _conflict(self.path, f"another process (pid {holder}) is writing this step")
             except BaseException:
@@ -81,8 +90,7 @@ class StepClaim:
             except FileNotFoundError:
                 same = False
             if same:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, str(os.getpid()).encode(), 0)
+                os.pwrite(fd, _holder_text(), 0)
                 return fd
             os.close(fd)
 

@@ -86,6 +86,8 @@ def test_two_processes_cannot_write_one_step(tmp_path):
     script.write_text(_HOLDER.format(root=str(ROOT), tests=str(ROOT / "tests")))
     directory = tmp_path / "dump"
     directory.mkdir()
+    # a lock file a crashed writer left, holding a longer pid than the holder's: reused
+    (directory / fmt.lock_file_name(fmt.step_file_name(0, 0))).write_text("4194303999999")
     dumper = HookerAndDumper(directory)  # started before the other process publishes
     holder = subprocess.Popen([sys.executable, str(script), str(directory)], text=True,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
