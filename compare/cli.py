@@ -43,9 +43,11 @@ class Options:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("a", type=click.Path(path_type=Path, readable=False))
 @click.argument("b", type=click.Path(path_type=Path, readable=False), required=False)
-@click.option("--rtol", type=float, help="Relative tolerance for every element (default: the "
-              "error model judges each record against what the precisions explain).")
-@click.option("--atol", type=float, help="Absolute tolerance for every element (with --rtol).")
+@click.option("--rtol", type=click.FloatRange(min=0), help="Relative tolerance for every element "
+              "(default: the error model judges each record against what the precisions "
+              "explain).")
+@click.option("--atol", type=click.FloatRange(min=0),
+              help="Absolute tolerance for every element (with --rtol).")
 @click.option("--step", "steps", multiple=True, help="Only step S, or E:S (repeatable).")
 @click.option("--module", "modules", multiple=True,
               help="Only show modules matching this glob (repeatable; the verdict is the step's).")
@@ -107,6 +109,9 @@ def main(a: Path, b: Optional[Path], track: Optional[str], debug: bool, **option
     try:
         if options["ranks"]:
             sys.exit(ranks_command(a, b, Options(**options)))
+        if track and b is not None:
+            raise DumpError(f"--track {track}: plots one tensor over the steps of one dump; "
+                            f"give only A")
         if b is None:
             if track:
                 _track(a, track, options["plot"])
@@ -144,6 +149,7 @@ def compare_command(a: Path, b: Path, opts: Options) -> int:
         if picture is not None:
             check_plot_path(picture)
     full_a, full_b = load_dump(a), load_dump(b)  # compare_dumps may put shards together
+    rerun = load_dump(opts.injected) if opts.injected is not None else None
     dump_a, dump_b, note = align_ranks(full_a, full_b, opts.rank)
     if opts.suggest_map:
         from .suggest import suggest_mapping
@@ -180,6 +186,12 @@ def compare_command(a: Path, b: Path, opts: Options) -> int:
             if note:
                 click.echo(f"h5cmp: {note}", err=True)
     summary = summarize(result)  # of every record: the filters below only choose what is shown
+    origins = None
+    if rerun is not None:  # the re-run's answer is the definite one: checked before any output
+        from .injection import localize
+        origins = localize(dump_a, dump_b, rerun, opts.rtol, opts.atol, steps=opts.steps,
+                           modules=opts.modules, free_result=result)
+        summary.rerun_given = True
     shown = select(result, opts.modules, opts.kinds).reset_index(drop=True)
     if shown.empty:
         from .errors import DumpError
@@ -201,11 +213,9 @@ def compare_command(a: Path, b: Path, opts: Options) -> int:
                          result=result), opts.dot)
     if not opts.quiet:
         click.echo(render_text(shown, summary, opts.show_all, opts.top, opts.order))
-    if opts.injected is not None:  # the re-run's answer is the definite one
-        from .injection import describe_origins, localize
+    if origins is not None:
+        from .injection import describe_origins
         from .status import ORIGIN
-        origins = localize(dump_a, dump_b, opts.injected, opts.rtol, opts.atol,
-                           steps=opts.steps, modules=opts.modules, free_result=result)
         if not opts.quiet:
             click.echo("\nlocal vs accumulated error (the reference's values injected):")
             click.echo(describe_origins(origins))

@@ -24,7 +24,7 @@ def connect(address: str) -> Any:
                         f"distributed: pip install 'h5cmp[dask]'") from exc
     try:
         return Client(address, timeout=CONNECT_TIMEOUT)
-    except (OSError, TimeoutError) as exc:
+    except (OSError, TimeoutError, ValueError) as exc:  # ValueError: not an address
         raise DumpError(f"--scheduler {address}: cannot reach the Dask scheduler "
                         f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
                         f"start it (dask scheduler) or check the address") from exc

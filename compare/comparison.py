@@ -112,6 +112,7 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     mapping = _name_mapping(mapping, rows_a, rows_b)
     if mapping is not None:
         rows_b = _one_to_one(mapping, rows_b, mapping.apply(rows_b))
+    _check_same_model(dump_a, dump_b, rows_a, rows_b)
     rows_b = align_ops(rows_a, rows_b)
     pairs, not_compared = recorded_on_both_sides(pair_records(rows_a, rows_b))
     files_a = {(s.epoch, s.step, s.rank if s.rank is not None else -1): s for s in dump_a.steps}
@@ -190,6 +191,23 @@ def _layouts(dump: Dump) -> tuple[frozenset, frozenset]:
     return (frozenset(s.rank for s in dump.steps), frozenset(zip(
         lowest["module"], lowest["call_idx"], lowest["kind"], lowest["index"],
         lowest["mesh_shape"], lowest["placements"])))
+
+
+def _check_same_model(a: Dump, b: Dump, rows_a: pd.DataFrame, rows_b: pd.DataFrame) -> None:
+    """Raise :class:`DumpError` when fewer than half the modules of the side that recorded
+    fewer have a namesake in the other: the dumps record different models, or B's modules
+    were renamed (a side may record a subset: ``include=``)."""
+    names = [sorted({m for m in rows["module"].unique() if m and fmt.split_op(m) is None})
+             for rows in (rows_a, rows_b)]
+    common = set(names[0]) & set(names[1])
+    fewer = min(len(names[0]), len(names[1]))
+    if not fewer or 2 * len(common) >= fewer:
+        return
+    only_a, only_b = ([m for m in side if m not in common][:2] for side in names)
+    raise DumpError(f"{a.path} / {b.path}: the dumps record different models: {len(common)} of "
+                    f"A's {len(names[0])} modules have a namesake among B's {len(names[1])} (A "
+                    f"has {', '.join(only_a)}, B {', '.join(only_b)}); if B's modules were "
+                    f"renamed, `h5cmp A B --suggest-map` prints rules for --map")
 
 
 def _name_mapping(given: Union[NameMapping, PathLike, None], rows_a: pd.DataFrame,

@@ -355,6 +355,19 @@ ATTR_INCOMPLETE = "incomplete"
 # "" or, for a localizing re-run (dumper.injection), the reference dump whose values were
 # injected and the kinds injected: "dumps/a (input, param, grad_output)". Since version 6.
 ATTR_INJECTED_FROM = "injected_from"
+
+
+def injected_from(reference: str, kinds: Iterable[str]) -> str:
+    """The ``injected_from`` text of a re-run on ``reference``'s values of ``kinds``."""
+    return f"{reference} ({', '.join(kinds)})"
+
+
+def parse_injected_from(text: str) -> tuple[str, tuple[str, ...]]:
+    """The reference path and the kinds of an ``injected_from`` text (("", ()) for "")."""
+    reference, _, kinds = text.rpartition(" (")
+    if not text or not kinds.endswith(")"):
+        return text, ()
+    return reference, tuple(k for k in kinds[:-1].split(", ") if k)
 # The paths of the modules compiled in place (regional compilation, ``module.compile()``), one
 # per line, outermost only ("" for none; the root is "<root>"): recorded at their boundaries,
 # the modules inside them run as compiled code and are not recorded. Since version 7.

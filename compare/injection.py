@@ -19,6 +19,7 @@ injected values only) is read by values instead: a call counts as injected where
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterable, Optional
 
 import numpy as np
@@ -28,6 +29,7 @@ from . import format as fmt
 from . import status as st
 from .comparison import compare_dumps
 from .dump import Dump, PathLike, load_dump
+from .errors import DumpError
 from .precision import rounding_of
 
 ORIGINS_SHOWN = 10  # origins listed by describe_origins
@@ -51,11 +53,22 @@ def localize(reference: PathLike | Dump, free: PathLike | Dump, injected: PathLi
     in the free run), ``fine``. Records the injected run has and the reference has not, or the
     other way round (an in-place module fed a copy makes a gradient the original run merges),
     are no origin. ``free_result``: ``compare_dumps(reference, free, ...)`` if
-    already done."""
+    already done.
+
+    Raises :class:`~compare.errors.DumpError` where ``injected`` cannot give local errors: it
+    was injected from another dump, none of its calls ran on the reference's values, or its
+    modules ran on weights that differ from the reference's, which it did not inject (the
+    reference holds no values of them: dumped without ``params=True``)."""
+    ref, rerun = load_dump(reference), load_dump(injected)
+    _check_source(ref, rerun)
     acc = free_result if free_result is not None else compare_dumps(
-        reference, free, rtol, atol, steps=steps)
-    loc = compare_dumps(reference, load_dump(injected), rtol, atol, steps=steps)
-    local = loc[_judged_locally(loc)]
+        ref, free, rtol, atol, steps=steps)
+    loc = compare_dumps(ref, rerun, rtol, atol, steps=steps)
+    judged_locally = _judged_locally(loc)
+    if not (loc["injected"] == 1).any():
+        _check_replaced(ref, rerun, loc, acc)
+    local = loc[judged_locally]
+    _check_weights(ref, rerun, loc, local)
     judged = local[KEY + ["seq", "injected"] + JUDGED].merge(
         acc[KEY + JUDGED], on=KEY, how="left", suffixes=("_local", "_accumulated"))
     judged = judged.rename(columns={f"{c}_local": f"local_{c}" for c in JUDGED}
@@ -70,6 +83,68 @@ def localize(reference: PathLike | Dump, free: PathLike | Dump, injected: PathLi
     return judged.reset_index(drop=True)
 
 
+def _injected_from(rerun: Dump) -> set[tuple[str, tuple[str, ...]]]:
+    """The (reference, kinds) the re-run's steps say they were injected from (none: no
+    ``injected_from``, e.g. a standalone :class:`~dumper.injection.Injector`)."""
+    return {fmt.parse_injected_from(str(s.attrs.get(fmt.ATTR_INJECTED_FROM, "")))
+            for s in rerun.steps} - {("", ())}
+
+
+def _check_source(ref: Dump, rerun: Dump) -> None:
+    """The re-run must have been injected from the reference: by name, as dumps get moved (a
+    directory, or a step file in it, on either side)."""
+    names = _dump_names(ref.path)
+    for source, _ in _injected_from(rerun):
+        if not names & _dump_names(Path(source)):
+            raise DumpError(f"{rerun.path}: a re-run on the values of {source}, not of A "
+                            f"({ref.path}); compare it with the dump it was injected from")
+
+
+def _dump_names(path: Path) -> set[str]:
+    """The names a dump goes by: its own, and its directory's for a step file."""
+    return {path.name} | ({path.parent.name} if fmt.parse_step_file_name(path.name) else set())
+
+
+def _check_replaced(ref: Dump, rerun: Dump, loc: pd.DataFrame, acc: pd.DataFrame) -> None:
+    """Without ``injected`` flags: some call must have had its inputs (or incoming gradients)
+    replaced by the reference's, i.e. within rounding of them in the re-run where the free run
+    is not (where the free run never strays, there is nothing to tell)."""
+    rerun_within, free_within = _upstream_within(loc), _upstream_within(acc)
+    strayed = free_within[~free_within]
+    if strayed.empty or rerun_within.reindex(strayed.index, fill_value=False).any():
+        return
+    raise DumpError(f"{rerun.path}: no module call in it ran on A's ({ref.path}) values, so it "
+                    f"is not a re-run of B on them; make one with HookerAndDumper(..., "
+                    f"inject=A) in B's training loop (A dumped with params=True)")
+
+
+def _check_weights(ref: Dump, rerun: Dump, loc: pd.DataFrame, local: pd.DataFrame) -> None:
+    """The judged modules' weights must be the reference's: equal in both runs, or injected
+    (the reference holds their values and the re-run injected ``param``)."""
+    kinds = {k for _, ks in _injected_from(rerun) for k in ks}
+    params = loc[(loc["kind"] == fmt.PARAM) & (loc["status"] != st.EQUAL)
+                 & (loc["rel_error"].fillna(1.0) != 0)]
+    judged = set(zip(local["epoch"], local["step"], local["module"]))
+    params = params[[k in judged for k in zip(params["epoch"], params["step"], params["module"])]]
+    if params.empty:
+        return
+    index = ref.index
+    held = set(zip(*(index.loc[(index["kind"] == fmt.PARAM) & (index["dataset"] != ""), c]
+                     for c in ("epoch", "step", "module", "index"))))
+    injected = fmt.PARAM in kinds or not kinds  # a standalone injector: by what A holds
+    for r in params.itertuples():
+        if injected and (r.epoch, r.step, r.module, r.index) in held:
+            continue
+        why = (f"A ({ref.path}) holds no values of them there (dump A with params=True)"
+               if injected else "the re-run did not inject 'param'")
+        raise DumpError(
+            f"{rerun.path}: its modules ran on their own weights, which differ from A's at "
+            f"step {fmt.step_label(r.epoch, r.step, r.rank)} (first: "
+            f"{fmt.record_label(r.module, r.cls, r.call_idx, r.kind, r.index)}, rel error "
+            f"{r.rel_error:.3g}), and {why}: its errors are not local; re-run B with "
+            f"inject=A (A dumped with params=True)")
+
+
 def _judged_locally(loc: pd.DataFrame) -> pd.Series:
     """Rows of the comparison with the injected run that carry local error only."""
     flagged = loc[loc["injected"] == 1]
@@ -82,18 +157,28 @@ def _judged_locally(loc: pd.DataFrame) -> pd.Series:
     return _upstream_injected(loc)
 
 
+def _upstream_within(frame: pd.DataFrame) -> pd.Series:
+    """Per (call, produced kind): whether every upstream record of the call (inputs for an
+    output, incoming gradients for a grad_input) is present in both runs and no element is
+    further from the reference than rounding it to B's dtype moves it (one unit roundoff)."""
+    unit = frame["dtype_b"].map(lambda d: rounding_of(d).unit).fillna(0.0)
+    within = (frame["status"] == st.EQUAL) | (frame["max_rel_err"] <= unit * (1 + 1e-9))
+    calls = frame.assign(rank=frame["rank"].fillna(-1), within=within)
+    parts = [calls[calls["kind"] == upstream].groupby(CALL)["within"].all().to_frame()
+             .assign(produced=produced).set_index("produced", append=True)["within"]
+             for produced, upstream in PRODUCED.items()]
+    return pd.concat(parts) if parts else pd.Series(dtype=bool)
+
+
 def _upstream_injected(loc: pd.DataFrame) -> pd.Series:
     """For an injected run without flags: the produced rows (outputs, grad_inputs) whose call
-    had its upstream (inputs, incoming gradients) replaced: present, and no element further from
-    the reference than rounding it to B's dtype moves it (one unit roundoff)."""
-    unit = loc["dtype_b"].map(lambda d: rounding_of(d).unit).fillna(0.0)
-    within = (loc["status"] == st.EQUAL) | (loc["max_rel_err"] <= unit * (1 + 1e-9))
-    calls = loc.assign(rank=loc["rank"].fillna(-1), within=within)
+    had its upstream (inputs, incoming gradients) replaced (:func:`_upstream_within`)."""
+    up = _upstream_within(loc)
+    calls = loc.assign(rank=loc["rank"].fillna(-1))
     injected = pd.Series(False, index=loc.index)
-    for produced, upstream in PRODUCED.items():
-        up = calls[calls["kind"] == upstream].groupby(CALL)["within"].all()
+    for produced in PRODUCED:
         rows = calls[calls["kind"] == produced]
-        keys = list(zip(*(rows[c] for c in CALL)))
+        keys = [(*k, produced) for k in zip(*(rows[c] for c in CALL))]
         injected[rows.index] = [bool(up.get(k, False)) for k in keys]
     return injected
 
@@ -108,8 +193,10 @@ def describe_origins(frame: pd.DataFrame, shown: int = ORIGINS_SHOWN) -> str:
     for r in origins.head(shown).itertuples():
         ratio = ("" if not np.isfinite(r.local_added_ratio)
                  else f", {r.local_added_ratio:.0f}x the typical local error")
-        arrived = (" (as it arrived: made by the code before this module)" if r.injected
-                   else "")
+        arrived = ("" if not r.injected else
+                   " (as it arrived: sent back by the code after this module)"
+                   if r.kind in fmt.BACKWARD_KINDS else
+                   " (as it arrived: made by the code before this module)")
         lines.append(f"  origin: step {fmt.step_label(r.epoch, r.step, r.rank)} "
                      f"{fmt.direction_of(r.kind)} "
                      f"{fmt.record_label(r.module, r.cls, r.call_idx, r.kind, r.index)}{arrived} "

@@ -17,6 +17,7 @@ SIDE_COLUMNS = ["seq", "call", "cls", "micro_batch", "group", "path", "dtype", "
                 "dataset", "status", "checksum", "digest", "producer", "addends", "injected",
                 "parts", "replicas_differ",
                 *fmt.STAT_COLUMNS, *fmt.SKETCH_COLUMNS]
+NOTED_STEPS = 3  # steps named by a note on the records one side left out
 
 
 def align_ranks(a: Dump, b: Dump, rank: Optional[int] = None
@@ -28,6 +29,9 @@ def align_ranks(a: Dump, b: Dump, rank: Optional[int] = None
     a distributed side to that rank; two distributed dumps otherwise pair rank by rank.
     """
     single_a, single_b = (all(s.rank is None for s in d.steps) for d in (a, b))
+    if rank is not None and single_a and single_b:
+        raise DumpError(f"{a.path} / {b.path}: --rank {rank}: neither dump is distributed "
+                        f"(they hold no ranks); leave --rank out")
     if rank is None:
         if single_a == single_b:
             return a, b, None
@@ -128,12 +132,17 @@ def recorded_on_both_sides(pairs: pd.DataFrame) -> tuple[pd.DataFrame, list[str]
     for side, other, name, other_name in (("a_only", "b_only", "A", "B"),
                                           ("b_only", "a_only", "B", "A")):
         lone = present.map(lambda sides: sides == {side})
+        steps: dict[str, list[str]] = {}  # kind -> the steps where only this side has it
         for key in lone[lone].index:
             rows = (pairs[step_kind] == pd.Series(key, index=step_kind)).all(axis=1)
             keep &= ~rows
-            notes.append(f"{name}'s {key[-1]} records of step {fmt.step_label(*key[:3])} are "
-                         f"not compared: {other_name} recorded none (dumped with other kinds or "
-                         f"params)")
+            steps.setdefault(key[-1], []).append(fmt.step_label(*key[:3]))
+        for kind, labels in steps.items():
+            shown = ", ".join(labels[:NOTED_STEPS]) + (
+                f" and {len(labels) - NOTED_STEPS} more" if len(labels) > NOTED_STEPS else "")
+            notes.append(f"{name}'s {kind} records of step{'s' if len(labels) > 1 else ''} "
+                         f"{shown} are not compared: {other_name} recorded none (dumped with "
+                         f"other kinds or params)")
     params = pairs[(pairs["kind"] == fmt.PARAM) & keep]
     both = params[params["side"] == "both"][["module", "index"]].drop_duplicates()
     known = set(map(tuple, both.to_numpy()))

@@ -89,7 +89,9 @@ class Divergence:
                                  & self.upstream["kind"].isin(list(fmt.BACKWARD_KINDS))]
         return None if carrying.empty else carrying.loc[carrying["rel_error"].idxmax()]
 
-    def describe(self) -> str:
+    def describe(self, advise_rerun: bool = True) -> str:
+        """The divergence in words; ``advise_rerun``: say how an injected re-run settles
+        what two dumps cannot."""
         r = self.row
         micro_batch = f" (micro-batch {r['micro_batch']})" if r["micro_batch"] > 0 else ""
         op = fmt.split_op(r["module"])
@@ -145,8 +147,8 @@ class Divergence:
                 lines.append(f"  but it is sent back from records that already differ "
                              f"({record_label(carried)}: {carried['rel_error']:.3g}), and code "
                              f"that sums them (attention's backward, over positions) may amplify "
-                             f"that beyond the gain allowed here, as far as two dumps can tell; "
-                             f"{SETTLE}")
+                             f"that beyond the gain allowed here, as far as two dumps can tell"
+                             f"{'; ' + SETTLE if advise_rerun else ''}")
             hint = self._ops_hint()
             if hint is not None:
                 lines.append(f"  to see which of {self.parent}'s ops: dump both runs again with "
@@ -181,6 +183,7 @@ class Summary:
     # show, most added over the expected first: two dumps cannot tell there (where a record
     # fails: only the outliers before the first failing one, where it may begin instead)
     undecided: pd.DataFrame = field(default_factory=pd.DataFrame)
+    rerun_given: bool = False  # an injected re-run answers (--injected): no advice to make one
 
     @property
     def outliers(self) -> pd.DataFrame:
@@ -261,7 +264,7 @@ class Summary:
             lines.append(f"incomplete: {', '.join(self.incomplete)}: the step failed, records "
                          f"after the failure are missing")
         if self.first is not None:
-            lines.append(self.first.describe())
+            lines.append(self.first.describe(advise_rerun=not self.rerun_given))
         if self.cannot_tell:
             where = ("before the first divergence, " if self.first is not None else "")
             lines.append(f"cannot tell: {where}in {len(self.undecided)} records an added error "
@@ -274,7 +277,8 @@ class Summary:
                              f"{fmt.step_label(r.epoch, r.step, r.rank)} "
                              f"{fmt.direction_of(r.kind):<8} {r.label} (added "
                              f"{r.added_rel_error:.3g}; {hidden} could hide)")
-            lines.append(f"  {SETTLE}")
+            if not self.rerun_given:
+                lines.append(f"  {SETTLE}")
         if len(self.suspects) > 1:
             lines.append("suspects, worst first (added error in units of the expected one; "
                          "new: none expected):")
@@ -313,7 +317,12 @@ def summarize(result: pd.DataFrame) -> Summary:
     largest = passing.loc[passing["added_ratio"].idxmax()] if len(passing) and \
         passing["added_ratio"].notna().any() else None
     params = result[(result["kind"] == fmt.PARAM) & (result["status"] == st.INHERITED)]
-    weights = params.loc[params["rel_error"].idxmax()] if len(params) else None
+    # (a parameter that differs by more than its own size is noise in one run at least, e.g.
+    # a bias no gradient reaches moved by the optimizer alone: no measure of how far apart
+    # the weights are, unless every one is)
+    sized = params[params["rel_error"] <= 1]
+    sized = sized if len(sized) else params
+    weights = sized.loc[sized["rel_error"].idxmax()] if len(sized) else None
     later = weights is not None and (weights["epoch"], weights["step"]) != (0, 0)
     suspects = failing[failing["status"] == st.DIFF].sort_values(
         ["added_ratio", "added_rel_error"], ascending=False, kind="stable")

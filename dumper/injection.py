@@ -284,7 +284,8 @@ class Injector:
 
     def describe(self) -> str:
         """What the index's ``injected_from`` attribute says: the reference and the kinds."""
-        return f"{self.reference.path} ({', '.join(k for k in INJECTABLE if k in self.kinds)})"
+        return fmt.injected_from(str(self.reference.path),
+                                 [k for k in INJECTABLE if k in self.kinds])
 
     # -- used alone: hooks of its own ------------------------------------------------------
     def register(self, model: nn.Module, epoch: int, step: int) -> None:

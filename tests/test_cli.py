@@ -265,6 +265,20 @@ def test_nothing_to_compare_or_show_is_an_error_not_a_verdict(runs):
         assert result.exit_code == 2 and says in result.output, result.output
 
 
+def test_options_that_cannot_apply_are_refused(runs):
+    """An option the comparison would ignore or choke on is a user's mistake: exit 2 with one
+    line saying what to do, never a silent no-op or an internal error."""
+    for args, says in (
+            (("--rtol", "-1"), "-1.0 is not in the range x>=0"),
+            (("--atol", "-0.1"), "-0.1 is not in the range x>=0"),
+            (("--rank", "3"), "--rank 3: neither dump is distributed"),
+            (("--track", "mid:output:0"), "plots one tensor over the steps of one dump"),
+            (("--scheduler", "notaurl"), "--scheduler notaurl: ")):
+        result = h5cmp(runs["ref"], runs["fwd"], *args)
+        assert result.exit_code == 2 and says in result.output, (args, result.output)
+        assert "internal error" not in result.output
+
+
 def test_outputs_are_checked_before_comparing(runs, tmp_path):
     for args, says in ((("-o", tmp_path / "missing" / "r.csv"), "does not exist"),
                        (("-o", tmp_path), "is a directory"),

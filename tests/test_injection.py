@@ -13,6 +13,7 @@ from torch import nn
 
 from compare import compare_dumps, format as fmt, load_dump, localize, summarize
 from compare.cli import main as h5cmp
+from compare.errors import DumpError
 from compare.status import ORIGIN
 from compare.verdict import SPREAD
 from dumper import HookerAndDumper, Injector, perturb
@@ -151,6 +152,40 @@ def test_a_reference_without_weights_is_injected_without_them(tmp_path):
     assert set(index[index["injected"] == 1]["kind"]) == {"input", "grad_output"}
 
 
+def test_a_rerun_that_cannot_localize_is_refused_before_any_report(tmp_path):
+    """What is passed as the re-run must be one that gives local errors: a re-run of B on A's
+    values, with A's weights where the weights have drifted. Anything else used to read as
+    "0 origin", exit 0: a false all-clear. Each is refused (exit 2) before any report."""
+    later = dict(steps=2, optimizer="adamw", plant_last_only=True)
+    plant = {"include": ["1.down"], "where": "output", "scale": 1.05}
+    run_step("mlp", "float32", tmp_path / "a", dumper_options={"params": True}, **later)
+    run_step("mlp", "float32", tmp_path / "a_stats", **later)  # no weight values
+    run_step("mlp", "bfloat16", tmp_path / "b", plant=plant, **later)
+    run_step("mlp", "bfloat16", tmp_path / "c", plant=plant,
+             dumper_options={"inject": tmp_path / "a"}, **later)
+    with pytest.warns(RuntimeWarning, match="holds no parameter values"):
+        run_step("mlp", "bfloat16", tmp_path / "c_stats", plant=plant,
+                 dumper_options={"inject": tmp_path / "a_stats"}, **later)
+    run_step("resnet", "float32", tmp_path / "other_model")
+    refused = {  # (A, re-run) -> what the error says
+        ("a", "b"): "no module call in it ran on A's",
+        ("a", "c_stats"): r"a re-run on the values of .*a_stats, not of A",
+        ("a_stats", "c_stats"): r"its modules ran on their own weights, which differ from A's "
+                                r"at step 0:1 .* holds no values of them there",
+        ("a", "other_model"): "the dumps record different models",
+    }
+    for (a, rerun), message in refused.items():
+        with pytest.raises(DumpError, match=message):
+            localize(tmp_path / a, tmp_path / "b", tmp_path / rerun)
+        out = CliRunner().invoke(h5cmp, [str(tmp_path / a), str(tmp_path / "b"),
+                                         "--injected", str(tmp_path / rerun)])
+        assert out.exit_code == 2, out.output
+        assert "tensor pairs" not in out.output and "Traceback" not in out.output
+    out = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "b"),
+                                     "--injected", str(tmp_path / "c")])
+    assert out.exit_code == 1 and "origin: step 0:1 forward 1.down" in out.output, out.output
+
+
 def test_an_injector_chooses_kinds_and_modules(tmp_path):
     run_step("mlp", "float32", tmp_path / "a", dumper_options={"params": True})
     injector = Injector(tmp_path / "a", kinds=["grad_output"], include=["1.*"])
@@ -176,7 +211,8 @@ def test_the_cli_reports_origins_from_the_injected_rerun(tmp_path):
                                      "--injected", str(tmp_path / "c")])
     assert out.exit_code == 1, out.output
     assert ("origin: step 0:2 backward transformer.h.1.mlp.c_fc.Conv1D#0 grad_output[0] (as it "
-            "arrived: made by the code before this module)") in out.output
+            "arrived: sent back by the code after this module)") in out.output
+    assert "to settle it" not in out.output  # the re-run is given: no advice to make one
     run_step("gpt2", "bfloat16", tmp_path / "healthy", dumper_options={"inject": tmp_path / "a"},
              **common)
     ok = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "b"),

@@ -114,10 +114,15 @@ def all_paired_and_equal(result) -> None:
     assert (result["max_abs_err"].fillna(0) == 0).all()
 
 
-def test_without_rules_the_port_does_not_pair(dumps):
-    result = compare_dumps(dumps / "a", dumps / "port")
-    assert (result["status"] == MISSING_IN_A).sum() > 50
-    assert result.attrs["name_mapping"] == ""
+def test_without_rules_the_port_is_named_another_model(dumps):
+    """Renamed modules do not pair: rather than a report of every record missing, the user
+    is told that the dumps record different models and how to align them."""
+    with pytest.raises(DumpError, match=r"the dumps record different models: 1 of A's 30 "
+                                        r"modules .* --suggest-map"):
+        compare_dumps(dumps / "a", dumps / "port")
+    out = CliRunner().invoke(main, [str(dumps / "a"), str(dumps / "port")])
+    assert out.exit_code == 2 and "Traceback" not in out.output
+    assert "--suggest-map" in out.output
 
 
 def test_rules_file_pairs_every_tensor_of_the_port(dumps, tmp_path):
