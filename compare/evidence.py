@@ -143,6 +143,15 @@ class Evidence:
         # scale in the output (times STATS_GAIN more when estimated from their sketch)
         data = np.where(np.isnan(seen) | ~forward, err,
                         np.where(exact, seen, np.fmax(err, seen)))
+        # five statistics do not see an error random in sign (rounding's: it moves a norm by
+        # a 1/sqrt(n) share of itself), so a record estimated from them gives, as a source, at
+        # least one rounding to the lowest precision the runs compute in (a float32 record
+        # carries what bfloat16 code upstream rounded)
+        unseen = self.from_stats & ~self.sketched & (self.measured != st.EQUAL)  # (digests)
+        if unseen.any():
+            computed = frame.loc[self.compared, ["dtype_a", "dtype_b"]].to_numpy().ravel()
+            data[unseen] = np.fmax(data[unseen], rounding_of(
+                lowest(computed) if len(computed) else "float64").unit)
         bias_scale = bias_scales(frame)
         param_error = err * np.where(np.isnan(bias_scale), WEIGHT_GAIN, bias_scale)
         self.given = np.where(self.replaced, cast, np.where(
