@@ -21,6 +21,7 @@ from .dump import Dump, PathLike, dataset_of, load_dump, open_h5, read_chunks, r
 from .errors import DumpError
 from . import format as fmt
 from .alignment import align_ops
+from .arguments import differing_arguments
 from .assembly import PartReader, assemble, compare_parts, sharded_ranks, whole_part
 from .mapping import NameMapping, find_prefix, load_mapping
 from .metrics import METRIC_COLUMNS, ErrorAccumulator, rows_measured
@@ -55,6 +56,9 @@ NAME_MAPPING = "name_mapping"
 NOT_COMPARED = "not_compared"
 # result.attrs key: how a sharded side's tensors were put together ("" when none was)
 ASSEMBLED = "assembled"
+# result.attrs key: the arguments (non-tensor leaves) that differ between paired calls, as
+# dicts of compare.arguments.COLUMNS, in execution order
+ARGUMENTS = "arguments"
 
 
 def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Optional[float] = None,
@@ -121,6 +125,9 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
                               for files in (files_a, files_b))
     pairs, left_out = outside_compiled_regions(pairs, compiled_a, compiled_b)
     not_compared += left_out
+    # (put-together sides pair other ranks' calls: their arguments are not paired)
+    arguments = () if assembled else tuple(
+        differing_arguments(dump_a, dump_b, pairs).to_dict("records"))
     if client is not None:
         jobs = max(jobs, cluster.worker_count(client))
     # each module's recorded attributes (B's where B kept its module names)
@@ -160,6 +167,7 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
                 pairs[["epoch", "step", "rank"]].drop_duplicates().itertuples(index=False)}
     result.attrs[NAME_MAPPING] = mapping.describe() if mapping is not None else ""
     result.attrs[NOT_COMPARED] = not_compared
+    result.attrs[ARGUMENTS] = arguments
     result.attrs[ASSEMBLED] = "" if not assembled else (
         f"{assembled}'s sharded tensors are put together from the ranks' shards; the other "
         f"records are rank {base_a}'s" + (f" (B's rank {base_b}'s)" if base_b != base_a else ""))

@@ -188,8 +188,9 @@ def adjoint_gains(frame: pd.DataFrame, err: np.ndarray, level: np.ndarray,
                 or calls.inputs.get(key) != 1
                 or any(fmt.contains(module, m) for m in moved)):
             continue
-        dx = err[x] * rms[x] * math.sqrt(numel[x])
-        dy = math.sqrt(max(err[y] ** 2 - level[y] ** 2, 0.0)) * rms[y] * math.sqrt(numel[y])
+        with np.errstate(invalid="ignore", over="ignore"):  # values at a dtype's limit: inf
+            dx = err[x] * rms[x] * math.sqrt(numel[x])
+            dy = math.sqrt(max(err[y] ** 2 - level[y] ** 2, 0.0)) * rms[y] * math.sqrt(numel[y])
         if dx > 0 and math.isfinite(dx) and math.isfinite(dy) and rms[gx] > 0:
             out[gx] = dy / dx * rms[gy] / rms[gx]
     return out

@@ -11,7 +11,9 @@ import pandas as pd
 
 from . import format as fmt
 from . import status as st
-from .comparison import INCOMPLETE_STEPS
+from .arguments import COLUMNS as ARGUMENT_COLUMNS
+from .arguments import describe as describe_argument
+from .comparison import ARGUMENTS, INCOMPLETE_STEPS
 from .sources import earlier_sources, parent_calls
 from .precision import precision_of
 from .verdict import IN_TRANSIT, USER_TOLERANCE
@@ -98,7 +100,7 @@ class Divergence:
         call = (f"op {op[1]} of module {op[0] or '<root>'}" if op is not None
                 else f"module {r['module'] or '<root>'} ({r['cls']})")
         where = (f"step {fmt.step_label(r['epoch'], r['step'], r['rank'])}, {self.direction}, "
-                 f"{call} call {r['call_idx']}{micro_batch}, {r['kind']}[{r['index']}] {r['path']}")
+                 f"{call} call {r['call_idx']}{micro_batch}, {_tensor_path(r)}")
         numel = int(r["numel"]) if pd.notna(r["numel"]) else "n/a"
         figures = (f"rel error {r['rel_error']:.3g}, max_abs_err {r['max_abs_err']:.3g}, "
                    f"{numel} elements, status {r['status']}")
@@ -184,6 +186,8 @@ class Summary:
     # fails: only the outliers before the first failing one, where it may begin instead)
     undecided: pd.DataFrame = field(default_factory=pd.DataFrame)
     rerun_given: bool = False  # an injected re-run answers (--injected): no advice to make one
+    # arguments (non-tensor leaves) that differ between paired calls (compare.arguments)
+    arguments: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=ARGUMENT_COLUMNS))
 
     @property
     def outliers(self) -> pd.DataFrame:
@@ -203,7 +207,21 @@ class Summary:
 
     @property
     def ok(self) -> bool:
-        return all(self.counts[s] == 0 for s in st.FAILING)
+        return all(self.counts[s] == 0 for s in st.FAILING) and self.arguments.empty
+
+    def _leading_argument(self) -> Optional[pd.Series]:
+        """The first argument that differs, if it comes no later than the first divergence
+        of the tensors (in an earlier step, or earlier in its step on its rank)."""
+        if self.arguments.empty:
+            return None
+        arg = self.arguments.iloc[0]
+        if self.first is None:
+            return arg
+        r = self.first.row
+        rank = -1 if pd.isna(r["rank"]) else r["rank"]
+        at, step = (arg["epoch"], arg["step"]), (r["epoch"], r["step"])
+        return arg if at < step or (at == step and arg["rank"] == rank
+                                    and arg["seq"] <= r["seq"]) else None
 
     def verdict(self) -> str:
         """One line: agreement within the precisions, or where B first diverges."""
@@ -217,6 +235,13 @@ class Summary:
         if self.counts[st.UNSUPPORTED]:  # e.g. digests against statistics: nothing was compared
             weights += (f"; {self.counts[st.UNSUPPORTED]} of {self.total} records could not be "
                          f"compared ({st.UNSUPPORTED})")
+        arg = self._leading_argument()
+        if arg is not None:
+            return (f"B diverges from A: first at step "
+                    f"{fmt.step_label(arg['epoch'], arg['step'], arg['rank'])} "
+                    f"{fmt.direction_of(arg['kind'])} in {arg['module'] or '<root>'} (its "
+                    f"{arg['kind']} {arg['path']} is {arg['value_a']} in A, {arg['value_b']} in "
+                    f"B: the runs gave the call other arguments){weights}")
         if self.first is not None:
             r = self.first.row
             at = fmt.step_label(r["epoch"], r["step"], r["rank"])
@@ -263,6 +288,13 @@ class Summary:
         if self.incomplete:
             lines.append(f"incomplete: {', '.join(self.incomplete)}: the step failed, records "
                          f"after the failure are missing")
+        if len(self.arguments):
+            lines.append(f"{len(self.arguments)} argument(s) differ between paired calls "
+                         f"(numbers, flags, names given to a module or op):")
+            lines += [f"  {describe_argument(r)}"
+                      for _, r in self.arguments.head(SUSPECTS).iterrows()]
+            if len(self.arguments) > SUSPECTS:
+                lines.append(f"  ... {len(self.arguments) - SUSPECTS} more")
         if self.first is not None:
             lines.append(self.first.describe(advise_rerun=not self.rerun_given))
         if self.cannot_tell:
@@ -288,6 +320,13 @@ class Summary:
             if len(self.suspects) > SUSPECTS:
                 lines.append(f"  ... {len(self.suspects) - SUSPECTS} more")
         return "\n".join(lines)
+
+
+def _tensor_path(row: pd.Series) -> str:
+    """``output[0] output``: the record's kind and index, then where it sat in the call's
+    arguments or results (once, where that says the same: a tuple's ``output[0]``)."""
+    label = f"{row['kind']}[{row['index']}]"
+    return label if row["path"] == label else f"{label} {row['path']}"
 
 
 def _hiding(row: pd.Series) -> str:
@@ -351,7 +390,9 @@ def summarize(result: pd.DataFrame) -> Summary:
     undecided = undecided.assign(label=[record_label(r) for _, r in undecided.iterrows()])
     return Summary(counts, len(result), first, precision, suspects, largest, weights, later,
                    from_stats, bool(result.attrs.get(USER_TOLERANCE)),
-                   tuple(result.attrs.get(INCOMPLETE_STEPS, ())), undecided)
+                   tuple(result.attrs.get(INCOMPLETE_STEPS, ())), undecided,
+                   arguments=pd.DataFrame(list(result.attrs.get(ARGUMENTS, ())),
+                                          columns=ARGUMENT_COLUMNS))
 
 
 def _before(result: pd.DataFrame, row: pd.Series) -> pd.Series:
