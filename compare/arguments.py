@@ -1,24 +1,29 @@
-"""Arguments: the numbers, flags and names a call was given (its non-tensor leaves), compared.
+"""Arguments: the numbers, flags and names a call was given (its non-tensor inputs), compared.
 
 A scale, an epsilon, a dropout probability or a flag given to a module or an op is part of
 what the call computes: where two runs give a call different ones (a changed config, a
 refactor that drops a factor), the difference is the cause of what follows, and the tensors'
 error may not show it (a 5 % change in attention's scale is within bfloat16's error figures
-downstream). The dump keeps each non-tensor leaf as text (``repr``, exact for numbers) in the
-index's ``value``; leaves of the types in :data:`COMPARED` are compared as text between calls
-whose tensor records pair (so B's renamed modules and aligned ops pair as their tensors do).
+downstream). The dump keeps each non-tensor leaf as text (``repr``, exact for numbers; cut to
+80 characters) in the index's ``value``; the inputs of the types in :data:`COMPARED` are
+compared between calls whose tensor records pair (so B's renamed modules and aligned ops pair
+as their tensors do): numbers by value, strings as text.
 
-Not a difference: a float that is a floating dtype's limit on both sides (``±max``, the
+Not a difference: a float that is the same limit of each run's floating dtype (``±max``, the
 smallest normal, the machine epsilon of float64, float32, float16 or bfloat16), which code
-takes from the dtype it runs in (``torch.finfo(dtype).min`` as a mask's fill). A float that
-code computed from data (``.item()``) and passed on is compared like any other.
+takes from the dtype it runs in (``torch.finfo(dtype).min`` as a mask's fill); two floats
+within one rounding to the lowest precision of the compared tensors (a value code computed
+from data, by ``.item()``, and passed on).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import pandas as pd
 
 from . import format as fmt
 from .dump import Dump
+from .precision import lowest, rounding_of
 
 COMPARED = ("int", "float", "bool", "str")
 # (precision bits, largest exponent, smallest normal exponent) of the floating dtypes
@@ -36,39 +41,61 @@ COLUMNS = ["epoch", "step", "rank", "seq", "module", "cls", "call_idx", "kind", 
 
 
 def argument_rows(dump: Dump) -> pd.DataFrame:
-    """The non-tensor leaves of :data:`COMPARED` types that ``dump`` recorded."""
+    """The non-tensor inputs of :data:`COMPARED` types that ``dump`` recorded (what a call
+    returns that is no tensor, e.g. a loss as a float, is data, not an argument)."""
     index = dump.index
-    rows = index[(index["dataset"] == "") & (index["index"] == -1)
+    rows = index[(index["dataset"] == "") & (index["index"] == -1) & (index["kind"] == fmt.INPUT)
                  & (index["status"] == fmt.ST_OK) & index["dtype"].isin(COMPARED)]
     return rows.assign(rank=rows["rank"].fillna(-1).astype(int))
 
 
 def differing_arguments(a: Dump, b: Dump, pairs: pd.DataFrame) -> pd.DataFrame:
     """The arguments (:data:`COLUMNS`, A's module names) that differ between the calls of
-    ``a`` and ``b`` whose tensor records ``pairs`` pairs, in execution order."""
+    ``a`` and ``b`` whose tensor records ``pairs`` pairs, in execution order. Numbers are
+    compared by value (``1`` is ``1.0``, ``True`` is ``1``); two floats within one rounding to
+    the lowest precision the pairs' tensors have (a value computed from data, e.g. by
+    ``.item()``) are the same."""
     both = pairs[pairs["side"] == "both"]
     calls = both[["epoch", "step", "rank", "call_a", "call_b"]].drop_duplicates()
-    rows_a = argument_rows(a).rename(columns={"call": "call_a", "value": "value_a"})
-    rows_b = argument_rows(b).rename(columns={"call": "call_b", "value": "value_b"})
+    dtypes = [d for d in pd.concat([both["dtype_a"], both["dtype_b"]]).dropna().unique() if d]
+    unit = rounding_of(lowest(dtypes)).unit if dtypes else 0.0
+    rows_a = argument_rows(a).rename(columns={"call": "call_a", "value": "value_a",
+                                              "dtype": "type_a"})
+    rows_b = argument_rows(b).rename(columns={"call": "call_b", "value": "value_b",
+                                              "dtype": "type_b"})
     merged = rows_a.merge(calls, on=["epoch", "step", "rank", "call_a"]).merge(
-        rows_b[["epoch", "step", "rank", "call_b", "kind", "path", "value_b"]],
+        rows_b[["epoch", "step", "rank", "call_b", "kind", "path", "value_b", "type_b"]],
         on=["epoch", "step", "rank", "call_b", "kind", "path"])
-    differ = pd.Series([not _same(x, y) for x, y in zip(merged["value_a"], merged["value_b"])],
-                       index=merged.index, dtype=bool)
+    differ = pd.Series([not _same(*r, unit) for r in zip(
+        merged["value_a"], merged["type_a"], merged["value_b"], merged["type_b"])],
+        index=merged.index, dtype=bool)
     return merged[differ].sort_values(["epoch", "step", "rank", "seq"], kind="stable")[
         COLUMNS].reset_index(drop=True)
 
 
-def _same(a: str, b: str) -> bool:
-    """Whether two recorded values are the same argument (or the same limit of each run's
-    dtype)."""
+def _same(a: str, type_a: str, b: str, type_b: str, unit: float) -> bool:
+    """Whether two recorded values are the same argument: equal text, equal numbers, floats
+    within one rounding of ``unit``, or the same limit of each run's dtype."""
     if a == b:
         return True
-    try:
-        limits = DTYPE_LIMITS.get(float(a)), DTYPE_LIMITS.get(float(b))
-    except ValueError:
+    x, y = _number(a, type_a), _number(b, type_b)
+    if x is None or y is None:
         return False
-    return limits[0] is not None and limits[0] == limits[1]
+    if x == y or (DTYPE_LIMITS.get(x) is not None and DTYPE_LIMITS.get(x) == DTYPE_LIMITS.get(y)):
+        return True
+    return type_a == type_b == "float" and abs(x - y) <= unit * max(abs(x), abs(y))
+
+
+def _number(text: str, type_name: str) -> Optional[float]:
+    """The value of a recorded int, float or bool (None for a str, or text cut short)."""
+    if type_name == "bool":
+        return {"True": 1.0, "False": 0.0}.get(text)
+    if type_name not in ("int", "float"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def describe(row) -> str:

@@ -219,7 +219,8 @@ def compare_command(a: Path, b: Path, opts: Options) -> int:
         if not opts.quiet:
             click.echo("\nlocal vs accumulated error (the reference's values injected):")
             click.echo(describe_origins(origins))
-        return EXIT_DIFFERENT if (origins["verdict"] == ORIGIN).any() else EXIT_SAME
+        found = (origins["verdict"] == ORIGIN).any() or not summary.arguments.empty
+        return EXIT_DIFFERENT if found else EXIT_SAME
     return EXIT_SAME if summary.ok else EXIT_DIFFERENT
 
 

@@ -80,7 +80,8 @@ class Evidence:
     """The rows of one comparison as arrays: errors, sources (records that are the same
     tensor merged), and what holds without a bound."""
 
-    def __init__(self, frame: pd.DataFrame, user_tol: bool, computed_b: pd.Series):
+    def __init__(self, frame: pd.DataFrame, user_tol: bool,
+                 computed: tuple[pd.Series, pd.Series]):
         self.frame, self.n, self.user_tol = frame, len(frame), user_tol
         n = self.n
         self.err = err = _rel_error(frame)
@@ -145,13 +146,13 @@ class Evidence:
                         np.where(exact, seen, np.fmax(err, seen)))
         # five statistics do not see an error random in sign (rounding's: it moves a norm by
         # a 1/sqrt(n) share of itself), so a record estimated from them gives, as a source, at
-        # least one rounding to the lowest precision the runs compute in (a float32 record
-        # carries what bfloat16 code upstream rounded)
+        # least one rounding to the precision it was computed in (a float32 gradient arriving
+        # from bfloat16 matmuls under autocast carries their rounding: precision.computed_in)
         unseen = self.from_stats & ~self.sketched & (self.measured != st.EQUAL)  # (digests)
-        if unseen.any():
-            computed = frame.loc[self.compared, ["dtype_a", "dtype_b"]].to_numpy().ravel()
-            data[unseen] = np.fmax(data[unseen], rounding_of(
-                lowest(computed) if len(computed) else "float64").unit)
+        for i in np.flatnonzero(unseen):
+            dtypes = [d for d in (computed[0][i], computed[1][i]) if d]
+            if dtypes:
+                data[i] = max(data[i], rounding_of(lowest(dtypes)).unit)
         bias_scale = bias_scales(frame)
         param_error = err * np.where(np.isnan(bias_scale), WEIGHT_GAIN, bias_scale)
         self.given = np.where(self.replaced, cast, np.where(
@@ -192,7 +193,7 @@ class Evidence:
         self.recomputed = frame["recomputed_rel_err"].to_numpy(float)
         # (the lower of the dtype the call computed in and the lowest it was given)
         dtypes = [lowest([c, r]) if r else c for c, r in zip(
-            computed_b, frame["recomputed_dtype"].fillna(""))]
+            computed[1], frame["recomputed_dtype"].fillna(""))]
         unit, underflow = (np.array([getattr(rounding_of(d), f) for d in dtypes])
                            for f in ("unit", "underflow"))
         with np.errstate(invalid="ignore"):

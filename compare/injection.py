@@ -30,7 +30,7 @@ from . import status as st
 from .comparison import compare_dumps
 from .dump import Dump, PathLike, load_dump
 from .errors import DumpError
-from .precision import rounding_of
+from .precision import precision_of, rounding_of
 
 ORIGINS_SHOWN = 10  # origins listed by describe_origins
 # What a module makes, and what must have been injected for its error to be local.
@@ -92,10 +92,11 @@ def _injected_from(rerun: Dump) -> set[tuple[str, tuple[str, ...]]]:
 
 def _check_source(ref: Dump, rerun: Dump) -> None:
     """The re-run must have been injected from the reference: by name, as dumps get moved (a
-    directory, or a step file in it, on either side)."""
-    names = _dump_names(ref.path)
+    directory, or a step file in it, on either side; given as it was, or resolved: ``.``, a
+    link)."""
+    names = _dump_names(ref.path) | _dump_names(ref.path.resolve())
     for source, _ in _injected_from(rerun):
-        if not names & _dump_names(Path(source)):
+        if not names & (_dump_names(Path(source)) | _dump_names(Path(source).resolve())):
             raise DumpError(f"{rerun.path}: a re-run on the values of {source}, not of A "
                             f"({ref.path}); compare it with the dump it was injected from")
 
@@ -122,8 +123,12 @@ def _check_weights(ref: Dump, rerun: Dump, loc: pd.DataFrame, local: pd.DataFram
     """The judged modules' weights must be the reference's: equal in both runs, or injected
     (the reference holds their values and the re-run injected ``param``)."""
     kinds = {k for _, ks in _injected_from(rerun) for k in ks}
-    params = loc[(loc["kind"] == fmt.PARAM) & (loc["status"] != st.EQUAL)
-                 & (loc["rel_error"].fillna(1.0) != 0)]
+    params = loc[(loc["kind"] == fmt.PARAM) & loc["status"].isin(st.COMPARED | {st.INHERITED})]
+    # A's weights in B's dtype: bit-identical, or no further off than the cast to it moves them
+    cast = [rounding_of(precision_of(a, b)).unit for a, b in zip(params["dtype_a"],
+                                                                params["dtype_b"])]
+    params = params[(params["status"] != st.EQUAL)
+                    & ~(params["rel_error"] <= np.array(cast) * (1 + 1e-9))]
     judged = set(zip(local["epoch"], local["step"], local["module"]))
     params = params[[k in judged for k in zip(params["epoch"], params["step"], params["module"])]]
     if params.empty:

@@ -212,16 +212,16 @@ class Summary:
     def _leading_argument(self) -> Optional[pd.Series]:
         """The first argument that differs, if it comes no later than the first divergence
         of the tensors (in an earlier step, or earlier in its step on its rank)."""
-        if self.arguments.empty:
-            return None
-        arg = self.arguments.iloc[0]
-        if self.first is None:
-            return arg
+        if self.arguments.empty or self.first is None:
+            return None if self.arguments.empty else self.arguments.iloc[0]
         r = self.first.row
         rank = -1 if pd.isna(r["rank"]) else r["rank"]
-        at, step = (arg["epoch"], arg["step"]), (r["epoch"], r["step"])
-        return arg if at < step or (at == step and arg["rank"] == rank
-                                    and arg["seq"] <= r["seq"]) else None
+        step = (r["epoch"], r["step"])
+        for _, arg in self.arguments.iterrows():  # (by step, rank, then order in the step)
+            at = (arg["epoch"], arg["step"])
+            if at < step or (at == step and arg["rank"] == rank and arg["seq"] <= r["seq"]):
+                return arg
+        return None
 
     def verdict(self) -> str:
         """One line: agreement within the precisions, or where B first diverges."""

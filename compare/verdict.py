@@ -120,7 +120,7 @@ def judge(result: pd.DataFrame, rtol: Optional[float] = None, atol: Optional[flo
     frame = result.reset_index(drop=True)
     computed = computed_in(frame, tf32)
     records = Evidence(frame, user_tol=rtol is not None or atol is not None,
-                       computed_b=computed[1])
+                       computed=computed)
     expected = calibrate(frame, records.err, records.err_in, records.added,
                          records.compared & records.has_sources & ~records.repeat,
                          same_kernels, computed)

@@ -19,7 +19,7 @@ from compare.verdict import SPREAD
 from dumper import HookerAndDumper, Injector, perturb
 
 from architectures import cannot_run, run_step
-from helpers import read_tensors
+from helpers import dump_embedded, read_tensors
 
 pytest.importorskip("transformers")
 warnings.filterwarnings("ignore", module="transformers")
@@ -184,6 +184,27 @@ def test_a_rerun_that_cannot_localize_is_refused_before_any_report(tmp_path):
     out = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "b"),
                                      "--injected", str(tmp_path / "c")])
     assert out.exit_code == 1 and "origin: step 0:1 forward 1.down" in out.output, out.output
+
+
+def test_a_rerun_on_as_weights_is_accepted_however_a_is_named_or_recorded(tmp_path, monkeypatch):
+    """What the refusals must not catch: A named as ``.`` or through a link; A recording fewer
+    modules than the re-run (``include=``); a bfloat16 model at the first step, whose weights
+    are A's cast to bfloat16 (what injecting them would give) though A holds no values."""
+    dump_embedded(tmp_path / "a", torch.float32, step=0, params=True, include=["lin1"])
+    (tmp_path / "latest").symlink_to(tmp_path / "a")
+    dump_embedded(tmp_path / "b", torch.float32, step=0, plant=1.01)
+    dump_embedded(tmp_path / "c", torch.float32, step=0, plant=1.01, inject=tmp_path / "latest")
+    monkeypatch.chdir(tmp_path / "a")
+    for ref in (tmp_path / "a", tmp_path / "latest", "."):
+        origins = localize(ref, tmp_path / "b", tmp_path / "c")
+        assert origins[origins["verdict"] == ORIGIN][["module", "kind"]].values.tolist() == [
+            ["lin1", "input"]]
+    dump_embedded(tmp_path / "a32", torch.float32, step=0)  # no weight values
+    dump_embedded(tmp_path / "b16", torch.bfloat16, step=0)
+    with pytest.warns(RuntimeWarning, match="holds no parameter values"):
+        dump_embedded(tmp_path / "c16", torch.bfloat16, step=0, inject=tmp_path / "a32")
+    assert (localize(tmp_path / "a32", tmp_path / "b16", tmp_path / "c16")["verdict"]
+            != ORIGIN).all()
 
 
 def test_an_injector_chooses_kinds_and_modules(tmp_path):

@@ -213,6 +213,48 @@ def test_an_argument_that_is_each_dtypes_limit_is_the_same_argument(tmp_path):
     assert summarize(compare_dumps(tmp_path / "a", tmp_path / "b")).arguments.empty
 
 
+class _Logged(torch.nn.Module):
+    """Scales by an argument and returns, besides, a float computed from its input (a value
+    to log); its head gets a note it does not use."""
+
+    def __init__(self, scale, note: str = "a"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.head = torch.nn.Linear(8, 8), _Noted()
+        self.scale, self.note = scale, note
+
+    def forward(self, x):
+        return self.head(self.lin(x) * self.scale, self.note), float(x.pow(2).mean())
+
+
+class _Noted(torch.nn.Module):
+    def forward(self, x, note):
+        return x
+
+
+def test_arguments_are_compared_by_value_and_outputs_are_data(tmp_path):
+    """float64 against float32: the float a call returns is data (it differs by rounding), not
+    an argument; ``1`` and ``1.0`` are the same argument, ``1.05`` is not."""
+    for name, dtype, scale, note, options in (
+            ("a", torch.float64, 1.0, "a", {"params": True}), ("b", torch.float32, 1.0, "a", {}),
+            ("int", torch.float64, 1, "a", {}), ("off", torch.float64, 1.05, "a", {}),
+            ("noted", torch.float64, 1.0, "b", {}),
+            ("rerun", torch.float64, 1.0, "b", {"inject": tmp_path / "a"})):
+        model = _Logged(scale, note).to(dtype)
+        x = torch.randn(4, 8, dtype=dtype, generator=torch.Generator().manual_seed(1))
+        with HookerAndDumper(tmp_path / name, ops="*", **options).hooks(model, 0, 0):
+            loss_of(model(x)[0]).backward()
+    for same in ("b", "int"):
+        assert summarize(compare_dumps(tmp_path / "a", tmp_path / same)).arguments.empty
+    off = summarize(compare_dumps(tmp_path / "a", tmp_path / "off")).arguments
+    assert off[["module", "path", "value_a", "value_b"]].values.tolist() == [
+        ["/mul#0", "args[1]", "1.0", "1.05"]]
+    # an argument that changes no number: the re-run finds no origin, the argument differs
+    result = _h5cmp(tmp_path / "a", tmp_path / "noted", "--injected", tmp_path / "rerun")
+    assert " 0 origin" in result.output and "(its input args[1] is 'a' in A, 'b' in B" in \
+        result.output and result.exit_code == 1, result.output
+
+
 class _Stack(torch.nn.Module):
     """Layers in a ModuleList (which never runs itself), a constant in the root's own loop."""
 

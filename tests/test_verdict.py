@@ -193,6 +193,40 @@ def test_statistics_do_not_pass_rounding_off_as_a_divergence(tmp_path):
     assert first is not None and first.row["module"] == "model.layers.0.mlp.act_fn"
 
 
+class _WithSideRecord(nn.Module):
+    """Three Linears and, on the side, a module returning a float8 copy of a hidden state."""
+
+    def __init__(self, plant: float):
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+        self.side = _Float8()
+        self.plant = plant
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        self.side(h)
+        return self.l3(self.l2(h) * self.plant)
+
+
+class _Float8(nn.Module):
+    def forward(self, x):
+        return x.detach().to(torch.float8_e4m3fn)
+
+
+def test_a_low_precision_record_elsewhere_does_not_hide_an_error_from_statistics(tmp_path):
+    """The rounding a statistics-estimated source is granted is its own computation's: a
+    float8 record on the side of a float64-against-float32 pair does not make a planted 5 %
+    error pass for float8 rounding."""
+    for name, dtype, plant in (("a", torch.float64, 1.0), ("b", torch.float32, 1.05)):
+        torch.manual_seed(0)
+        model = _WithSideRecord(plant).to(dtype)
+        x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+        with HookerAndDumper(tmp_path / name, mode="stats").hooks(model, 0, 0):
+            model(x).pow(2).mean().backward()
+    summary = summarize(compare_dumps(tmp_path / "a", tmp_path / "b"))
+    assert not summary.ok and summary.first.row["module"] == "l3", summary
+
+
 def test_drifted_weights_explain_later_steps(tmp_path):
     """After a few steps, fp32 and bf16 runs have different weights: the report says so and
     blames no module whose error the weights explain."""
