@@ -35,7 +35,6 @@ DTYPE_LIMITS = {value: name for bits, top, bottom in _FORMATS.values()
                                     ("-max", -(2 - 2.0 ** (1 - bits)) * 2.0 ** top),
                                     ("tiny", 2.0 ** bottom), ("-tiny", -2.0 ** bottom),
                                     ("eps", 2.0 ** (1 - bits)))}
-CALL = ["epoch", "step", "rank", "call"]
 COLUMNS = ["epoch", "step", "rank", "seq", "module", "cls", "call_idx", "kind", "path",
            "value_a", "value_b"]
 
@@ -78,6 +77,8 @@ def _same(a: str, type_a: str, b: str, type_b: str, unit: float) -> bool:
     within one rounding of ``unit``, or the same limit of each run's dtype."""
     if a == b:
         return True
+    if type_a == type_b == "int":  # (exactly, beyond float's 2**53)
+        return False
     x, y = _number(a, type_a), _number(b, type_b)
     if x is None or y is None:
         return False

@@ -120,8 +120,9 @@ def _check_replaced(ref: Dump, rerun: Dump, loc: pd.DataFrame, acc: pd.DataFrame
 
 
 def _check_weights(ref: Dump, rerun: Dump, loc: pd.DataFrame, local: pd.DataFrame) -> None:
-    """The judged modules' weights must be the reference's: equal in both runs, or injected
-    (the reference holds their values and the re-run injected ``param``)."""
+    """The judged modules' weights must be the reference's: equal in both runs, or no further
+    off than the cast to B's dtype moves them (compared on both sides), or injected (the
+    reference holds their values and the re-run injected ``param``)."""
     kinds = {k for _, ks in _injected_from(rerun) for k in ks}
     params = loc[(loc["kind"] == fmt.PARAM) & loc["status"].isin(st.COMPARED | {st.INHERITED})]
     # A's weights in B's dtype: bit-identical, or no further off than the cast to it moves them
