@@ -13,17 +13,19 @@ Not a difference: a float that is the same limit of each run's floating dtype (`
 smallest normal, the machine epsilon of float64, float32, float16 or bfloat16), which code
 takes from the dtype it runs in (``torch.finfo(dtype).min`` as a mask's fill); two floats
 within one rounding to the lowest precision of the compared tensors (a value code computed
-from data, by ``.item()``, and passed on).
+from data, by ``.item()``, and passed on) of the call's own tensors, of the formats in
+``_FORMATS`` (a bfloat16 call's float argument changed by less than 0.39 % is not seen).
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import pandas as pd
 
 from . import format as fmt
 from .dump import Dump
-from .precision import lowest, rounding_of
+from .precision import rounding_of
 
 COMPARED = ("int", "float", "bool", "str")
 # (precision bits, largest exponent, smallest normal exponent) of the floating dtypes
@@ -51,22 +53,27 @@ def argument_rows(dump: Dump) -> pd.DataFrame:
 def differing_arguments(a: Dump, b: Dump, pairs: pd.DataFrame) -> pd.DataFrame:
     """The arguments (:data:`COLUMNS`, A's module names) that differ between the calls of
     ``a`` and ``b`` whose tensor records ``pairs`` pairs, in execution order. Numbers are
-    compared by value (``1`` is ``1.0``, ``True`` is ``1``); two floats within one rounding to
-    the lowest precision the pairs' tensors have (a value computed from data, e.g. by
+    compared by value (``1`` is ``1.0``, ``True`` is ``1``); two finite floats within one
+    rounding to the lowest precision of the call's tensors (a value computed from data, e.g. by
     ``.item()``) are the same."""
     both = pairs[pairs["side"] == "both"]
+    # each call's rounding: the lowest precision of its tensors (of the formats, not float8)
+    floats = both[both["dtype_a"].isin(_FORMATS) & both["dtype_b"].isin(_FORMATS)]
+    call = ["epoch", "step", "rank", "call_a"]
+    units = floats[call].assign(unit=[max(rounding_of(a).unit, rounding_of(b).unit) for a, b in
+                                      zip(floats["dtype_a"], floats["dtype_b"])])
+    units = units.groupby(call, as_index=False)["unit"].max()
     calls = both[["epoch", "step", "rank", "call_a", "call_b"]].drop_duplicates()
-    dtypes = [d for d in pd.concat([both["dtype_a"], both["dtype_b"]]).dropna().unique() if d]
-    unit = rounding_of(lowest(dtypes)).unit if dtypes else 0.0
     rows_a = argument_rows(a).rename(columns={"call": "call_a", "value": "value_a",
                                               "dtype": "type_a"})
     rows_b = argument_rows(b).rename(columns={"call": "call_b", "value": "value_b",
                                               "dtype": "type_b"})
-    merged = rows_a.merge(calls, on=["epoch", "step", "rank", "call_a"]).merge(
+    merged = rows_a.merge(calls, on=call).merge(
         rows_b[["epoch", "step", "rank", "call_b", "kind", "path", "value_b", "type_b"]],
-        on=["epoch", "step", "rank", "call_b", "kind", "path"])
-    differ = pd.Series([not _same(*r, unit) for r in zip(
-        merged["value_a"], merged["type_a"], merged["value_b"], merged["type_b"])],
+        on=["epoch", "step", "rank", "call_b", "kind", "path"]).merge(units, on=call, how="left")
+    unit = merged["unit"].fillna(0.0)
+    differ = pd.Series([not _same(*r) for r in zip(
+        merged["value_a"], merged["type_a"], merged["value_b"], merged["type_b"], unit)],
         index=merged.index, dtype=bool)
     return merged[differ].sort_values(["epoch", "step", "rank", "seq"], kind="stable")[
         COLUMNS].reset_index(drop=True)
@@ -82,9 +89,13 @@ def _same(a: str, type_a: str, b: str, type_b: str, unit: float) -> bool:
     x, y = _number(a, type_a), _number(b, type_b)
     if x is None or y is None:
         return False
-    if x == y or (DTYPE_LIMITS.get(x) is not None and DTYPE_LIMITS.get(x) == DTYPE_LIMITS.get(y)):
+    if x == y:
         return True
-    return type_a == type_b == "float" and abs(x - y) <= unit * max(abs(x), abs(y))
+    if type_a != "float" or type_b != "float" or not (math.isfinite(x) and math.isfinite(y)):
+        return False
+    limit = DTYPE_LIMITS.get(x)
+    return (limit is not None and limit == DTYPE_LIMITS.get(y)) or \
+        abs(x - y) <= unit * max(abs(x), abs(y))
 
 
 def _number(text: str, type_name: str) -> Optional[float]:

@@ -149,10 +149,10 @@ class Evidence:
         # least one rounding to the precision it was computed in (a float32 gradient arriving
         # from bfloat16 matmuls under autocast carries their rounding: precision.computed_in)
         unseen = self.from_stats & ~self.sketched & (self.measured != st.EQUAL)  # (digests)
-        for i in np.flatnonzero(unseen):
-            dtypes = [d for d in (computed[0][i], computed[1][i]) if d]
-            if dtypes:
-                data[i] = max(data[i], rounding_of(lowest(dtypes)).unit)
+        if unseen.any():
+            units = [side.map({d: rounding_of(d).unit for d in side.unique()}).to_numpy(float)
+                     for side in computed]
+            data[unseen] = np.fmax(data[unseen], np.fmax(*units)[unseen])
         bias_scale = bias_scales(frame)
         param_error = err * np.where(np.isnan(bias_scale), WEIGHT_GAIN, bias_scale)
         self.given = np.where(self.replaced, cast, np.where(

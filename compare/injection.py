@@ -126,8 +126,8 @@ def _check_weights(ref: Dump, rerun: Dump, loc: pd.DataFrame, local: pd.DataFram
     kinds = {k for _, ks in _injected_from(rerun) for k in ks}
     params = loc[(loc["kind"] == fmt.PARAM) & loc["status"].isin(st.COMPARED | {st.INHERITED})]
     # A's weights in B's dtype: bit-identical, or no further off than the cast to it moves them
-    cast = [rounding_of(precision_of(a, b)).unit for a, b in zip(params["dtype_a"],
-                                                                params["dtype_b"])]
+    cast = [rounding_of(precision_of(a, b)).unit if a != b else 0.0
+            for a, b in zip(params["dtype_a"], params["dtype_b"])]
     params = params[(params["status"] != st.EQUAL)
                     & ~(params["rel_error"] <= np.array(cast) * (1 + 1e-9))]
     judged = set(zip(local["epoch"], local["step"], local["module"]))

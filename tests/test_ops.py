@@ -255,6 +255,22 @@ def test_arguments_are_compared_by_value_and_outputs_are_data(tmp_path):
         result.output and result.exit_code == 1, result.output
 
 
+@pytest.mark.parametrize("a, type_a, b, type_b, unit, same", [
+    ("inf", "float", "1.0", "float", 2 ** -8, False),    # no tolerance makes inf a number
+    ("inf", "float", "-inf", "float", 2 ** -8, False),
+    ("65504", "int", "65504.0", "float", 0.0, True),       # by value
+    ("65504", "int", "3.4028234663852886e+38", "float", 0.0, False),  # a limit only as a float
+    ("0.0078125", "float", "0.0009765625", "float", 0.0, True),  # finfo(dtype).eps in each
+    ("-1.7976931348623157e+308", "float", "-3.4028234663852886e+38", "float", 0.0, True),
+    ("0.125", "float", "0.1254", "float", 2 ** -8, True),   # within a bfloat16 call's rounding
+    ("0.125", "float", "0.1254", "float", 2 ** -24, False),  # not within a float32 call's
+    ("True", "bool", "1", "int", 0.0, True),
+])
+def test_when_two_recorded_arguments_are_the_same(a, type_a, b, type_b, unit, same):
+    from compare.arguments import _same
+    assert _same(a, type_a, b, type_b, unit) is same
+
+
 class _Stack(torch.nn.Module):
     """Layers in a ModuleList (which never runs itself), a constant in the root's own loop."""
 
