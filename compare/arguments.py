@@ -11,10 +11,10 @@ as their tensors do): numbers by value, strings as text.
 
 Not a difference: a float that is the same limit of each run's floating dtype (``±max``, the
 smallest normal, the machine epsilon of float64, float32, float16 or bfloat16), which code
-takes from the dtype it runs in (``torch.finfo(dtype).min`` as a mask's fill); two floats
-within one rounding to the lowest precision of the compared tensors (a value code computed
-from data, by ``.item()``, and passed on) of the call's own tensors, of the formats in
-``_FORMATS`` (a bfloat16 call's float argument changed by less than 0.39 % is not seen).
+takes from the dtype it runs in (``torch.finfo(dtype).min`` as a mask's fill); two finite
+floats within one rounding to the lowest precision of the call's own tensors, of the formats
+in ``_FORMATS`` (a value code computed from data, by ``.item()``, and passed on; a bfloat16
+call's float argument changed by less than 0.39 % is therefore not seen).
 """
 from __future__ import annotations
 
