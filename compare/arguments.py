@@ -25,7 +25,7 @@ import pandas as pd
 
 from . import format as fmt
 from .dump import Dump
-from .precision import rounding_of
+from .precision import precision_of, rounding_of
 
 COMPARED = ("int", "float", "bool", "str")
 # (precision bits, largest exponent, smallest normal exponent) of the floating dtypes
@@ -60,7 +60,7 @@ def differing_arguments(a: Dump, b: Dump, pairs: pd.DataFrame) -> pd.DataFrame:
     # each call's rounding: the lowest precision of its tensors (of the formats, not float8)
     floats = both[both["dtype_a"].isin(_FORMATS) & both["dtype_b"].isin(_FORMATS)]
     call = ["epoch", "step", "rank", "call_a"]
-    units = floats[call].assign(unit=[max(rounding_of(a).unit, rounding_of(b).unit) for a, b in
+    units = floats[call].assign(unit=[rounding_of(precision_of(a, b)).unit for a, b in
                                       zip(floats["dtype_a"], floats["dtype_b"])])
     units = units.groupby(call, as_index=False)["unit"].max()
     calls = both[["epoch", "step", "rank", "call_a", "call_b"]].drop_duplicates()

@@ -16,7 +16,7 @@ import pandas as pd
 from . import format as fmt
 from . import status as st
 from .centering import normalizes
-from .precision import lowest, precision_of, rounding_of
+from .precision import cast_rounding, lowest, precision_of, rounding_of
 from .gains import bias_scales, linear_gains
 from .metrics import REORDERED_MARGIN
 from .formulas import ELEMENTWISE, near_zero_roundings
@@ -138,8 +138,7 @@ class Evidence:
         # B ran on A's value instead (a localizing re-run): as a source it gives what the cast
         # to B's dtype moves A's value by, whatever arrived
         self.replaced = (frame["injected"] == 1).to_numpy()
-        cast = np.array([rounding_of(precision_of(a, b)).unit if a != b else 0.0
-                         for a, b in self.dtypes]) * amplified
+        cast = np.array([cast_rounding(a, b) for a, b in self.dtypes]) * amplified
         # as a source, weights count WEIGHT_GAIN times their error, a bias its error at its
         # scale in the output (times STATS_GAIN more when estimated from their sketch)
         data = np.where(np.isnan(seen) | ~forward, err,

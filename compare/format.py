@@ -368,6 +368,8 @@ def parse_injected_from(text: str) -> tuple[str, tuple[str, ...]]:
     if not text or not kinds.endswith(")"):
         return text, ()
     return reference, tuple(k for k in kinds[:-1].split(", ") if k)
+
+
 # The paths of the modules compiled in place (regional compilation, ``module.compile()``), one
 # per line, outermost only ("" for none; the root is "<root>"): recorded at their boundaries,
 # the modules inside them run as compiled code and are not recorded. Since version 7.

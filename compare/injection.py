@@ -30,7 +30,7 @@ from . import status as st
 from .comparison import compare_dumps
 from .dump import Dump, PathLike, load_dump
 from .errors import DumpError
-from .precision import precision_of, rounding_of
+from .precision import cast_rounding, rounding_of
 
 ORIGINS_SHOWN = 10  # origins listed by describe_origins
 # What a module makes, and what must have been injected for its error to be local.
@@ -126,8 +126,7 @@ def _check_weights(ref: Dump, rerun: Dump, loc: pd.DataFrame, local: pd.DataFram
     kinds = {k for _, ks in _injected_from(rerun) for k in ks}
     params = loc[(loc["kind"] == fmt.PARAM) & loc["status"].isin(st.COMPARED | {st.INHERITED})]
     # A's weights in B's dtype: bit-identical, or no further off than the cast to it moves them
-    cast = [rounding_of(precision_of(a, b)).unit if a != b else 0.0
-            for a, b in zip(params["dtype_a"], params["dtype_b"])]
+    cast = [cast_rounding(a, b) for a, b in zip(params["dtype_a"], params["dtype_b"])]
     params = params[(params["status"] != st.EQUAL)
                     & ~(params["rel_error"] <= np.array(cast) * (1 + 1e-9))]
     judged = set(zip(local["epoch"], local["step"], local["module"]))

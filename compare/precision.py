@@ -65,6 +65,12 @@ def precision_of(dtype_a: str, dtype_b: str) -> str:
     return dtype_a if rounding_of(dtype_a).unit >= rounding_of(dtype_b).unit else dtype_b
 
 
+def cast_rounding(dtype_a: str, dtype_b: str) -> float:
+    """What casting a value of ``dtype_a`` to ``dtype_b`` moves it by, relatively, at most: one
+    unit roundoff of the lower precision; none where the dtypes are the same."""
+    return rounding_of(precision_of(dtype_a, dtype_b)).unit if dtype_a != dtype_b else 0.0
+
+
 def lowest(dtypes) -> str:
     """The lowest precision of ``dtypes``; of equal ones (float16 and TF32), a real dtype."""
     return max(dtypes, key=lambda d: (rounding_of(d).unit, d != "tensorfloat32"))
