@@ -12,9 +12,9 @@ as their tensors do): numbers by value, strings as text.
 Not a difference: a float that is the same limit of each run's floating dtype (``±max``, the
 smallest normal, the machine epsilon of float64, float32, float16 or bfloat16), which code
 takes from the dtype it runs in (``torch.finfo(dtype).min`` as a mask's fill); two finite
-floats within one rounding to the lowest precision of the call's own tensors, of the formats
-in ``_FORMATS`` (a value code computed from data, by ``.item()``, and passed on; a bfloat16
-call's float argument changed by less than 0.39 % is therefore not seen).
+floats within one rounding to the lowest precision of the call's own tensors, of the binary
+formats of :mod:`compare.precision` (a value code computed from data, by ``.item()``, and
+passed on; a bfloat16 call's float argument changed by less than 0.39 % is therefore not seen).
 """
 from __future__ import annotations
 
@@ -25,18 +25,12 @@ import pandas as pd
 
 from . import format as fmt
 from .dump import Dump
-from .precision import precision_of, rounding_of
+from .precision import BINARY_FORMATS, precision_of, rounding_of
 
 COMPARED = ("int", "float", "bool", "str")
-# (precision bits, largest exponent, smallest normal exponent) of the floating dtypes
-_FORMATS = {"float64": (53, 1023, -1022), "float32": (24, 127, -126),
-            "float16": (11, 15, -14), "bfloat16": (8, 127, -126)}
 # each floating dtype's limits, by what they are
-DTYPE_LIMITS = {value: name for bits, top, bottom in _FORMATS.values()
-                for name, value in (("max", (2 - 2.0 ** (1 - bits)) * 2.0 ** top),
-                                    ("-max", -(2 - 2.0 ** (1 - bits)) * 2.0 ** top),
-                                    ("tiny", 2.0 ** bottom), ("-tiny", -2.0 ** bottom),
-                                    ("eps", 2.0 ** (1 - bits)))}
+DTYPE_LIMITS = {value: name for form in BINARY_FORMATS.values()
+                for value, name in form.limits.items()}
 COLUMNS = ["epoch", "step", "rank", "seq", "module", "cls", "call_idx", "kind", "path",
            "value_a", "value_b"]
 
@@ -58,7 +52,7 @@ def differing_arguments(a: Dump, b: Dump, pairs: pd.DataFrame) -> pd.DataFrame:
     ``.item()``) are the same."""
     both = pairs[pairs["side"] == "both"]
     # each call's rounding: the lowest precision of its tensors (of the formats, not float8)
-    floats = both[both["dtype_a"].isin(_FORMATS) & both["dtype_b"].isin(_FORMATS)]
+    floats = both[both["dtype_a"].isin(BINARY_FORMATS) & both["dtype_b"].isin(BINARY_FORMATS)]
     call = ["epoch", "step", "rank", "call_a"]
     units = floats[call].assign(unit=[rounding_of(precision_of(a, b)).unit for a, b in
                                       zip(floats["dtype_a"], floats["dtype_b"])])

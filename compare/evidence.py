@@ -16,7 +16,7 @@ import pandas as pd
 from . import format as fmt
 from . import status as st
 from .centering import normalizes
-from .precision import cast_rounding, lowest, precision_of, rounding_of
+from .precision import cast_rounding, lowest, rounding_of
 from .gains import bias_scales, linear_gains
 from .metrics import REORDERED_MARGIN
 from .formulas import ELEMENTWISE, near_zero_roundings
@@ -300,13 +300,6 @@ class Evidence:
         """The error that records ``rows`` (with ``errors``) give together (``_combined``)."""
         return _combined(errors[rows], self.params[rows])
 
-    def within_rounding(self, i: int) -> bool:
-        """The same values stored in two dtypes: one rounding of the lower precision apart
-        (in equal dtypes, equal)."""
-        dtype_a, dtype_b = self.dtypes[i]
-        return dtype_a != dtype_b and self.err[i] <= rounding_of(
-            precision_of(dtype_a, dtype_b)).unit
-
     def within_tolerance(self, i: int) -> bool:
         """Within the user's rtol/atol (the metrics judged every element, or each statistic)."""
         return self.measured[i] in st.PASSING
@@ -316,8 +309,8 @@ class Evidence:
         tolerance), else ``inherited``."""
         out = self.measured.copy()
         for i in np.flatnonzero(self.params & self.compared & (self.measured != st.EQUAL)):
-            within = self.err[i] == 0 or (self.within_tolerance(i) if self.user_tol
-                                          else self.within_rounding(i))
+            within = self.err[i] == 0 or (self.within_tolerance(i) if self.user_tol else
+                                          self.err[i] <= cast_rounding(*self.dtypes[i]))
             out[i] = st.CLOSE if within else st.INHERITED
         return out
 

@@ -19,17 +19,38 @@ class Rounding(NamedTuple):
     underflow: float
 
 
-ROUNDING = {
-    "float64": Rounding(2.0 ** -53, 2.0 ** -1075), "float32": Rounding(2.0 ** -24, 2.0 ** -150),
-    "float16": Rounding(2.0 ** -11, 2.0 ** -25), "bfloat16": Rounding(2.0 ** -8, 2.0 ** -134),
+class BinaryFormat(NamedTuple):
+    """An IEEE 754-style binary floating-point format with subnormals and infinities: its
+    precision in bits (the implicit one included) and its largest and smallest normal
+    exponents."""
+
+    bits: int
+    top: int
+    bottom: int
+
+    @property
+    def rounding(self) -> Rounding:
+        return Rounding(2.0 ** -self.bits, 2.0 ** (self.bottom - self.bits))
+
+    @property
+    def limits(self) -> dict[float, str]:
+        """The values code takes from the dtype itself (``torch.finfo``), by name."""
+        largest = (2 - 2.0 ** (1 - self.bits)) * 2.0 ** self.top
+        return {largest: "max", -largest: "-max", 2.0 ** self.bottom: "tiny",
+                -2.0 ** self.bottom: "-tiny", 2.0 ** (1 - self.bits): "eps"}
+
+
+BINARY_FORMATS = {"float64": BinaryFormat(53, 1023, -1022), "float32": BinaryFormat(24, 127, -126),
+                  "float16": BinaryFormat(11, 15, -14), "bfloat16": BinaryFormat(8, 127, -126)}
+ROUNDING = {name: form.rounding for name, form in BINARY_FORMATS.items()}
+ROUNDING.update({  # float8 and float4 formats: other largest values, no infinities
     "float8_e4m3fn": Rounding(2.0 ** -4, 2.0 ** -10), "float8_e4m3fnuz": Rounding(2.0 ** -4, 2.0 ** -11),
     "float8_e5m2": Rounding(2.0 ** -3, 2.0 ** -17), "float8_e5m2fnuz": Rounding(2.0 ** -3, 2.0 ** -18),
     "float8_e8m0fnu": Rounding(1.0, 2.0 ** -128), "float4_e2m1fn_x2": Rounding(2.0 ** -2, 2.0 ** -2),
-}
-ROUNDING.update({"complex128": ROUNDING["float64"], "complex64": ROUNDING["float32"],
-                 "complex32": ROUNDING["float16"],
-                 # float32 matmuls and convolutions on CUDA with TF32 allowed: 10-bit mantissas
-                 "tensorfloat32": Rounding(2.0 ** -11, 2.0 ** -150)})
+    "complex128": ROUNDING["float64"], "complex64": ROUNDING["float32"],
+    "complex32": ROUNDING["float16"],
+    # float32 matmuls and convolutions on CUDA with TF32 allowed: 10-bit mantissas
+    "tensorfloat32": Rounding(2.0 ** -11, 2.0 ** -150)})
 # Modules whose float32 computation TF32 may touch: cuBLAS's, under the matmul flag, those
 # owning a weight matrix or a batch of them (experts' grouped matmuls); cuDNN's, under its
 # flag, convolutions and RNNs.
