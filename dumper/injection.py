@@ -283,8 +283,9 @@ class Injector:
         return StepReference(self, step_file)
 
     def describe(self) -> str:
-        """What the index's ``injected_from`` attribute says: the reference and the kinds."""
-        return fmt.injected_from(str(self.reference.path),
+        """What the index's ``injected_from`` attribute says: the reference (as an absolute
+        path, so that a comparison run elsewhere can find it by name) and the kinds."""
+        return fmt.injected_from(str(self.reference.path.absolute()),
                                  [k for k in INJECTABLE if k in self.kinds])
 
     # -- used alone: hooks of its own ------------------------------------------------------

@@ -187,7 +187,8 @@ def test_a_rerun_that_cannot_localize_is_refused_before_any_report(tmp_path):
 
 
 def test_a_rerun_on_as_weights_is_accepted_however_a_is_named_or_recorded(tmp_path, monkeypatch):
-    """What the refusals must not catch: A named as ``.`` or through a link; A recording fewer
+    """What the refusals must not catch: A named as ``.`` or through a link (by the comparison
+    or by the re-run, compared from another directory); A recording fewer
     modules than the re-run (``include=``); a bfloat16 model at the first step, whose weights
     are A's cast to bfloat16 (what injecting them would give) though A holds no values."""
     dump_embedded(tmp_path / "a", torch.float32, step=0, params=True, include=["lin1"])
@@ -195,10 +196,15 @@ def test_a_rerun_on_as_weights_is_accepted_however_a_is_named_or_recorded(tmp_pa
     dump_embedded(tmp_path / "b", torch.float32, step=0, plant=1.01)
     dump_embedded(tmp_path / "c", torch.float32, step=0, plant=1.01, inject=tmp_path / "latest")
     monkeypatch.chdir(tmp_path / "a")
+    dump_embedded(tmp_path / "c_dot", torch.float32, step=0, plant=1.01, inject=".")
     for ref in (tmp_path / "a", tmp_path / "latest", "."):
         origins = localize(ref, tmp_path / "b", tmp_path / "c")
         assert origins[origins["verdict"] == ORIGIN][["module", "kind"]].values.tolist() == [
             ["lin1", "input"]]
+    monkeypatch.chdir(tmp_path)  # the re-run on "." is compared from elsewhere
+    origins = localize(tmp_path / "a", tmp_path / "b", tmp_path / "c_dot")
+    assert origins[origins["verdict"] == ORIGIN][["module", "kind"]].values.tolist() == [
+        ["lin1", "input"]]
     dump_embedded(tmp_path / "a32", torch.float32, step=0)  # no weight values
     dump_embedded(tmp_path / "b16", torch.bfloat16, step=0)
     with pytest.warns(RuntimeWarning, match="holds no parameter values"):
