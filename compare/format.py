@@ -370,9 +370,10 @@ def parse_injected_from(text: str) -> tuple[str, tuple[str, ...]]:
     return reference, tuple(k for k in kinds[:-1].split(", ") if k)
 
 
-# The paths of the modules compiled in place (regional compilation, ``module.compile()``), one
-# per line, outermost only ("" for none; the root is "<root>"): recorded at their boundaries,
-# the modules inside them run as compiled code and are not recorded. Since version 7.
+# The paths of the modules that ran as compiled code (regional compilation, ``module.compile()``,
+# or a whole model in a ``torch.compile`` wrapper), one per line, outermost only ("" for none;
+# the root is "<root>"): recorded at their boundaries, the modules inside them are not
+# recorded. Since version 7.
 ATTR_COMPILED = "compiled"
 ROOT_NAME = "<root>"
 # What a dump stores per tensor: its values; statistics; a digest of its bits (since version 7).

@@ -154,9 +154,9 @@ def recorded_on_both_sides(pairs: pd.DataFrame) -> tuple[pd.DataFrame, list[str]
 
 def outside_compiled_regions(pairs: pd.DataFrame, compiled_a: set[str], compiled_b: set[str]
                              ) -> tuple[pd.DataFrame, list[str]]:
-    """``pairs`` less the records of one side inside a module the other side compiled in place
-    (``module.compile()``: the modules inside run as compiled code, without hooks), and a note
-    per side saying how many are left out."""
+    """``pairs`` less the records of one side inside a module the other side ran as compiled
+    code (``module.compile()``, ``torch.compile``: the modules inside are not recorded), and a
+    note per side saying how many are left out."""
     keep = pd.Series(True, index=pairs.index)
     notes = []
     for side, compiled, name, other in (("a_only", compiled_b, "A", "B"),
@@ -169,7 +169,7 @@ def outside_compiled_regions(pairs: pd.DataFrame, compiled_a: set[str], compiled
             keep &= ~inside
             regions = ", ".join(sorted(c or fmt.ROOT_NAME for c in compiled))
             notes.append(f"{int(inside.sum())} of {name}'s records are not compared: they are "
-                         f"inside modules {other} compiled in place ({regions}), whose code "
-                         f"ran compiled, without hooks")
+                         f"inside modules {other} ran as compiled code ({regions}), which "
+                         f"record nothing inside")
     return pairs[keep].reset_index(drop=True), notes
 

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import sys
 import threading
-import warnings
 from collections import defaultdict
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from compare import format as fmt
 
 
 def in_backward() -> bool:
@@ -42,17 +43,12 @@ def unwrapped(model: nn.Module) -> nn.Module:
     return inner
 
 
-def hook_target(model: nn.Module) -> nn.Module:
-    """:func:`unwrapped` ``model``. Compiled code skips module hooks, so for a ``torch.compile``
-    wrapper, unless ``force_eager`` is in effect, a warning says how to run the hooked steps
-    eagerly."""
-    *wrappers, inner = _layers(model)
-    if any(map(_is_compiled, wrappers)) and not _forced_eager():
-        warnings.warn("h5cmp: the model is compiled with torch.compile, whose compiled code skips "
-                      "module hooks; run the hooked steps eagerly, e.g. inside "
-                      "torch.compiler.set_stance('force_eager'), or nothing is recorded",
-                      RuntimeWarning, stacklevel=3)
-    return inner
+def _compile_wrapper(model: nn.Module) -> Optional[nn.Module]:
+    """The outermost ``torch.compile`` wrapper of ``model`` that runs it as compiled code (not
+    under ``torch.compiler.set_stance('force_eager')``), or None."""
+    *wrappers, _ = _layers(model)
+    compiled = [w for w in wrappers if _is_compiled(w)]
+    return compiled[0] if compiled and not _forced_eager() else None
 
 
 def _forced_eager() -> bool:
@@ -63,9 +59,9 @@ def _forced_eager() -> bool:
 
 
 def compiled_in_place(module: nn.Module) -> bool:
-    """Whether ``module.compile()`` made its calls run as compiled code (regional compilation):
-    its own hooks still run (eagerly: :func:`eager`), those of the modules inside it do not."""
-    return getattr(module, "_compiled_call_impl", None) is not None
+    """Whether ``module.compile()`` made its calls run as compiled code (regional compilation;
+    not under ``force_eager``)."""
+    return getattr(module, "_compiled_call_impl", None) is not None and not _forced_eager()
 
 
 # Attributes under which wrapper modules keep the module they wrap and call: FSDP1's
@@ -93,17 +89,45 @@ def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 Modules = list[tuple[str, nn.Module]]  # a model's (path, module) pairs, from named_modules
 
 
-def compiled_regions(modules: Modules) -> list[str]:
-    """Paths of the outermost modules compiled in place among a model's ``modules``."""
-    paths = [path for path, m in modules if compiled_in_place(m)]
-    return [p for p in paths if not any(p.startswith(q + ".") or not q for q in paths if q != p)]
+class HookedModel(NamedTuple):
+    """What of a model the dumper hooks: ``modules``, the (path, module) pairs whose hooks run
+    (named as in a plain run; TorchScript modules run none), and ``compiled``, the paths of
+    the outermost modules that run as compiled code: each module compiled in place
+    (``module.compile()``), or the root of a model in a ``torch.compile`` ``wrapper``. Such a
+    module is hooked at its boundary (:meth:`hook`); the ``inside`` modules within it are not
+    hooked at all, as dynamo would trace their hooks into the compiled code, changing its
+    graphs, its kernels and so the run's numerics."""
+
+    modules: Modules
+    compiled: tuple[str, ...] = ()
+    inside: int = 0
+    wrapper: Optional[nn.Module] = None
+
+    def hook(self, path: str, module: nn.Module, hook: Callable, pre: bool = False,
+             **options) -> RemovableHandle:
+        """Register forward (``pre``: pre-) ``hook`` for ``module`` at ``path``. On a module
+        that runs as compiled code it is excluded from compilation (torch.compiler.disable),
+        so that it runs as written, at the compiled code's boundary, instead of being traced
+        into its graph; for the root of a model in a ``torch.compile`` wrapper, it goes on the
+        wrapper, whose own hooks run before and after the compiled code (the root's own ones
+        run inside it, and not at all where a graph compiled without them is reused). The
+        module a hook is given is the one it is registered on."""
+        host = self.wrapper if path == "" and self.wrapper is not None else module
+        register = host.register_forward_pre_hook if pre else host.register_forward_hook
+        return register(torch.compiler.disable(hook) if path in self.compiled else hook,
+                        **options)
 
 
-def eager(hook: Callable, module: nn.Module) -> Callable:
-    """``hook`` as it is registered on ``module``: for a module compiled in place, excluded from
-    compilation (torch.compiler.disable), so that it runs as written, at the region's boundary,
-    instead of being traced into the region's graph (the dumper's hooks cannot be)."""
-    return torch.compiler.disable(hook) if compiled_in_place(module) else hook
+def hooked_model(model: nn.Module) -> HookedModel:
+    """:class:`HookedModel` of ``model`` (given as the user's code calls it: wrappers too)."""
+    wrapper = _compile_wrapper(model)
+    modules = [(path, m) for path, m in named_modules(unwrapped(model)) if runs_hooks(m)]
+    paths = [path for path, m in modules
+             if (wrapper is not None and path == "") or compiled_in_place(m)]
+    compiled = tuple(p for p in paths if not any(fmt.contains(q, p) for q in paths if q != p))
+    hooked = [(path, m) for path, m in modules
+              if not any(fmt.contains(c, path) and path != c for c in compiled)]
+    return HookedModel(hooked, compiled, len(modules) - len(hooked), wrapper)
 
 
 def runs_hooks(module: nn.Module) -> bool:
@@ -235,9 +259,8 @@ class CallHooks:
     sees them. With ``always_call``, ``leave`` runs also when the forward raised, with
     ``output`` None; otherwise such a call stays open (:attr:`open_calls`). With
     ``enter_first`` the pre-hook goes before the pre-hooks already registered (so that they
-    see what it replaces); the forward hook always goes last. In a module compiled in place
-    the hooks run
-    eagerly (:func:`eager`). :meth:`remove` removes every hook and forgets the numbering.
+    see what it replaces); the forward hook always goes last. :meth:`remove` removes every
+    hook and forgets the numbering.
     """
 
     def __init__(self, enter: Enter, leave: Leave, always_call: bool = False,
@@ -247,23 +270,28 @@ class CallHooks:
         self._tracker = CallTracker()
         self._handles: list[RemovableHandle] = []
 
-    def install(self, path: str, module: nn.Module) -> None:
-        def pre_hook(m: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+    def install(self, path: str, module: nn.Module, hooked: Optional[HookedModel] = None
+                ) -> None:
+        """Hook ``module`` at ``path``, where ``hooked`` places hooks (:meth:`HookedModel.hook`)
+        if given, else on the module itself."""
+        def pre_hook(_, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
             if in_backward():  # a recomputation: not a call
-                self._tracker.push(m, None)
+                self._tracker.push(module, None)
                 return None
-            state, replacement = self._enter(m, path, self._tracker.next_index(m), args, kwargs)
-            self._tracker.push(m, state)
+            state, replacement = self._enter(module, path, self._tracker.next_index(module),
+                                             args, kwargs)
+            self._tracker.push(module, state)
             return replacement
 
-        def hook(m: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            state = self._tracker.pop(m)
-            return None if state is None else self._leave(m, state, output)
+        def hook(_, args: tuple, kwargs: dict, output: Any) -> Any:
+            state = self._tracker.pop(module)
+            return None if state is None else self._leave(module, state, output)
 
-        self._handles.append(module.register_forward_pre_hook(
-            eager(pre_hook, module), with_kwargs=True, prepend=self._enter_first))
-        self._handles.append(module.register_forward_hook(
-            eager(hook, module), with_kwargs=True, always_call=self._always_call))
+        place = hooked or HookedModel([])
+        self._handles.append(place.hook(path, module, pre_hook, pre=True, with_kwargs=True,
+                                        prepend=self._enter_first))
+        self._handles.append(place.hook(path, module, hook, with_kwargs=True,
+                                        always_call=self._always_call))
 
     def state(self, module: nn.Module) -> Any:
         """The state of this thread's innermost open call of ``module`` (None if none)."""

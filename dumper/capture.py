@@ -18,8 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from compare import format as fmt
 
-from .calls import (CallHooks, CallTracker, Modules, MicroBatches, compiled_in_place, eager,
-                    in_backward, runs_hooks)
+from .calls import CallHooks, CallTracker, HookedModel, MicroBatches, in_backward
 from .dataflow import Dataflow
 from .flatten import call_leaves, leaves, map_tensors
 from .grads import GradInputCollector, current_sequence_nr, gradient_edge
@@ -114,14 +113,14 @@ class _OpenCall:
 
 
 class StepCapture:
-    """Hooks a model (its ``modules``, :func:`~dumper.calls.named_modules`) for one step and
-    sends a :class:`Record` per captured leaf to ``sink``.
+    """Hooks a model (``hooked``: :func:`~dumper.calls.hooked_model`) for one step and sends a
+    :class:`Record` per captured leaf to ``sink``.
 
     With ``inject`` (a localizing re-run, :mod:`dumper.injection`), each hooked call records
     what arrives (inputs, its own parameters, incoming gradients), flagged ``injected`` where
     the reference has a value for it, then runs on the reference's value instead."""
 
-    def __init__(self, modules: Modules, sink: Sink, maker: RecordMaker, selection: Selection,
+    def __init__(self, hooked: HookedModel, sink: Sink, maker: RecordMaker, selection: Selection,
                  params: bool, inject: Optional[StepReference] = None):
         self._sink = sink
         self._inject = inject
@@ -144,7 +143,8 @@ class StepCapture:
         # injected gradients: (id of the node, slot) -> (weak reference to it, what arrived)
         self._replaced_grads: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
         self.handles: list[RemovableHandle] = []
-        modules = [(path, m) for path, m in modules if runs_hooks(m)]
+        self._hooked = hooked
+        modules = hooked.modules
         # op-level capture (dumper.ops), if any is selected
         self._ops: Optional[OpMode] = OpMode(self._run_op, selection.skip_ops) if (
             selection.ops and any(selection.wants_ops(path, m) for path, m in modules
@@ -155,11 +155,11 @@ class StepCapture:
         self._calls_hooks = CallHooks(quiet(self._enter), quiet(self._leave))
         self._installed: dict[int, tuple[str, Optional[StepReference]]] = {}  # mode, injection
         for path, module in modules:
-            self._count_micro_batches(module)  # first: its pre-hook runs before the capture's
+            self._count_micro_batches(path, module)  # first: its pre-hook goes before the capture's
             if selection.wants_module(path, module):
                 self._install(path, module)
             elif self._ops is not None:  # its ops are its own, not its parent's: not recorded
-                self._own_ops(module, lambda: None)
+                self._own_ops(path, module, lambda: None)
 
     @property
     def modules_run(self) -> int:
@@ -176,23 +176,25 @@ class StepCapture:
         inject = self._inject if self._inject is not None and self._inject.wants(path, module) \
             else None
         self._installed[id(module)] = (self._sel.mode_of(path, module), inject)
-        self._calls_hooks.install(path, module)
-        if self._ops is not None:  # not in a compiled region: it runs its ops as compiled code
-            records_ops = self._sel.wants_ops(path, module) and not compiled_in_place(module)
-            self._own_ops(module, lambda: self._first_call_owner(module, inject, records_ops))
+        self._calls_hooks.install(path, module, self._hooked)
+        if self._ops is not None:  # not in compiled code: it runs its ops as compiled code
+            records_ops = self._sel.wants_ops(path, module) and path not in self._hooked.compiled
+            self._own_ops(path, module,
+                          lambda: self._first_call_owner(module, inject, records_ops))
         if inject is not None and fmt.PARAM in inject.kinds:  # put them back, also on errors,
-            self._add_hook(module, lambda m, args, out: self._restore_parameters(m),
+            self._add_hook(path, module, lambda m, args, out: self._restore_parameters(module),
                            always_call=True, prepend=True)  # before other forward hooks
         if self._param_grads is not None:
             self._param_grads.watch(module)
 
-    def _add_hook(self, module: nn.Module, hook: Callable, pre: bool = False, **options) -> None:
-        """Register a forward (``pre``: pre-) hook on ``module``, kept in ``handles``; eager
-        in a module compiled in place (:func:`~dumper.calls.eager`)."""
-        register = module.register_forward_pre_hook if pre else module.register_forward_hook
-        self.handles.append(register(eager(hook, module), **options))
+    def _add_hook(self, path: str, module: nn.Module, hook: Callable, pre: bool = False,
+                  **options) -> None:
+        """Register a forward (``pre``: pre-) hook for ``module``, kept in ``handles``, where
+        :meth:`~dumper.calls.HookedModel.hook` places it."""
+        self.handles.append(self._hooked.hook(path, module, hook, pre, **options))
 
-    def _own_ops(self, module: nn.Module, owner: Callable[[], Optional[tuple]]) -> None:
+    def _own_ops(self, path: str, module: nn.Module, owner: Callable[[], Optional[tuple]]
+                 ) -> None:
         """Hooks that make ``module``'s calls own the ops their code runs (:mod:`dumper.ops`):
         ``owner()`` (None: they are not recorded) from the start of the call, after the
         capture's pre-hook, to its end, also when the forward raises."""
@@ -200,8 +202,8 @@ class StepCapture:
 
         def enter(m, args) -> None:
             mode.enter(None if in_backward() else owner())  # recomputation: already recorded
-        self._add_hook(module, enter, pre=True)
-        self._add_hook(module, lambda m, args, out: mode.leave(), always_call=True)
+        self._add_hook(path, module, enter, pre=True)
+        self._add_hook(path, module, lambda m, args, out: mode.leave(), always_call=True)
 
     def _first_call_owner(self, module: nn.Module, inject: Optional[StepReference],
                           records_ops: bool) -> Optional[tuple]:
@@ -209,7 +211,7 @@ class StepCapture:
         call = self._calls_hooks.state(module) if records_ops else None
         return None if call is None else (call.info, inject)
 
-    def _count_micro_batches(self, module: nn.Module) -> None:
+    def _count_micro_batches(self, path: str, module: nn.Module) -> None:
         """Hooks that feed :class:`MicroBatches`: calls opening and closing (also when the
         forward raises), and a gradient hook on the outputs of outermost calls."""
         batches = self._micro_batches
@@ -223,8 +225,8 @@ class StepCapture:
                 for _, leaf in leaves(output, "output"):
                     if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                         self.handles.append(hook_gradient(leaf, batches.backward_ran))
-        self._add_hook(module, enter, pre=True)
-        self._add_hook(module, leave, always_call=True)
+        self._add_hook(path, module, enter, pre=True)
+        self._add_hook(path, module, leave, always_call=True)
 
     def finish(self) -> None:
         """Emit what only completes at step end (partial grad sums, final parameter grads)."""

@@ -18,8 +18,8 @@ from compare import format as fmt
 from compare.dump import Dump
 
 from .arena import StepBatch
-from .calls import (Modules, compiled_regions, hook_target, named_modules, runs_hooks,
-                    unhookable_roots)
+from .calls import (HookedModel, Modules, hooked_model, named_modules, runs_hooks,
+                    unhookable_roots, unwrapped)
 from .capture import StepCapture
 from .claim import PublishedFiles, StepClaim, StepConflictError
 from .collector import CollectorPause
@@ -207,11 +207,9 @@ class HookerAndDumper:
             self._give_back_memory()
             self._start_sentinel(model)
             return False
-        model = hook_target(model)
-        modules = list(named_modules(model))
-        _warn_if_scripted_inside(modules)
-        compiled = compiled_regions(modules)
-        _warn_if_compiled_inside(modules, compiled)
+        hooked = hooked_model(model)
+        _warn_if_scripted_inside(list(named_modules(unwrapped(model))))
+        _warn_if_compiled(hooked)
         rank, _ = distributed_rank()
         try:
             self._reference = self.injector.step(epoch, step, rank) if self.injector else None
@@ -231,7 +229,8 @@ class HookerAndDumper:
             self._start_sentinel(model)
             return False
         injected_from = self.injector.describe() if self.injector else ""
-        attrs = run_attrs(model, epoch, step, self.selection.mode, injected_from, tuple(compiled))
+        attrs = run_attrs(unwrapped(model), epoch, step, self.selection.mode, injected_from,
+                          hooked.compiled)
         self._gc_pause = CollectorPause() if self.pause_gc else None  # before the hooks' objects
         try:
             try:
@@ -244,7 +243,7 @@ class HookerAndDumper:
                 raise
             self._budget.on_pressure = self._writer.flush
             self._maker.batch = StepBatch(self._pool)
-            self._capture = StepCapture(modules, self._writer.submit, self._maker,
+            self._capture = StepCapture(hooked, self._writer.submit, self._maker,
                                         self.selection, self.params, self._reference)
             self._start_sentinel(model)  # after the capture: a failing call's tensors recorded
         except BaseException:  # nothing stays hooked, claimed or paused
@@ -255,7 +254,7 @@ class HookerAndDumper:
     def _start_sentinel(self, model: nn.Module) -> None:
         self.nonfinite_report = None
         if self.on_nonfinite is not None:
-            self._sentinel = NonFiniteSentinel(hook_target(model), self.on_nonfinite,
+            self._sentinel = NonFiniteSentinel(model, self.on_nonfinite,
                                                self.nonfinite_history)
 
     def _stop_sentinel(self) -> None:
@@ -319,8 +318,9 @@ class HookerAndDumper:
             self._close_reference()
         if not capture.modules_run:
             warnings.warn(f"h5cmp: no module call was recorded in {writer.final_path.name}: the "
-                          f"hooked model did not run between register_hooks and remove_hooks, or "
-                          f"ran as torch.compile'd code, which skips module hooks",
+                          f"hooked model did not run between register_hooks and remove_hooks "
+                          f"(hook the model as the training code calls it: a torch.compile or "
+                          f"DDP wrapper, not the module inside it)",
                           RuntimeWarning, stacklevel=3)
         if incomplete:
             warnings.warn(f"h5cmp: {writer.final_path} is marked incomplete: {incomplete}",
@@ -492,17 +492,19 @@ def _warn_if_scripted_inside(modules: Modules) -> None:
                       f"{', '.join(outermost[:3])}{more}", RuntimeWarning, stacklevel=3)
 
 
-def _warn_if_compiled_inside(modules: Modules, compiled: list[str]) -> None:
-    """Regional compilation: the compiled modules are recorded at their boundaries (their hooks
-    run eagerly), the modules inside them run as compiled code and are not recorded."""
-    inside = [p for p, _ in modules
-              if any(fmt.contains(c, p) and p != c for c in compiled)]
-    if inside:
-        names = ", ".join(c or fmt.ROOT_NAME for c in compiled[:3])
-        more = f" and {len(compiled) - 3} more" if len(compiled) > 3 else ""
-        warnings.warn(f"h5cmp: {names}{more} run as compiled code (module.compile()): recorded at "
-                      f"their boundaries; the {len(inside)} modules inside them are not recorded "
-                      f"(compiled code runs no hooks; run the step eagerly to record them)",
+def _warn_if_compiled(hooked: HookedModel) -> None:
+    """Compiled code (regional compilation, a ``torch.compile``'d model) is recorded at its
+    boundaries; the modules inside it are not hooked (:class:`~dumper.calls.HookedModel`)."""
+    if hooked.inside:
+        names = ", ".join(c or fmt.ROOT_NAME for c in hooked.compiled[:3])
+        more = f" and {len(hooked.compiled) - 3} more" if len(hooked.compiled) > 3 else ""
+        one = len(hooked.compiled) == 1
+        warnings.warn(f"h5cmp: {names}{more} run{'s' if one else ''} as compiled code "
+                      f"(torch.compile): recorded at {'its boundary' if one else 'their boundaries'}"
+                      f"; the {hooked.inside} modules inside {'it' if one else 'them'} are not "
+                      f"recorded (hooks there would change the compiled code and its numerics; "
+                      f"run the dumped steps eagerly, e.g. inside "
+                      f"torch.compiler.set_stance('force_eager'), to record them)",
                       RuntimeWarning, stacklevel=3)
 
 

@@ -50,7 +50,7 @@ from compare.dump import Dump, StepFile, load_dump
 from compare.metrics import (NORMS_WITHIN, REORDERED_FROM, REORDERED_MARGIN,
                              reordered_rel_err, rows_measured)
 
-from .calls import CallHooks, hook_target, hookable_modules
+from .calls import CallHooks, hooked_model
 from .encoding import decode_to_tensor
 from .flatten import map_tensors
 
@@ -294,9 +294,10 @@ class Injector:
         Register it *before* a dumper's hooks for the dump to record what was used."""
         self._step = self.step(epoch, step)
         self._hooks = CallHooks(self._enter, self._leave, always_call=True, enter_first=True)
-        for path, module in hookable_modules(hook_target(model)):
+        hooked = hooked_model(model)
+        for path, module in hooked.modules:
             if self._step.wants(path, module):
-                self._hooks.install(path, module)
+                self._hooks.install(path, module, hooked)
 
     def remove(self) -> None:
         if self._hooks is not None:

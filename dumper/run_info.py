@@ -32,7 +32,7 @@ def run_attrs(model: nn.Module, epoch: int, step: int, mode: str, injected_from:
               compiled: tuple[str, ...] = ()) -> dict:
     """The root attributes of a step file (names in ``compare.format``); ``injected_from``:
     what a localizing re-run injects (``Injector.describe()``); ``compiled``: the paths of the
-    modules compiled in place (:func:`dumper.calls.compiled_regions`)."""
+    modules that run as compiled code (:class:`dumper.calls.HookedModel`)."""
     rank, world_size = distributed_rank()
     attrs = {
         fmt.ATTR_FORMAT_NAME: fmt.FORMAT_NAME,

@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import ops
-from .calls import eager, hookable_modules, in_backward
+from .calls import hooked_model, in_backward
 from .capture import hook_gradient
 from .flatten import call_leaves, leaves
 from .grads import gradient_edge
@@ -147,7 +147,7 @@ class _Pending:
 
 
 class NonFiniteSentinel:
-    """Hooks ``model`` for one step; reports the first non-finite value by ``action``
+    """Hooks ``model`` (as :func:`~dumper.calls.hooked_model` does) for one step; reports the first non-finite value by ``action``
     (``"raise"``: :class:`NonFiniteError`, stopping the step; ``"warn"``: a warning, once per
     step). ``history`` earlier events are quoted in the report. :meth:`remove` reads what is
     left to read and removes every hook."""
@@ -168,15 +168,16 @@ class NonFiniteSentinel:
         self._nodes: list = []
         self._checked: dict[int, tuple[weakref.ref, int]] = {}  # outputs checked
         self.handles: list[RemovableHandle] = []
-        for path, module in hookable_modules(model):
+        hooked = hooked_model(model)
+        for path, module in hooked.modules:
             cls = type(module).__name__
-            self.handles.append(module.register_forward_pre_hook(eager(ops.quietly(
-                lambda m, args, kwargs, path=path: self._pre_hook(path, args, kwargs)), module),
-                with_kwargs=True))
-            self.handles.append(module.register_forward_hook(  # also when the forward raises
-                eager(ops.quietly(lambda m, args, kwargs, out, path=path, cls=cls:
-                                  self._post_hook(path, cls, args, kwargs, out)), module),
-                with_kwargs=True, always_call=True))
+            self.handles.append(hooked.hook(path, module, ops.quietly(
+                lambda m, args, kwargs, path=path: self._pre_hook(path, args, kwargs)),
+                pre=True, with_kwargs=True))
+            self.handles.append(hooked.hook(path, module, ops.quietly(  # also when it raises
+                lambda m, args, kwargs, out, path=path, cls=cls:
+                self._post_hook(path, cls, args, kwargs, out)), with_kwargs=True,
+                always_call=True))
 
     def remove(self) -> None:
         """Remove every hook, then read the checks still on the device: a failure found now
