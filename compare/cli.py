@@ -135,8 +135,7 @@ def main(a: Path, b: Optional[Path], track: Optional[str], debug: bool, **option
 
 def compare_command(a: Path, b: Path, opts: Options) -> int:
     """Run one comparison as ``h5cmp A B`` does; returns the exit status."""
-    from .comparison import (ASSEMBLED, NAME_MAPPING, NOT_COMPARED, assembled_sides,
-                             compare_dumps)
+    from .comparison import ASSEMBLED, NAME_MAPPING, NOT_COMPARED, compare_dumps
     from .dump import load_dump
     from .pairing import align_ranks, select
     from .plot import check_plot_path, plot_errors, plot_heatmap
@@ -163,8 +162,6 @@ def compare_command(a: Path, b: Path, opts: Options) -> int:
         mapping = load_mapping(opts.mapping)  # before the compare: a bad file fails at once
     if note and not opts.quiet:
         click.echo(f"h5cmp: {note}", err=True)
-    if not assembled_sides(full_a, full_b) == "A and B":  # else the ranks do not pair
-        _report_unpaired_steps(dump_a, dump_b, opts.quiet)
     client = None
     if opts.scheduler is not None:
         from .cluster import connect
@@ -255,17 +252,6 @@ def _track(a: Path, spec: str, plot: Optional[Path]) -> None:
     module = "" if parts[0] in ("", "<root>") else parts[0]
     plot_tensor_steps(a, module, parts[1], int(parts[2]), plot,
                       call_idx=int(parts[3]) if len(parts) == 4 else 0)
-
-
-def _report_unpaired_steps(dump_a, dump_b, quiet: bool) -> None:
-    keys_a = {(s.epoch, s.step, s.rank) for s in dump_a.steps}
-    keys_b = {(s.epoch, s.step, s.rank) for s in dump_b.steps}
-    if quiet:
-        return
-    for side, extra in (("A", keys_a - keys_b), ("B", keys_b - keys_a)):
-        for epoch, step, rank in sorted(extra, key=lambda k: (k[0], k[1], k[2] or 0)):
-            rank_text = "" if rank is None else f" rank {rank}"
-            click.echo(f"h5cmp: step {epoch}:{step}{rank_text} is only in {side}", err=True)
 
 
 if __name__ == "__main__":

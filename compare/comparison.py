@@ -119,6 +119,9 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     _check_same_model(dump_a, dump_b, rows_a, rows_b)
     rows_b = align_ops(rows_a, rows_b)
     pairs, not_compared = recorded_on_both_sides(pair_records(rows_a, rows_b))
+    if pairs.empty:
+        raise DumpError(f"{dump_a.path} / {dump_b.path}: nothing to compare: the dumps share no "
+                        f"step ({'; '.join(not_compared)}); dump the same steps of both runs")
     files_a = {(s.epoch, s.step, s.rank if s.rank is not None else -1): s for s in dump_a.steps}
     files_b = {(s.epoch, s.step, s.rank if s.rank is not None else -1): s for s in dump_b.steps}
     compiled_a, compiled_b = ({c for f in files.values() for c in fmt.compiled_modules(f.attrs)}

@@ -10,8 +10,8 @@ import pandas as pd
 from . import format as fmt
 from .dump import Dump
 from .errors import DumpError
+from .sources import STEP_KEY
 
-STEP_KEY = ["epoch", "step", "rank"]
 KEY = [*STEP_KEY, "module", "call_idx", "kind", "index", "occurrence"]
 SIDE_COLUMNS = ["seq", "call", "cls", "micro_batch", "group", "path", "dtype", "shape", "encoding",
                 "dataset", "status", "checksum", "digest", "producer", "addends", "injected",
@@ -116,11 +116,11 @@ def pair_records(rows_a: pd.DataFrame, rows_b: pd.DataFrame) -> pd.DataFrame:
 
 def recorded_on_both_sides(pairs: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
     """``pairs`` less the one-sided records the other side's dumper was not asked to record,
-    and a note per kind left out. A kind that one side recorded none of in a step both sides
-    recorded (``kinds=``,
-    or ``params=True`` on one side only) is not a missing record; nor are weights that one side
-    records at each call (``params=True``) and the other at the module's first call only:
-    they are compared where both sides have them."""
+    and a note per step or kind left out. A step only one side recorded tensors in (one run
+    dumped in more steps) is not compared; a kind that one side recorded none of in a step
+    both sides recorded (``kinds=``, or ``params=True`` on one side only) is not a missing
+    record; nor are weights that one side records at each call (``params=True``) and the
+    other at the module's first call only: they are compared where both sides have them."""
     keep = pd.Series(True, index=pairs.index)
     notes = []
     step_kind = [*STEP_KEY, "kind"]
@@ -128,6 +128,15 @@ def recorded_on_both_sides(pairs: pd.DataFrame) -> tuple[pd.DataFrame, list[str]
     in_step = pairs.groupby(STEP_KEY)["side"].agg(lambda s: set(s))
     both_steps = {k for k, sides in in_step.items() if "both" in sides
                   or {"a_only", "b_only"} <= sides}
+    for side, name, other_name in (("a_only", "A", "B"), ("b_only", "B", "A")):
+        lone = [k for k, sides in in_step.items() if sides == {side}]
+        if lone:  # a run dumped in more steps than the other
+            keep &= ~pd.Series(list(zip(*(pairs[c] for c in STEP_KEY))), index=pairs.index
+                               ).isin(lone)
+            notes.append(f"{name}'s step{'s' if len(lone) > 1 else ''} "
+                         f"{_shown([fmt.step_label(*k) for k in lone])} "
+                         f"{'are' if len(lone) > 1 else 'is'} not compared: {other_name} "
+                         f"recorded no tensor in {'them' if len(lone) > 1 else 'it'}")
     present = present[[k[:3] in both_steps for k in present.index]]
     for side, other, name, other_name in (("a_only", "b_only", "A", "B"),
                                           ("b_only", "a_only", "B", "A")):
@@ -138,11 +147,9 @@ def recorded_on_both_sides(pairs: pd.DataFrame) -> tuple[pd.DataFrame, list[str]
             keep &= ~rows
             steps.setdefault(key[-1], []).append(fmt.step_label(*key[:3]))
         for kind, labels in steps.items():
-            shown = ", ".join(labels[:NOTED_STEPS]) + (
-                f" and {len(labels) - NOTED_STEPS} more" if len(labels) > NOTED_STEPS else "")
             notes.append(f"{name}'s {kind} records of step{'s' if len(labels) > 1 else ''} "
-                         f"{shown} are not compared: {other_name} recorded none (dumped with "
-                         f"other kinds or params)")
+                         f"{_shown(labels)} are not compared: {other_name} recorded none "
+                         f"(dumped with other kinds or params)")
     params = pairs[(pairs["kind"] == fmt.PARAM) & keep]
     both = params[params["side"] == "both"][["module", "index"]].drop_duplicates()
     known = set(map(tuple, both.to_numpy()))
@@ -150,6 +157,12 @@ def recorded_on_both_sides(pairs: pd.DataFrame) -> tuple[pd.DataFrame, list[str]
         [(m, i) in known for m, i in zip(params["module"], params["index"])], dtype=bool)
     keep[params.index[lone_params]] = False
     return pairs[keep].reset_index(drop=True), notes
+
+
+def _shown(labels: list[str]) -> str:
+    """The first :data:`NOTED_STEPS` of ``labels``, and how many more."""
+    return ", ".join(labels[:NOTED_STEPS]) + (
+        f" and {len(labels) - NOTED_STEPS} more" if len(labels) > NOTED_STEPS else "")
 
 
 def outside_compiled_regions(pairs: pd.DataFrame, compiled_a: set[str], compiled_b: set[str]

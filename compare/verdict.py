@@ -67,7 +67,8 @@ rtol |b|``, or, known by statistics, each statistic) is ``close``; outside them 
 ``inherited`` when a source outside them explains it, else ``DIFF``. Weights (``param``
 records) have no sources in the step: a weight that differs (in two dtypes: by more than one
 rounding; or beyond the given tolerance) is ``inherited`` (from earlier steps) and the summary
-says so. Records with
+says so; but ``DIFF`` at a run's first step (``FIRST_STEP``: no step before it changed the
+weights) and where both runs compute bit-identically. Records with
 values that were not comparable (missing, dropped, unsupported, different shapes) keep their
 status, except records whose shapes differ where their rows moved between calls, none lost
 (:mod:`compare.routing`), after a selection that differs (an integer source with an error, e.g.
@@ -99,6 +100,7 @@ STATS_NOTE = ("; estimated from statistics (a difference that keeps min, max, me
               "norm cannot be seen)")
 
 WRONG_WEIGHTS = "the runs did not start from the same weights, or diverged at an earlier step"
+FIRST_STEP = (0, 0)  # (epoch, step) of a run's first step: no step before it moved the weights
 IN_TRANSIT = "B changed its values by"  # how the reason of a record changed in transit begins
 MISCOMPUTED = "B's values differ by"  # how the reason of a call B computed wrongly begins
 USER_TOLERANCE = "user_tolerance"  # attribute of a judged result: judged by the user's rtol/atol
@@ -188,6 +190,11 @@ class _Judgement:
                 self.status[i] = st.DIFF
                 self.reason[i] = (f"weights differ by {r.err[i]:.3g} where both runs compute "
                                   f"bit-identically: {WRONG_WEIGHTS}")
+            elif rank_step[1] == FIRST_STEP and not r.replaced[i]:
+                self.status[i] = st.DIFF
+                self.reason[i] = (f"weights differ by {r.err[i]:.3g} at the first step, more "
+                                  f"than a cast between the runs' dtypes moves them: the runs "
+                                  f"did not start from the same weights")
             else:
                 self.reason[i] = f"weights differ by {r.err[i]:.3g} before this step"
             return

@@ -106,13 +106,26 @@ def test_jobs_option(runs):
     assert h5cmp(runs["ref"], runs["fwd"], "--jobs", "2").exit_code == 1
 
 
-def test_extra_step_is_reported(runs, tmp_path):
+def test_steps_only_one_run_dumped_are_named_and_left_out(runs, tmp_path):
+    """A run dumped in more steps than the other (A every step, B the suspect one): the shared
+    steps get the verdict; the others are named, not counted as missing records."""
     partial = tmp_path / "partial"
     partial.mkdir()
-    shutil.copy(runs["ref"] / fmt.step_file_name(0, 0), partial)
+    shutil.copy(runs["ref"] / fmt.step_file_name(0, 1), partial)
     result = CliRunner().invoke(main, [str(runs["ref"]), str(partial)])
-    assert "step 0:1 is only in A" in result.output
-    assert result.exit_code == 1
+    assert result.exit_code == 0, result.output
+    assert "h5cmp: A's step 0:0 is not compared: B recorded no tensor in it" in result.stderr
+    assert "missing" not in result.output
+    shutil.copy(runs["fwd"] / fmt.step_file_name(0, 1), partial)  # B's step 0:1 goes wrong
+    result = CliRunner().invoke(main, [str(runs["ref"]), str(partial)])
+    assert result.exit_code == 1 and "first divergence: step 0:1" in result.output
+    asked = CliRunner().invoke(main, [str(runs["ref"]), str(partial), "--step", "1"])
+    assert "not compared" not in asked.stderr
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(runs["ref"] / fmt.step_file_name(0, 0), other)
+    apart = CliRunner().invoke(main, [str(other), str(partial)])
+    assert apart.exit_code == 2 and "the dumps share no step" in apart.output, apart.output
 
 
 def test_console_script_starts_without_torch():

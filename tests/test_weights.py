@@ -178,6 +178,37 @@ def test_wrong_weights_in_a_same_precision_pair_are_a_divergence(tmp_path, make,
     assert "this module's weights differ before the step" in result.output
 
 
+@pytest.mark.parametrize("arch, precision, wrong", [
+    ("bert", "bfloat16", "bert.encoder.layer.1.intermediate.dense"),
+    ("gpt2", "float16", "transformer.h.0.attn.c_proj")])
+def test_wrong_weights_at_the_first_step_are_a_divergence_across_precisions(
+        tmp_path, arch, precision, wrong):
+    """Mixed precision, first step: nothing before it can have moved B's (float32 master)
+    weights from A's, so one layer's weights 1 % off are the first divergence (a trial on
+    five architectures found them all reported as drift, exit 0); the healthy pair passes."""
+    pytest.importorskip("transformers")
+    from architectures import build, precision_context, ARCHITECTURES
+
+    def run(name, at, scale=1.0):
+        model, batch = build(arch, at)
+        with torch.no_grad():
+            model.get_submodule(wrong).weight.mul_(scale)
+        with HookerAndDumper(tmp_path / name).hooks(model, 0, 0):
+            with precision_context(at):
+                loss = ARCHITECTURES[arch].loss(model, batch)
+            loss.backward()
+        return str(tmp_path / name)
+
+    a = run("a", "float32")
+    healthy = CliRunner().invoke(main, [a, run("b", precision)])
+    assert healthy.exit_code == 0, healthy.output
+    wrong_run = CliRunner().invoke(main, [a, run("c", precision, 1.01)])
+    assert wrong_run.exit_code == 1, wrong_run.output
+    assert wrong_run.output.startswith(f"B diverges from A: first at step 0:0 forward in {wrong} "
+                                       f"(param[0])"), wrong_run.output
+    assert "at the first step, more than a cast between the runs' dtypes" in wrong_run.output
+
+
 def test_runs_on_other_numbers_of_processes_are_not_expected_bit_identical():
     """Collectives add up in another order over another number of processes: the world size
     is one of the attributes that decide whether two runs compute bit-identically."""
