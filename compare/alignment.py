@@ -9,6 +9,14 @@ name and output shape, are aligned (``difflib.SequenceMatcher``: longest common 
 B's ops that align with one of A's take that op's name, so they pair; the others keep their
 name (primed, ``add#1'``, where A has an op of that name) and are reported as one side's.
 Module records are untouched: they pair by path and call number.
+
+A call's inputs (and their gradients) are numbered by the tensors among its arguments, so one
+argument that is a tensor in one run and ``None`` in the other (an attention mask one
+attention implementation builds and another does not) shifts the number of every later
+input. Where the two runs' calls got tensors at partly different places, B's inputs take the
+number of A's at the same place (``kwargs['position_ids']``); those at a place A's call lacks,
+a number A's does not use (reported as one side's). Calls whose tensors sit at the same places,
+or at none in common (positional in one run, keywords in the other), keep their numbering.
 """
 from __future__ import annotations
 
@@ -74,3 +82,31 @@ def align_ops(rows_a: pd.DataFrame, rows_b: pd.DataFrame) -> pd.DataFrame:
     keys = zip(rows_b["epoch"], rows_b["step"], rows_b["rank"], rows_b["call_idx"],
                rows_b["module"])
     return rows_b.assign(module=[renames.get(k, k[-1]) for k in keys])
+
+
+INPUT_KINDS = (fmt.INPUT, fmt.GRAD_INPUT)  # numbered by the arguments' tensors
+
+
+def align_inputs(rows_a: pd.DataFrame, rows_b: pd.DataFrame) -> pd.DataFrame:
+    """``rows_b`` with its calls' inputs renumbered by where they sit (module docstring);
+    unchanged where each call got its tensors at the same places in both runs."""
+    call = ["epoch", "step", "rank", "module", "call_idx", "occurrence", "kind"]
+    places = {side: rows[rows["kind"].isin(INPUT_KINDS)].groupby(call, sort=False)
+              for side, rows in (("a", rows_a), ("b", rows_b))}
+    paths_a = dict(places["a"]["path"].agg(tuple).items())
+    renumber: dict[tuple, int] = {}
+    for key, paths_b in places["b"]["path"].agg(tuple).items():
+        a = paths_a.get(key)
+        if a is None or a == paths_b or not set(a) & set(paths_b):
+            continue
+        index_a = dict(zip(a, places["a"].get_group(key)["index"]))
+        spare = max(index_a.values()) + 1
+        for path, index in zip(paths_b, places["b"].get_group(key)["index"]):
+            if path in index_a:
+                renumber[(*key, index)] = index_a[path]
+            else:
+                renumber[(*key, index)], spare = spare, spare + 1
+    if not renumber:
+        return rows_b
+    keys = zip(*(rows_b[c] for c in call), rows_b["index"])
+    return rows_b.assign(index=[renumber.get(k, k[-1]) for k in keys])

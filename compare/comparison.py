@@ -20,14 +20,14 @@ from .centering import Centering, normalized_sizes, per_channel
 from .dump import Dump, PathLike, dataset_of, load_dump, open_h5, read_chunks, reading
 from .errors import DumpError
 from . import format as fmt
-from .alignment import align_ops
+from .alignment import align_inputs, align_ops
 from .arguments import differing_arguments
 from .assembly import PartReader, assemble, compare_parts, sharded_ranks, whole_part
 from .mapping import NameMapping, find_prefix, load_mapping
 from .metrics import METRIC_COLUMNS, ErrorAccumulator, rows_measured
 from .prefetch import prefetched
 from .pairing import (KEY, align_ranks, at_rank, outside_compiled_regions, pair_records,
-                      recorded_on_both_sides, select, tensor_rows)
+                      recorded_on_both_sides, select, tensor_rows, unlike_forms)
 from .statistics import compare_stats, described, sketch_of_chunks, stats_of_chunks
 from .status import (CLOSE, DROPPED, EQUAL, HASH_MISMATCH, MISSING_IN_A, MISSING_IN_B,
                      OP_ONLY_IN_A, OP_ONLY_IN_B, REPLICA_MISMATCH, SHAPE_MISMATCH, UNSUPPORTED)
@@ -117,8 +117,10 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     if mapping is not None:
         rows_b = _one_to_one(mapping, rows_b, mapping.apply(rows_b))
     _check_same_model(dump_a, dump_b, rows_a, rows_b)
-    rows_b = align_ops(rows_a, rows_b)
+    rows_b = align_inputs(rows_a, align_ops(rows_a, rows_b))
     pairs, not_compared = recorded_on_both_sides(pair_records(rows_a, rows_b))
+    pairs, unlike = unlike_forms(pairs, dump_a.index, dump_b.index)
+    not_compared += unlike
     if pairs.empty:
         raise DumpError(f"{dump_a.path} / {dump_b.path}: nothing to compare: the dumps share no "
                         f"step ({'; '.join(not_compared)}); dump the same steps of both runs")
@@ -158,7 +160,10 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     paired = files_a.keys() & files_b.keys()
     # compiled code (fused kernels) rounds otherwise than eager code, even in the same dtypes
     # and so do shards computed apart and put together (partial sums reduced in another order)
-    kernels = not (compiled_a or compiled_b or assembled) and all(
+    # and code that runs other ops (ops on one side only: a fused attention against its steps)
+    other_code = pairs["side"].ne("both") & pairs["module"].map(
+        lambda m: fmt.split_op(m) is not None)
+    kernels = not (compiled_a or compiled_b or assembled or other_code.any()) and all(
         fmt.same_kernels(files_a[k].attrs, files_b[k].attrs) for k in paired)
     tf32 = tuple(tuple(any(fmt.tf32_allowed(files[k].attrs)[i] for k in paired) for i in (0, 1))
                  for files in (files_a, files_b))

@@ -208,7 +208,7 @@ class Evidence:
         self.miscomputed = self.recomputed > self.recomputed_floor  # NaN: not recomputed
 
     def _merged_sources(self, frame: pd.DataFrame) -> list[np.ndarray]:
-        sources = [s[self.compared[s]] for s in self.all_sources]
+        sources = [s[self.compared[s]] for s in self._through_one_sided()]
         for members in _same_tensor(frame, self.err, self.compared):
             first = min(members, key=lambda i: (self.seq[i], i))
             merged = np.setdiff1d(np.concatenate([sources[i] for i in members]), members)
@@ -216,6 +216,25 @@ class Evidence:
             for i in members:
                 self.first[i], sources[i] = first, merged
         return sources
+
+    def _through_one_sided(self) -> list[np.ndarray]:
+        """:attr:`all_sources`, where a source only one run recorded (an op of code the other
+        run does not run: eager attention's ``softmax`` against a fused kernel) stands for
+        what it is computed from, in turn: the record's error is judged against the error
+        of the records both runs have that it comes from."""
+        one_sided = np.isin(self.measured, list(st.ONE_SIDED))
+        out: list[np.ndarray] = []
+        for s in self.all_sources:
+            lone, found, seen = list(s[one_sided[s]]), [s[~one_sided[s]]], set()
+            while lone:
+                j = lone.pop()
+                if j not in seen:
+                    seen.add(j)
+                    sources = self.all_sources[j]
+                    found.append(sources[~one_sided[sources]])
+                    lone.extend(sources[one_sided[sources]])
+            out.append(np.unique(np.concatenate(found)).astype(np.int64) if seen else s)
+        return out
 
     def _decided(self, frame: pd.DataFrame) -> np.ndarray:
         """For a grad_input, the error that decisions on its call's inputs may put in it: where

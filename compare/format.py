@@ -76,6 +76,7 @@ def call_group_name(call: int, module_key: str) -> str:
 
 
 OP_SEPARATOR = "/"
+_OP_NAME = re.compile(r".+#\d+'*")  # an op's name and number, primed if one side's
 
 
 def op_module(module: str, op: str, number: int) -> str:
@@ -86,9 +87,10 @@ def op_module(module: str, op: str, number: int) -> str:
 
 
 def split_op(module: str) -> Optional[tuple[str, str]]:
-    """``(module path, "op#n")`` of an op record's ``module``; None for a module record."""
+    """``(module path, "op#n")`` of an op record's ``module`` (``"op#n'"`` where alignment
+    marked it one side's); None for a module record (whose name may hold a ``/``)."""
     path, sep, op = module.rpartition(OP_SEPARATOR)
-    return (path, op) if sep else None
+    return (path, op) if sep and _OP_NAME.fullmatch(op) else None
 
 
 def contains(outer: str, inner: str) -> bool:
@@ -197,6 +199,9 @@ def parse_conv(text: str) -> Optional[ConvGeometry]:
     sizes_valid = min(geometry.stride + geometry.dilation + (geometry.groups,)) >= 1 and \
         min(padding, default=0) >= 0
     return geometry if len(lengths) == 1 and sizes_valid else None
+
+
+STEP_SPEC = re.compile(r"\d+(?::\d+)?")  # how a step is asked for: S, or E:S
 
 
 def step_label(epoch: int, step: int, rank=None) -> str:

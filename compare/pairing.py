@@ -71,6 +71,9 @@ def tensor_rows(dump: Dump, steps: Optional[Iterable[str]] = None) -> pd.DataFra
                  | index["status"].isin([fmt.ST_DROPPED, fmt.ST_UNSUPPORTED])]
     if steps:
         wanted = list(steps)
+        bad = [w for w in wanted if not fmt.STEP_SPEC.fullmatch(str(w))]
+        if bad:
+            raise ValueError(f"steps: {bad[0]!r} is no step; give S or E:S, e.g. '3' or '0:3'")
         rows = rows[[_step_matches(e, s, wanted) for e, s in zip(rows["epoch"], rows["step"])]]
     # parts: where a sharded tensor's values are (compare.assembly); none for a stored tensor.
     # replicas_differ: which rank's copy of a replicated tensor put together differs
@@ -157,6 +160,60 @@ def recorded_on_both_sides(pairs: pd.DataFrame) -> tuple[pd.DataFrame, list[str]
         [(m, i) in known for m, i in zip(params["module"], params["index"])], dtype=bool)
     keep[params.index[lone_params]] = False
     return pairs[keep].reset_index(drop=True), notes
+
+
+def unlike_forms(pairs: pd.DataFrame, index_a: pd.DataFrame, index_b: pd.DataFrame
+                 ) -> tuple[pd.DataFrame, list[str]]:
+    """``pairs`` less the records the two runs hold in unlike forms, which no error measures,
+    and a note on them: a tensor where the other run's call got or returned ``None`` (or
+    another non-tensor) at that place (an attention mask one implementation builds and another
+    does not need), and tensors of other kinds of dtype (a mask as booleans in one run, as
+    additive floats in the other). The records computed from them are compared as ever."""
+    place = ["epoch", "step", "rank", "module", "call_idx", "kind"]
+    keep = pd.Series(True, index=pairs.index)
+    examples = []
+    for side, other_index, other in (("a", index_b, "B"), ("b", index_a, "A")):
+        lone = pairs[pairs["side"] == f"{side}_only"]
+        if lone.empty:
+            continue
+        leaves = other_index[other_index["dataset"] == ""]
+        others = set(zip(*(leaves[c].fillna(-1) if c == "rank" else leaves[c] for c in place),
+                         leaves["path"]))
+        # a gradient is of the input or output at its place
+        lone_place = lone[place].assign(kind=lone["kind"].replace(
+            {fmt.GRAD_INPUT: fmt.INPUT, fmt.GRAD_OUTPUT: fmt.OUTPUT}))
+        unlike = [(*k, p) in others for k, p in zip(zip(*(lone_place[c] for c in place)),
+                                                    lone[f"path_{side}"])]
+        keep[lone.index[unlike]] = False
+        examples += [f"{_place(r, side)} a tensor in {side.upper()}, not in {other}"
+                     for _, r in lone[unlike].head(1).iterrows()]
+    both = pairs[pairs["side"] == "both"]
+    kinds = [(_dtype_kind(a), _dtype_kind(b)) for a, b in zip(both["dtype_a"], both["dtype_b"])]
+    apart = [None not in k and k[0] != k[1] for k in kinds]
+    keep[both.index[apart]] = False
+    examples += [f"{_place(r, 'a')} {r['dtype_a']} in A, {r['dtype_b']} in B"
+                 for _, r in both[apart].head(1).iterrows()]
+    dropped = int((~keep).sum())
+    notes = [f"{dropped} record(s) are not compared: the runs hold them in unlike forms "
+             f"(e.g. {'; '.join(examples)}), which no error measures"] if dropped else []
+    return pairs[keep].reset_index(drop=True), notes
+
+
+def _place(row: pd.Series, side: str) -> str:
+    """``model.layers.0 input kwargs['attention_mask']``: where a record sits in its call."""
+    path = row[f"path_{side}"]
+    where = path if path.startswith(row["kind"]) else f"{row['kind']} {path}"
+    return f"{row['module'] or fmt.ROOT_NAME} {where}"
+
+
+def _dtype_kind(dtype) -> Optional[str]:
+    """``bool``, ``int``, ``float`` or ``complex``: what a dtype's values are (None if unknown)."""
+    name = str(dtype)
+    for kind, prefixes in (("bool", ("bool",)), ("int", ("int", "uint")),
+                           ("complex", ("complex",)), ("float", ("float", "bfloat"))):
+        if name.startswith(prefixes):
+            return kind
+    return None
 
 
 def _shown(labels: list[str]) -> str:

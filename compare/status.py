@@ -45,6 +45,8 @@ STATUSES = (EQUAL, CLOSE, INHERITED, DIFF, NAN_MISMATCH, SHAPE_MISMATCH, HASH_MI
             UNSUPPORTED)
 
 PASSING = frozenset({EQUAL, CLOSE})
+# Records only one run has (the runs ran other code there, or recorded other things).
+ONE_SIDED = frozenset({MISSING_IN_A, MISSING_IN_B, OP_ONLY_IN_A, OP_ONLY_IN_B})
 # What the metrics give a record whose values (or statistics) were compared on both sides.
 COMPARED = frozenset({EQUAL, CLOSE, DIFF, NAN_MISMATCH})
 # Reported, not failures: an inherited error is blamed on its origin; an unsupported tensor is

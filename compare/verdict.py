@@ -135,6 +135,11 @@ def judge(result: pd.DataFrame, rtol: Optional[float] = None, atol: Optional[flo
     return judgement.result()
 
 
+def _before(rank_step: tuple, steps: set[tuple]) -> bool:
+    """Whether ``steps`` (of (rank, (epoch, step))) hold an earlier step of the same rank."""
+    return any(k[0] == rank_step[0] and k[1] < rank_step[1] for k in steps)
+
+
 class _Judgement:
     """Statuses and reasons, decided record by record in execution order (a record's sources
     are judged before it)."""
@@ -151,6 +156,7 @@ class _Judgement:
         self.reason = (records.frame["reason"].fillna("").to_numpy(object, copy=True)
                        if "reason" in records.frame else np.full(n, "", object))
         self.failed: set[tuple] = set()  # (rank, (epoch, step)) with a failing record
+        self.differed: set[tuple] = set()  # (rank, (epoch, step)) with a record not equal
         self.err_in, self.added = records.err_in.copy(), records.added.copy()
         self.hidden = np.zeros(n)  # the added error that inputs' error could hide
         self.unbounded = np.full(n, "", object)  # why no bound holds what it adds (where no
@@ -177,14 +183,17 @@ class _Judgement:
         self.healthy[i] = r.given[i] if r.replaced[i] else min(r.err[i], envelope)
         if r.measured[i] == st.EQUAL:
             return
+        rank_step = (self.r.rank[i], self.r.step_key[i])
+        self.differed.add(rank_step)
         if r.params[i]:
             if self.status[i] != st.INHERITED:
                 return
-            rank_step = (self.r.rank[i], self.r.step_key[i])
-            earlier = any(k[0] == rank_step[0] and k[1] < rank_step[1] for k in self.failed)
-            if earlier:  # a divergence this comparison found in an earlier step explains it
+            if _before(rank_step, self.failed):  # a divergence found earlier explains it
                 self.reason[i] = (f"weights differ by {r.err[i]:.3g}: the divergence of an "
                                   f"earlier step changed them")
+            elif _before(rank_step, self.differed):  # so may what the runs' rounding did
+                self.reason[i] = (f"weights differ by {r.err[i]:.3g}: the differences an "
+                                  f"earlier step's records show changed them")
             elif (r.one_precision and self.expected.label[i] == EXACT_LABEL
                     and not r.replaced[i]):
                 self.status[i] = st.DIFF
