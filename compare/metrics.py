@@ -29,7 +29,11 @@ Definitions (a = reference side A, b = side B; sums over elements finite on both
                 least MIN_ROW elements, whole in one chunk of at most REORDER_ELEMENTS),
                 rel_l2_err is at least REORDERED_FROM, both norms agree within NORMS_WITHIN
                 and every element is finite
-Non-finite elements (NaN, ±Inf) are counted per side and matched by position.
+Non-finite elements (NaN, ±Inf) are counted per side and matched by position. Elements both
+sides fill with a floating dtype's largest value of one sign (``torch.finfo(dtype).min``, an
+attention mask's stand-in for -Inf, in whichever dtype each run computes it) count as
+matched infinities do: they are no data, and would swamp the tensor's scale (an error added
+to the unmasked entries would read as 1e-41 of it).
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 from .centering import Centering
+from .precision import BINARY_FORMATS
 from .status import CLOSE, DIFF, EQUAL, NAN_MISMATCH
 from .tolerance import Tolerance
 
@@ -143,8 +148,17 @@ def _paired_distance(a: np.ndarray, b: np.ndarray, window: int) -> float:
     return total + float(np.einsum("ij,ij->", d, d))
 
 
+# the floating dtypes' largest values: what code fills masks with (finfo(dtype).min)
+FILLS = np.array(sorted({v for form in BINARY_FORMATS.values()
+                         for v, name in form.limits.items() if name in ("max", "-max")}))
+FILLS_FROM = float(np.abs(FILLS).min()) ** 2  # a block whose sum of squares may hold one
 BLOCK = 1 << 15  # elements per computation block: a block's float64 buffers (5 x 256 KiB) stay
 # in a core's L2 cache (2 MiB here) through the ~20 passes over it
+
+
+def _fills(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Where both sides hold one of :data:`FILLS`, of the same sign."""
+    return np.isin(a, FILLS) & np.isin(b, FILLS) & ((a > 0) == (b > 0))
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -215,6 +229,7 @@ class ErrorAccumulator:
     dot: float = 0.0
     mismatches: int = 0
     nonfinite_mismatches: int = 0
+    fills: int = 0  # elements both sides fill with a dtype's largest value (FILLS)
     sign_flips: int = 0
     all_equal: bool = True
     counts: dict = field(default_factory=lambda: dict(nan_a=0, nan_b=0, inf_a=0, inf_b=0))
@@ -261,6 +276,16 @@ class ErrorAccumulator:
         sums = (_dot(wa, wa), _dot(wb, wb), _dot(wb, wa))
         if not all(map(math.isfinite, sums)):  # a NaN/Inf somewhere (or an overflow): exact path
             wa, wb = self._split_nonfinite(wa, wb)
+            n = wa.size
+            if self.centering is not None:
+                self.centering.forget()
+            if n == 0:
+                return
+            sums = (_dot(wa, wa), _dot(wb, wb), _dot(wb, wa))
+        if (not np.iscomplexobj(wa) and max(sums[0], sums[1]) >= FILLS_FROM
+                and (fills := _fills(wa, wb)).any()):
+            wa, wb = wa[~fills], wb[~fills]
+            self.fills += int(np.count_nonzero(fills))
             n = wa.size
             if self.centering is not None:
                 self.centering.forget()

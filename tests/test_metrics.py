@@ -284,3 +284,25 @@ def test_rows_reordered_with_rounding_pair_although_their_projections_swap():
     tiled = np.tile(rng.standard_normal((16, 32)), (128, 1))
     shuffled = tiled[rng.permutation(len(tiled))]
     assert reordered_rel_err(tiled.reshape(-1), shuffled.reshape(-1), 32) == 0.0
+
+
+@pytest.mark.parametrize("dtype_a, dtype_b", [(np.float32, np.float32), (np.float64, np.float64),
+                                              (np.float32, np.float64)])
+def test_a_masks_fill_values_are_no_data(dtype_a, dtype_b):
+    """An additive attention mask (finfo(dtype).min where masked, each run in its own dtype)
+    added to scores: an error in the unmasked scores is measured against them (it read as
+    1e-41 of the fills); a fill one side lacks is a difference."""
+    rng = np.random.default_rng(0)
+    scores = rng.standard_normal(50_000)
+    masked = rng.random(scores.size) < 0.5
+    a = np.where(masked, np.finfo(dtype_a).min, scores).astype(dtype_a)
+    b = np.where(masked, np.finfo(dtype_b).min, scores * 1.01).astype(dtype_b)
+    got = compare_chunks([(a, b)], TOL)
+    kept_a, kept_b = a[~masked].astype(np.float64), b[~masked].astype(np.float64)
+    assert got["rel_l2_err"] == pytest.approx(
+        np.linalg.norm(kept_b - kept_a) / np.linalg.norm(kept_a), rel=1e-9)
+    assert got["rms_a"] == pytest.approx(np.sqrt(np.mean(kept_a ** 2)), rel=1e-9)
+    assert compare_chunks([(a, a.copy())], TOL)["status"] == "equal"
+    unmasked = b.copy()
+    unmasked[np.flatnonzero(masked)[0]] = 0.0
+    assert compare_chunks([(a, unmasked)], TOL)["status"] == "DIFF"
