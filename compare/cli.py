@@ -12,6 +12,7 @@ import click
 from . import format as fmt
 
 EXIT_SAME, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
+DEFAULT_TOP = 20  # failing rows the text report shows unless --top or --all
 
 
 @dataclasses.dataclass
@@ -31,7 +32,7 @@ class Options:
     rank: Optional[int] = None
     jobs: int = 1
     show_all: bool = False
-    top: int = 20
+    top: Optional[int] = None  # rows shown: DEFAULT_TOP failing rows, every row with --all
     order: str = "added"
     quiet: bool = False
     mapping: Optional[Path] = None
@@ -48,7 +49,8 @@ class Options:
               "explain).")
 @click.option("--atol", type=click.FloatRange(min=0),
               help="Absolute tolerance for every element (with --rtol).")
-@click.option("--step", "steps", multiple=True, help="Only step S, or E:S (repeatable).")
+@click.option("--step", "steps", multiple=True, callback=lambda ctx, param, value: [
+    _step_spec(v) for v in value], help="Only step S, or E:S (repeatable).")
 @click.option("--module", "modules", multiple=True,
               help="Only show modules matching this glob (repeatable; the verdict is the step's).")
 @click.option("--kind", "kinds", multiple=True, type=click.Choice(fmt.KINDS),
@@ -90,8 +92,8 @@ class Options:
               help="Print rename rules that align B's module calls with A's (for --map), and "
                    "compare nothing.")
 @click.option("--all", "show_all", is_flag=True, help="Show every row, in execution order.")
-@click.option("--top", type=click.IntRange(min=1), default=20, show_default=True,
-              help="Show at most N rows.")
+@click.option("--top", type=click.IntRange(min=1),
+              help=f"Show at most N rows [default: {DEFAULT_TOP}; with --all, every row].")
 @click.option("--order", type=click.Choice(["added", "execution"]), default="added",
               show_default=True, help="Failing rows worst added error first, or as they ran.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing; only the exit code tells.")
@@ -209,7 +211,8 @@ def compare_command(a: Path, b: Path, opts: Options) -> int:
         write_dot(to_dot(dump_a, *(() if first is None else (first["epoch"], first["step"])),
                          result=result), opts.dot)
     if not opts.quiet:
-        click.echo(render_text(shown, summary, opts.show_all, opts.top, opts.order))
+        top = opts.top if opts.top is not None or opts.show_all else DEFAULT_TOP
+        click.echo(render_text(shown, summary, opts.show_all, top, opts.order))
     if origins is not None:
         from .injection import describe_origins
         from .status import ORIGIN
@@ -240,6 +243,13 @@ def ranks_command(a: Path, b: Optional[Path], opts: Options) -> int:
     if not opts.quiet:
         click.echo(describe(result))
     return EXIT_SAME if first_disagreement(result) is None else EXIT_DIFFERENT
+
+
+def _step_spec(value: str) -> str:
+    """A ``--step`` value, checked: ``S`` or ``E:S``."""
+    if not fmt.STEP_SPEC.fullmatch(value):
+        raise click.BadParameter(f"{value!r} is no step; give S or E:S, e.g. 3 or 0:3")
+    return value
 
 
 def _track(a: Path, spec: str, plot: Optional[Path]) -> None:

@@ -85,7 +85,7 @@ def table_rows(result: pd.DataFrame, show_all: bool = False, top: Optional[int] 
 
 
 def render_text(result: pd.DataFrame, summary: Summary, show_all: bool = False,
-                top: Optional[int] = 20, order: str = "added") -> str:
+                top: Optional[int] = None, order: str = "added") -> str:
     """The CLI report: the verdict and the summary, then the table (failing rows, or all)."""
     rows = table_rows(result, show_all, top, order)
     total = len(result) if show_all else int(result["status"].isin(st.FAILING).sum())

@@ -15,7 +15,7 @@ from .arguments import COLUMNS as ARGUMENT_COLUMNS
 from .arguments import describe as describe_argument
 from .comparison import ARGUMENTS, INCOMPLETE_STEPS
 from .sources import earlier_sources, parent_calls
-from .precision import precision_of
+from .precision import precision_of, rounding_of
 from .verdict import IN_TRANSIT, USER_TOLERANCE
 
 SUSPECTS = 5  # suspects listed by the text summary
@@ -347,7 +347,8 @@ def summarize(result: pd.DataFrame) -> Summary:
     failing = result[result["status"].isin(st.VALUE_FAILURES)]
     first = _diagnose(result, failing.iloc[0]) if len(failing) else None
     values = result[result["status"].isin([st.EQUAL, st.CLOSE, st.INHERITED, st.DIFF])]
-    pairs = set(zip(values["dtype_a"], values["dtype_b"]))
+    pairs = {(a, b) for a, b in zip(values["dtype_a"], values["dtype_b"])
+             if rounding_of(a).unit > 0 or rounding_of(b).unit > 0}  # floating: they round
     lowest = {precision_of(a, b) for a, b in pairs if a != b}
     precision = ", ".join(sorted(lowest)) if lowest else (
         "" if (values["status"] == st.EQUAL).all() else ", ".join(sorted({a for a, _ in pairs})))

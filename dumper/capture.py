@@ -162,6 +162,11 @@ class StepCapture:
                 self._own_ops(path, module, lambda: None)
 
     @property
+    def modules_hooked(self) -> int:
+        """How many modules this step's capture hooks (the selected ones)."""
+        return len(self._installed)
+
+    @property
     def modules_run(self) -> int:
         """How many of the hooked modules ran (and were recorded) in this step so far."""
         return len(self._first_call)

@@ -150,6 +150,7 @@ class HookerAndDumper:
         self._consumers = Consumers()
         self.written_files: list[Path] = []
         self._registered = False
+        self._warned_unmatched = False  # the selection's globs that match no module: said once
         self._capture: Optional[StepCapture] = None
         self._writer: Optional[StepWriter] = None
         self.injector: Optional[Injector] = (
@@ -210,6 +211,7 @@ class HookerAndDumper:
         hooked = hooked_model(model)
         _warn_if_scripted_inside(list(named_modules(unwrapped(model))))
         _warn_if_compiled(hooked)
+        self._warn_if_unmatched(hooked.modules)
         rank, _ = distributed_rank()
         try:
             self._reference = self.injector.step(epoch, step, rank) if self.injector else None
@@ -250,6 +252,17 @@ class HookerAndDumper:
             self.abort_step()
             raise
         return True
+
+    def _warn_if_unmatched(self, modules: Modules) -> None:
+        """Once per dumper: the globs that match no module of the model (a typo)."""
+        unmatched = [] if self._warned_unmatched else self.selection.unmatched(modules)
+        if unmatched:
+            self._warned_unmatched = True
+            examples = ", ".join(repr(p) for p, _ in modules[1:4])
+            warnings.warn(f"h5cmp: {', '.join(unmatched)} match{'es' if len(unmatched) == 1 else ''}"
+                          f" no module of the model (its modules are named like {examples}; "
+                          f"globs match a module's path or path.Class)", RuntimeWarning,
+                          stacklevel=3)
 
     def _start_sentinel(self, model: nn.Module) -> None:
         self.nonfinite_report = None
@@ -317,11 +330,13 @@ class HookerAndDumper:
             capture.remove()
             self._close_reference()
         if not capture.modules_run:
-            warnings.warn(f"h5cmp: no module call was recorded in {writer.final_path.name}: the "
-                          f"hooked model did not run between register_hooks and remove_hooks "
-                          f"(hook the model as the training code calls it: a torch.compile or "
-                          f"DDP wrapper, not the module inside it)",
-                          RuntimeWarning, stacklevel=3)
+            why = ("no module of the model is selected (include=, exclude=, module_types=)"
+                   if not capture.modules_hooked else
+                   "the hooked model did not run between register_hooks and remove_hooks (hook "
+                   "the model as the training code calls it: a torch.compile or DDP wrapper, "
+                   "not the module inside it)")
+            warnings.warn(f"h5cmp: no module call was recorded in {writer.final_path.name}: "
+                          f"{why}", RuntimeWarning, stacklevel=3)
         if incomplete:
             warnings.warn(f"h5cmp: {writer.final_path} is marked incomplete: {incomplete}",
                           RuntimeWarning, stacklevel=3)

@@ -21,6 +21,20 @@ def _as_tuple(value) -> tuple:
     return tuple(value)
 
 
+def _globs(name: str, value: Patterns) -> tuple[str, ...]:
+    """``value`` of option ``name``: a glob or an iterable of globs, as a tuple."""
+    globs = (value,) if isinstance(value, str) else value
+    try:
+        globs = tuple(() if globs is None else globs)
+    except TypeError:
+        globs = (value,)
+    bad = [g for g in globs if not isinstance(g, str)]
+    if bad:
+        raise TypeError(f"{name} takes module globs (str) or a list of them, e.g. "
+                        f"['layer1.*'], not {bad[0]!r}")
+    return globs
+
+
 class Selection:
     """Module and kind filters, and which modules keep full values.
 
@@ -44,11 +58,11 @@ class Selection:
             raise ValueError("full_tensors selects the modules that keep values in mode='stats' "
                              "or 'hash'; in mode='tensors' every module keeps values")
         self.mode = mode
-        self.full_tensors = _as_tuple(full_tensors)
-        self.include = _as_tuple(include)
-        self.exclude = _as_tuple(exclude)
+        self.full_tensors = _globs("full_tensors", full_tensors)
+        self.include = _globs("include", include)
+        self.exclude = _globs("exclude", exclude)
         self.module_types = _as_tuple(module_types)
-        self.ops = _as_tuple(ops)
+        self.ops = _globs("ops", ops)
         self.skip_ops = MOVES_NO_NUMBERS if skip_ops is None else frozenset(_as_tuple(skip_ops))
         self.kinds = frozenset(fmt.KINDS if kinds is None else _as_tuple(kinds))
         unknown = self.kinds - set(fmt.KINDS)
@@ -57,6 +71,15 @@ class Selection:
         for t in self.module_types:
             if not isinstance(t, (str, type)):
                 raise TypeError(f"module_types takes classes or class names, not {t!r}")
+
+    def unmatched(self, modules: Iterable[tuple[str, nn.Module]]) -> list[str]:
+        """The globs given to choose modules (``include=``, ``full_tensors=``, ``ops=``) that
+        match none of ``modules``, e.g. ``"include='layer9.*'"``: most likely a typo, which
+        would leave out what was asked for (an ``exclude=`` glob may well match nothing)."""
+        modules = list(modules)
+        return [f"{name}={glob!r}" for name in ("include", "full_tensors", "ops")
+                for glob in getattr(self, name)
+                if not any(_matches(path, m, (glob,)) for path, m in modules)]
 
     def wants_kind(self, kind: str) -> bool:
         return kind in self.kinds

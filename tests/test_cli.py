@@ -11,6 +11,7 @@ import h5py
 import pytest
 from click.testing import CliRunner
 
+from compare import compare_dumps
 from compare import format as fmt
 from compare.cli import main
 
@@ -49,9 +50,12 @@ def test_verdict_on_top_then_failing_rows_then_all(runs):
     assert "mid.Linear#0" in lines[table + 2] and "DIFF" in lines[table + 2]
     in_order = h5cmp(runs["ref"], runs["fwd"], "--order", "execution").output
     assert "failing rows in execution order:" in in_order
-    every = h5cmp(runs["ref"], runs["fwd"], "--all", "--top", "1000").output
-    assert "all rows in execution order" in every
+    every = h5cmp(runs["ref"], runs["fwd"], "--all").output
+    assert "all rows in execution order:" in every  # every row: no "first N of"
     assert "equal" in every and "inp.Linear#0" in every and "inherited" in every
+    assert len(every.split("all rows in execution order:\n")[1].splitlines()) == 1 + len(
+        compare_dumps(runs["ref"], runs["fwd"]))
+    assert "(first 3 of" in h5cmp(runs["ref"], runs["fwd"], "--all", "--top", "3").output
 
 
 def test_filters_step_module_kind(runs):
@@ -286,7 +290,8 @@ def test_options_that_cannot_apply_are_refused(runs):
             (("--atol", "-0.1"), "-0.1 is not in the range x>=0"),
             (("--rank", "3"), "--rank 3: neither dump is distributed"),
             (("--track", "mid:output:0"), "plots one tensor over the steps of one dump"),
-            (("--scheduler", "notaurl"), "--scheduler notaurl: ")):
+            (("--scheduler", "notaurl"), "--scheduler notaurl: "),
+            (("--step", "x:y"), "'x:y' is no step; give S or E:S")):
         result = h5cmp(runs["ref"], runs["fwd"], *args)
         assert result.exit_code == 2 and says in result.output, (args, result.output)
         assert "internal error" not in result.output

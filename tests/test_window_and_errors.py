@@ -54,10 +54,29 @@ def test_outside_window_installs_nothing_and_touches_no_file(tmp_path):
     ({"kinds": ["gradient"]}, ValueError, "unknown kinds"),
     ({"on_error": "ignore"}, ValueError, "on_error"),
     ({"max_bytes_in_flight": 0}, ValueError, "positive"),
+    ({"ops": 123}, TypeError, r"ops takes module globs \(str\) or a list of them"),
+    ({"include": ["layer1.*", 2]}, TypeError, "include takes module globs"),
 ])
 def test_bad_constructor_arguments(tmp_path, kwargs, error, match):
     with pytest.raises(error, match=match):
         HookerAndDumper(tmp_path, **kwargs)
+
+
+def test_globs_that_match_no_module_are_named_once(tmp_path):
+    """A typo in include= (or ops=, full_tensors=) records nothing, or less than asked: the
+    first dumped step says which glob matched nothing, and the model's module names."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
+    dumper = HookerAndDumper(tmp_path, include=["lyer*"], ops=["0", "attn*"])
+    with pytest.warns(RuntimeWarning) as caught:
+        for step in range(2):
+            with dumper.hooks(model, 0, step):
+                model(torch.randn(2, 3))
+    said = [str(w.message) for w in caught]
+    assert said.count("h5cmp: include='lyer*', ops='attn*' match no module of the model (its "
+                      "modules are named like '0', '1'; globs match a module's path or "
+                      "path.Class)") == 1
+    assert ("h5cmp: no module call was recorded in 0-epoch_0-step_dump.hdf5: no module of the "
+            "model is selected (include=, exclude=, module_types=)") in said
 
 
 def test_bad_file_paths(tmp_path):
