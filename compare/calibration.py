@@ -18,7 +18,7 @@ import pandas as pd
 
 from . import format as fmt
 from .precision import precision_of, rounding_of
-from .sources import makers
+from .sources import STEP_KEY, makers
 
 # How much a record may amplify the relative error of its sources without being blamed: where
 # added errors are calibrated (their typical size includes each kind of record's usual
@@ -91,7 +91,35 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
             continue
         _at_least_one_rounding(out, rows, rounding_of(precision), precision,
                                frame["rms_a"].to_numpy(float))
+        _at_least_a_sums_rounding(out, rows, frame, precision)
     return out
+
+
+def _at_least_a_sums_rounding(out: Expectation, rows: np.ndarray, frame: pd.DataFrame,
+                              precision: str) -> None:
+    """A parameter's gradient sums its module's incoming gradients over every position (a
+    bias's, over the batch and the sequence): a running sum of K terms rounds K times, and
+    for terms of one sign its relative error grows as ``sqrt(K / 3)`` roundings of the
+    accumulator (float32 for 16-bit dtypes; Higham's estimate for recursive summation), more
+    than a matrix product's blocked sums show. K is taken as the incoming gradients'
+    elements per parameter element (exact for a bias or a normalization's weight, fewer for
+    a weight matrix: no more is allowed than rounding explains)."""
+    grads = rows[(frame["kind"].to_numpy(object)[rows] == fmt.PARAM_GRAD)]
+    if not len(grads):
+        return
+    keyed = frame.assign(rank=frame["rank"].fillna(-1))
+    incoming = keyed[keyed["kind"] == fmt.GRAD_OUTPUT].groupby(
+        [*STEP_KEY, "module"])["numel"].sum()
+    accumulator = min(rounding_of(precision).unit, rounding_of("float32").unit)
+    for i in grads:
+        row = keyed.iloc[i]
+        terms = incoming.get((row["epoch"], row["step"], row["rank"], row["module"]), 0.0)
+        per_element = terms / row["numel"] if row["numel"] else 0.0
+        floor = accumulator * np.sqrt(max(per_element, 1.0) / 3.0)
+        if out.level[i] < floor:
+            out.level[i] = floor
+            out.label[i] = (f"{precision} rounding of a sum over {per_element:.0f} incoming "
+                            f"gradients per element")
 
 
 def _at_least_one_rounding(out: Expectation, rows: np.ndarray, rounding, precision: str,

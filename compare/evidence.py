@@ -308,10 +308,12 @@ class Evidence:
         not show which values the code multiplies: where it only adds the gradient on (a
         residual), this allows up to twice the error that passes through."""
         out = np.zeros(self.n)
+        self.via_code = np.zeros(self.n, bool)  # sent back through such code
         for i, values in enumerate(code_values(frame)):
             values = np.intersect1d(values, self.sources[i])
             gradients = np.setdiff1d(self.sources[i], values)
             if len(values) and len(gradients):
+                self.via_code[i] = True
                 out[i] = self.combined(self.given, gradients) + self.combined(self.given, values)
         return out
 

@@ -179,6 +179,55 @@ def _gemma_step(directory, bfloat16: bool, scale_act: float = 1.0) -> None:
         loss.backward()
 
 
+def _wav2vec2_steps(directory, dtype, steps: int = 4, plant=None) -> None:
+    """AdamW steps of a tiny Wav2Vec2 (an architecture the benchmark does not use: a
+    convolutional feature extractor with group norm, then attention over 159 positions),
+    each dumped with params=True; ``plant`` is given to ``dumper.perturb`` in the last."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(1)
+    model = transformers.Wav2Vec2ForSequenceClassification(transformers.Wav2Vec2Config(
+        vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2, feat_extract_norm="group",
+        mask_time_prob=0.0, layerdrop=0.0, hidden_dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0, num_labels=3,
+        classifier_proj_size=16)).to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dumper = HookerAndDumper(directory, params=True)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 + step)
+        batch = dict(input_values=torch.randn(2, 1600, generator=g).to(dtype),
+                     labels=torch.randint(0, 3, (2,), generator=g))
+        planted = perturb(model, **plant) if plant and step == steps - 1 else None
+        with dumper.hooks(model, 0, step):
+            model(**batch).loss.backward()
+        if planted:
+            planted.remove()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_float64_reference_of_a_long_sequence_model_raises_no_false_alarm(tmp_path):
+    """Float64 against float32, a trial's false alarms: a LayerNorm bias's gradient, a sum
+    over 318 positions, is ~sqrt(318 / 3) float32 roundings off (12x the other parameter
+    gradients' typical error); an attention key projection's incoming gradient moves along
+    its values by a hair more than independent errors would (attention's backward sums its
+    sources' errors with the probabilities). A 1 % error planted in a backward pass of the
+    feature extractor is still found where it is."""
+    _wav2vec2_steps(tmp_path / "a", torch.float64)
+    _wav2vec2_steps(tmp_path / "b", torch.float32)
+    healthy = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "b")])
+    assert healthy.exit_code == 0, healthy.output
+    _wav2vec2_steps(tmp_path / "c", torch.float32, plant={
+        "include": "wav2vec2.feature_extractor.conv_layers.1.activation",
+        "where": "grad_input", "scale": 1.01})
+    planted = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "c")])
+    assert planted.exit_code == 1, planted.output
+    assert planted.stdout.startswith("B diverges from A: first at step 0:3 backward in "
+                                     "wav2vec2.feature_extractor.conv_layers.1.activation"), \
+        planted.output
+
+
 def test_statistics_do_not_pass_rounding_off_as_a_divergence(tmp_path):
     """Five statistics barely see an error random in sign: a float32 gradient carrying what
     bfloat16 code upstream rounded (0.6 %) looked 0.06 % off, so its RMSNorm's grad_input
