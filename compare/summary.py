@@ -58,6 +58,7 @@ class Divergence:
     aliases: pd.DataFrame = field(default_factory=pd.DataFrame)  # later records of the tensor
     # (module, class) of the call whose code ran the record's call (None: the root's caller)
     enclosing: Optional[tuple[str, str]] = None
+    ops_recorded: bool = False  # whether the dumps hold the ops of that call's code
 
     @property
     def direction(self) -> str:
@@ -152,7 +153,10 @@ class Divergence:
                              f"that beyond the gain allowed here, as far as two dumps can tell"
                              f"{'; ' + SETTLE if advise_rerun else ''}")
             hint = self._ops_hint()
-            if hint is not None:
+            if hint is not None and self.ops_recorded:
+                lines.append(f"  {self.parent}'s ops are recorded: h5cmp A B --module "
+                             f"'{self.enclosing[0]}/*' --all lists them, as they ran")
+            elif hint is not None:
                 lines.append(f"  to see which of {self.parent}'s ops: dump both runs again with "
                              f"HookerAndDumper(..., ops=[{hint!r}])")
             if self.producer is not None and len(self.producer):
@@ -439,6 +443,9 @@ def _diagnose(result: pd.DataFrame, row: pd.Series) -> Divergence:
         if row["kind"] == fmt.INPUT and row["producer"] >= 0:
             producer = same_step[(same_step["call"] == row["producer"])
                                  & (same_step["kind"] == fmt.OUTPUT)]
-        return Divergence(row, st.BETWEEN_MODULES, upstream, producer, aliases,
-                          _enclosing(same_step, row))
+        enclosing = _enclosing(same_step, row)
+        ops_recorded = enclosing is not None and bool(
+            same_step["module"].str.startswith(enclosing[0] + fmt.OP_SEPARATOR).any())
+        return Divergence(row, st.BETWEEN_MODULES, upstream, producer, aliases, enclosing,
+                          ops_recorded)
     return Divergence(row, st.ORIGIN, upstream, aliases=aliases)

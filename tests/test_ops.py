@@ -395,3 +395,5 @@ def test_eager_attention_against_a_fused_kernel_pairs_by_place(tmp_path, sliding
     assert wrong.exit_code == 1, wrong.output
     assert wrong.stdout.startswith("B diverges from A: first at step 0:0 forward in "
                                    "model.layers.1.self_attn"), wrong.output
+    assert ("model.layers.1.self_attn's ops are recorded: h5cmp A B --module "
+            "'model.layers.1.self_attn/*' --all lists them") in wrong.stdout  # not "dump again"
