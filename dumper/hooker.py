@@ -150,7 +150,7 @@ class HookerAndDumper:
         self._consumers = Consumers()
         self.written_files: list[Path] = []
         self._registered = False
-        self._warned_unmatched = False  # the selection's globs that match no module: said once
+        self._globs_checked = False  # whether the selection's globs match modules: said once
         self._capture: Optional[StepCapture] = None
         self._writer: Optional[StepWriter] = None
         self.injector: Optional[Injector] = (
@@ -254,10 +254,12 @@ class HookerAndDumper:
         return True
 
     def _warn_if_unmatched(self, modules: Modules) -> None:
-        """Once per dumper: the globs that match no module of the model (a typo)."""
-        unmatched = [] if self._warned_unmatched else self.selection.unmatched(modules)
+        """At the first dumped step: the globs that match no module of the model (a typo)."""
+        if self._globs_checked:
+            return
+        self._globs_checked = True
+        unmatched = self.selection.unmatched(modules)
         if unmatched:
-            self._warned_unmatched = True
             examples = ", ".join(repr(p) for p, _ in modules[1:4])
             warnings.warn(f"h5cmp: {', '.join(unmatched)} match{'es' if len(unmatched) == 1 else ''}"
                           f" no module of the model (its modules are named like {examples}; "
