@@ -170,7 +170,10 @@ class Evidence:
         self.through_code = self._through_code(frame)
         self.linear_gain = linear_gains(frame)
         self.scale_added = added_scale(frame, self.sources, self.replaced)
-        self.scale_noise = scale_noise(frame, self.sources, err, self.err_in)
+        # a gradient sent back through its parent's own code gets its sources' errors summed
+        # with the forward values that code multiplies them by (through_code)
+        self.scale_noise = scale_noise(frame, self.sources, err,
+                                       np.fmax(self.err_in, self.through_code))
         self.sampling = self._sampling(frame)
         self.weight_status = self._weight_statuses()
         self.unbounded = self._unbounded()  # why there is no bound, "" where there is
@@ -308,12 +311,10 @@ class Evidence:
         not show which values the code multiplies: where it only adds the gradient on (a
         residual), this allows up to twice the error that passes through."""
         out = np.zeros(self.n)
-        self.via_code = np.zeros(self.n, bool)  # sent back through such code
         for i, values in enumerate(code_values(frame)):
             values = np.intersect1d(values, self.sources[i])
             gradients = np.setdiff1d(self.sources[i], values)
             if len(values) and len(gradients):
-                self.via_code[i] = True
                 out[i] = self.combined(self.given, gradients) + self.combined(self.given, values)
         return out
 

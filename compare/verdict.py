@@ -339,14 +339,10 @@ class _Judgement:
 
     def _scale_moves(self, i: int, level: float) -> bool:
         """The scale test (:mod:`compare.scale`): backward records only, where the sources'
-        scales bound it (and the elements pair up: not values in another order), but not a
-        gradient sent back through its parent's own code (attention's backward sums its
-        sources' errors over positions with the probabilities: they need not stay
-        independent of its values, as the test's noise assumes)."""
+        scales bound it (and the elements pair up: not values in another order)."""
         r = self.r
         added = r.scale_added[i]
-        return (not self._unbounded(i, level) and not r.reordered[i] and not r.via_code[i]
-                and math.isfinite(added)
+        return (not self._unbounded(i, level) and not r.reordered[i] and math.isfinite(added)
                 and added > max(r.scale_noise[i], level, self._last_bit(i)))
 
     def _last_bit(self, i: int) -> float:
