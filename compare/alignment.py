@@ -13,10 +13,11 @@ Module records are untouched: they pair by path and call number.
 A call's inputs (and their gradients) are numbered by the tensors among its arguments, so one
 argument that is a tensor in one run and ``None`` in the other (an attention mask one
 attention implementation builds and another does not) shifts the number of every later
-input. Where the two runs' calls got tensors at partly different places, B's inputs take the
-number of A's at the same place (``kwargs['position_ids']``); those at a place A's call lacks,
-a number A's does not use (reported as one side's). Calls whose tensors sit at the same places,
-or at none in common (positional in one run, keywords in the other), keep their numbering.
+input. Where one run's call got tensors at every place the other's did and more, B's inputs
+take the number of A's at the same place (``kwargs['position_ids']``); those at a place A's
+call lacks, a number A's does not use (reported as one side's). Other calls keep their
+numbering: tensors at the same places, or at other ones (an argument positional in one run,
+a keyword in the other), pair in order.
 """
 from __future__ import annotations
 
@@ -97,8 +98,8 @@ def align_inputs(rows_a: pd.DataFrame, rows_b: pd.DataFrame) -> pd.DataFrame:
     renumber: dict[tuple, int] = {}
     for key, paths_b in places["b"]["path"].agg(tuple).items():
         a = paths_a.get(key)
-        if a is None or a == paths_b or not set(a) & set(paths_b):
-            continue
+        if a is None or a == paths_b or not (set(a) <= set(paths_b) or set(paths_b) <= set(a)):
+            continue  # alike, or other places (positional in one run, keywords in the other)
         index_a = dict(zip(a, places["a"].get_group(key)["index"]))
         spare = max(index_a.values()) + 1
         for path, index in zip(paths_b, places["b"].get_group(key)["index"]):

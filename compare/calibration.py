@@ -97,29 +97,41 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
 
 def _at_least_a_sums_rounding(out: Expectation, rows: np.ndarray, frame: pd.DataFrame,
                               precision: str) -> None:
-    """A parameter's gradient sums its module's incoming gradients over every position (a
+    """A parameter's gradient sums its module's incoming gradient over every position (a
     bias's, over the batch and the sequence): a running sum of K terms rounds K times, and
     for terms of one sign its relative error grows as ``sqrt(K / 3)`` roundings of the
     accumulator (float32 for 16-bit dtypes; Higham's estimate for recursive summation), more
-    than a matrix product's blocked sums show. K is taken as the incoming gradients'
-    elements per parameter element (exact for a bias or a normalization's weight, fewer for
-    a weight matrix: no more is allowed than rounding explains)."""
+    than a matrix product's blocked sums show. K is the positions of the incoming gradient
+    whose last dimension is the parameter's first (a Linear's, a normalization's), summed
+    over the module's calls; no floor where none is."""
     grads = rows[(frame["kind"].to_numpy(object)[rows] == fmt.PARAM_GRAD)]
     if not len(grads):
         return
     keyed = frame.assign(rank=frame["rank"].fillna(-1))
-    incoming = keyed[keyed["kind"] == fmt.GRAD_OUTPUT].groupby(
-        [*STEP_KEY, "module"])["numel"].sum()
+    incoming = keyed[keyed["kind"] == fmt.GRAD_OUTPUT]
+    incoming = incoming.assign(last=incoming["shape_a"].map(
+        lambda s: s[-1] if isinstance(s, tuple) and s else -1))
+    positions = (incoming["numel"] / incoming["last"].where(incoming["last"] > 0)).rename("k")
+    per_output = incoming.assign(k=positions).groupby(
+        [*STEP_KEY, "module", "index", "last"])["k"].sum()
     accumulator = min(rounding_of(precision).unit, rounding_of("float32").unit)
     for i in grads:
         row = keyed.iloc[i]
-        terms = incoming.get((row["epoch"], row["step"], row["rank"], row["module"]), 0.0)
-        per_element = terms / row["numel"] if row["numel"] else 0.0
-        floor = accumulator * np.sqrt(max(per_element, 1.0) / 3.0)
+        shape = row["shape_a"] if isinstance(row["shape_a"], tuple) else ()
+        if not shape:
+            continue
+        try:
+            sums = per_output.loc[(row["epoch"], row["step"], row["rank"], row["module"])]
+        except KeyError:
+            continue
+        matching = sums[sums.index.get_level_values("last") == shape[0]]
+        if matching.empty:
+            continue
+        k = float(matching.max())
+        floor = accumulator * np.sqrt(max(k, 1.0) / 3.0)
         if out.level[i] < floor:
             out.level[i] = floor
-            out.label[i] = (f"{precision} rounding of a sum over {per_element:.0f} incoming "
-                            f"gradients per element")
+            out.label[i] = f"{precision} rounding of a sum over {k:.0f} positions"
 
 
 def _at_least_one_rounding(out: Expectation, rows: np.ndarray, rounding, precision: str,

@@ -160,10 +160,8 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     paired = files_a.keys() & files_b.keys()
     # compiled code (fused kernels) rounds otherwise than eager code, even in the same dtypes
     # and so do shards computed apart and put together (partial sums reduced in another order)
-    # and code that runs other ops (ops on one side only: a fused attention against its steps)
-    other_code = pairs["side"].ne("both") & pairs["module"].map(
-        lambda m: fmt.split_op(m) is not None)
-    kernels = not (compiled_a or compiled_b or assembled or other_code.any()) and all(
+    # and code that runs other ops (a fused attention against its steps)
+    kernels = not (compiled_a or compiled_b or assembled or _other_code(pairs)) and all(
         fmt.same_kernels(files_a[k].attrs, files_b[k].attrs) for k in paired)
     tf32 = tuple(tuple(any(fmt.tf32_allowed(files[k].attrs)[i] for k in paired) for i in (0, 1))
                  for files in (files_a, files_b))
@@ -488,6 +486,15 @@ def _pair_pieces(side_a: _Side, side_b: _Side, records: list[_PairRef], chunk_el
                     read_chunks(ds_b, r.dtype_b, r.encoding_b, chunk_elements, int(r.checksum_b))):
                 yield r, a, b
         yield r, None, None
+
+
+def _other_code(pairs: pd.DataFrame) -> bool:
+    """Whether the runs ran other ops in a module whose ops both recorded (ops one side only
+    recorded, dumped with ``ops=`` in one run, are no difference in the code)."""
+    owners = pairs["module"].map(lambda m: (fmt.split_op(m) or (None,))[0])
+    is_op = owners.notna()
+    both = set(owners[is_op & pairs["side"].eq("both")])
+    return bool((is_op & pairs["side"].ne("both") & owners.isin(both)).any())
 
 
 def _result_frame(pairs: pd.DataFrame, metrics: dict[int, dict], base: dict[str, int]

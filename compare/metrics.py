@@ -282,7 +282,7 @@ class ErrorAccumulator:
             if n == 0:
                 return
             sums = (_dot(wa, wa), _dot(wb, wb), _dot(wb, wa))
-        if (not np.iscomplexobj(wa) and max(sums[0], sums[1]) >= FILLS_FROM
+        if (a.dtype.kind == b.dtype.kind == "f" and max(sums[0], sums[1]) >= FILLS_FROM
                 and (fills := _fills(wa, wb)).any()):
             wa, wb = wa[~fills], wb[~fills]
             self.fills += int(np.count_nonzero(fills))

@@ -70,7 +70,7 @@ def tensor_rows(dump: Dump, steps: Optional[Iterable[str]] = None) -> pd.DataFra
                  | (index["digest"] != fmt.NO_DIGEST)
                  | index["status"].isin([fmt.ST_DROPPED, fmt.ST_UNSUPPORTED])]
     if steps:
-        wanted = list(steps)
+        wanted = [steps] if isinstance(steps, str) else list(steps)
         bad = [w for w in wanted if not fmt.STEP_SPEC.fullmatch(str(w))]
         if bad:
             raise ValueError(f"steps: {bad[0]!r} is no step; give S or E:S, e.g. '3' or '0:3'")
@@ -176,7 +176,7 @@ def unlike_forms(pairs: pd.DataFrame, index_a: pd.DataFrame, index_b: pd.DataFra
         lone = pairs[pairs["side"] == f"{side}_only"]
         if lone.empty:
             continue
-        leaves = other_index[other_index["dataset"] == ""]
+        leaves = other_index[other_index["index"] == -1]  # its non-tensor leaves
         others = set(zip(*(leaves[c].fillna(-1) if c == "rank" else leaves[c] for c in place),
                          leaves["path"]))
         # a gradient is of the input or output at its place

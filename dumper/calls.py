@@ -93,7 +93,8 @@ class HookedModel(NamedTuple):
     """What of a model the dumper hooks: ``modules``, the (path, module) pairs whose hooks run
     (named as in a plain run; TorchScript modules run none), and ``compiled``, the paths of
     the outermost modules that run as compiled code: each module compiled in place
-    (``module.compile()``), or the root of a model in a ``torch.compile`` ``wrapper``. Such a
+    (``module.compile()``), a submodule replaced by its ``torch.compile`` wrapper, or the root
+    of a model in a ``torch.compile`` ``wrapper``. Such a
     module is hooked at its boundary (:meth:`hook`); the ``inside`` modules within it are not
     hooked at all, as dynamo would trace their hooks into the compiled code, changing its
     graphs, its kernels and so the run's numerics."""
@@ -122,8 +123,9 @@ def hooked_model(model: nn.Module) -> HookedModel:
     """:class:`HookedModel` of ``model`` (given as the user's code calls it: wrappers too)."""
     wrapper = _compile_wrapper(model)
     modules = [(path, m) for path, m in named_modules(unwrapped(model)) if runs_hooks(m)]
-    paths = [path for path, m in modules
-             if (wrapper is not None and path == "") or compiled_in_place(m)]
+    paths = [path for path, m in modules  # (a submodule replaced by its torch.compile wrapper)
+             if (wrapper is not None and path == "") or compiled_in_place(m)
+             or (_is_compiled(m) and not _forced_eager())]
     compiled = tuple(p for p in paths if not any(fmt.contains(q, p) for q in paths if q != p))
     hooked = [(path, m) for path, m in modules
               if not any(fmt.contains(c, path) and path != c for c in compiled)]

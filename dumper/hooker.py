@@ -209,9 +209,10 @@ class HookerAndDumper:
             self._start_sentinel(model)
             return False
         hooked = hooked_model(model)
-        _warn_if_scripted_inside(list(named_modules(unwrapped(model))))
+        every = list(named_modules(unwrapped(model)))
+        _warn_if_scripted_inside(every)
         _warn_if_compiled(hooked)
-        self._warn_if_unmatched(hooked.modules)
+        self._warn_if_unmatched(every)
         rank, _ = distributed_rank()
         try:
             self._reference = self.injector.step(epoch, step, rank) if self.injector else None
@@ -261,7 +262,8 @@ class HookerAndDumper:
         unmatched = self.selection.unmatched(modules)
         if unmatched:
             examples = ", ".join(repr(p) for p, _ in modules[1:4])
-            warnings.warn(f"h5cmp: {', '.join(unmatched)} match{'es' if len(unmatched) == 1 else ''}"
+            verb = "matches" if len(unmatched) == 1 else "match"
+            warnings.warn(f"h5cmp: {', '.join(unmatched)} {verb}"
                           f" no module of the model (its modules are named like {examples}; "
                           f"globs match a module's path or path.Class)", RuntimeWarning,
                           stacklevel=3)
@@ -517,8 +519,10 @@ def _warn_if_compiled(hooked: HookedModel) -> None:
         more = f" and {len(hooked.compiled) - 3} more" if len(hooked.compiled) > 3 else ""
         one = len(hooked.compiled) == 1
         warnings.warn(f"h5cmp: {names}{more} run{'s' if one else ''} as compiled code "
-                      f"(torch.compile): recorded at {'its boundary' if one else 'their boundaries'}"
-                      f"; the {hooked.inside} modules inside {'it' if one else 'them'} are not "
+                      f"(torch.compile): recorded at "
+                      f"{'its boundary' if one else 'their boundaries'}"
+                      f"; the {hooked.inside} module{'s' if hooked.inside > 1 else ''} inside "
+                      f"{'it' if one else 'them'} {'are' if hooked.inside > 1 else 'is'} not "
                       f"recorded (hooks there would change the compiled code and its numerics; "
                       f"run the dumped steps eagerly, e.g. inside "
                       f"torch.compiler.set_stance('force_eager'), to record them)",

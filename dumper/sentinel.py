@@ -147,10 +147,10 @@ class _Pending:
 
 
 class NonFiniteSentinel:
-    """Hooks ``model`` (as :func:`~dumper.calls.hooked_model` does) for one step; reports the first non-finite value by ``action``
-    (``"raise"``: :class:`NonFiniteError`, stopping the step; ``"warn"``: a warning, once per
-    step). ``history`` earlier events are quoted in the report. :meth:`remove` reads what is
-    left to read and removes every hook."""
+    """Hooks ``model`` (as :func:`~dumper.calls.hooked_model` does) for one step; reports the
+    first non-finite value by ``action`` (``"raise"``: :class:`NonFiniteError`, stopping the
+    step; ``"warn"``: a warning, once per step). ``history`` earlier events are quoted in the
+    report. :meth:`remove` reads what is left to read and removes every hook."""
 
     def __init__(self, model: nn.Module, action: str, history: int = 8):
         check_action(action)

@@ -8,7 +8,11 @@ import pandas as pd
 import pytest
 import torch
 
+from click.testing import CliRunner
+
 from compare import compare_dumps, load_dump, summarize
+from compare.cli import main
+from dumper import HookerAndDumper
 from compare.status import BETWEEN_MODULES, ORIGIN
 
 from helpers import dump_run
@@ -264,3 +268,56 @@ def test_a_gradient_back_through_a_parents_own_code_has_what_that_code_used_as_s
     assert ("1", "param", 0) not in of_first  # consumed by a recorded call: its grad_input
     of_last = {label[j] for j in sources[label.index(("1", "grad_output", 0))]}
     assert ("", "input", 0) not in of_last  # the root's own code, the loss beyond: as before
+
+
+class _Masked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, mask=None):
+        return self.lin(x) * mask
+
+
+class _Caller(torch.nn.Module):
+    """Calls its block with the mask as a keyword or positionally; with ``cut``, its block
+    gets an input cut from the graph (no gradient reaches ``first``: a bug)."""
+
+    def __init__(self, keyword: bool, cut: bool = False):
+        super().__init__()
+        self.first, self.block = torch.nn.Linear(8, 8), _Masked()
+        self.keyword, self.cut = keyword, cut
+
+    def forward(self, x):
+        h = self.first(x)
+        h = h.detach() if self.cut else h
+        mask = (x > 0).float()
+        return self.block(h, mask=mask) if self.keyword else self.block(h, mask)
+
+
+def _caller_step(directory, keyword=True, cut=False, mode="tensors"):
+    torch.manual_seed(0)
+    model = _Caller(keyword, cut)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    with HookerAndDumper(directory, mode=mode).hooks(model, 0, 0):
+        model(x).sum().backward()
+    return str(directory)
+
+
+def test_an_argument_positional_in_one_run_and_a_keyword_in_the_other_pairs_in_order(tmp_path):
+    """A port that calls block(x, m) where the reference calls block(x, mask=m): the same
+    tensors, in order (a review found them left one-sided by the pairing by place)."""
+    result = CliRunner().invoke(main, [_caller_step(tmp_path / "a", keyword=True),
+                                       _caller_step(tmp_path / "b", keyword=False)])
+    assert result.exit_code == 0 and result.stdout.startswith("B agrees with A exactly"), \
+        result.output
+
+
+@pytest.mark.parametrize("mode", ["tensors", "stats", "hash"])
+def test_a_gradient_that_never_arrives_is_missing_in_every_mode(tmp_path, mode):
+    """Gradients B never computed are missing records, also where the dumps hold statistics
+    or digests (a review found them taken for values held in unlike forms)."""
+    result = CliRunner().invoke(main, [_caller_step(tmp_path / "a", mode=mode),
+                                       _caller_step(tmp_path / "b", cut=True, mode=mode)])
+    assert result.exit_code == 1 and "missing_in_b" in result.stdout, result.output
+    assert "unlike forms" not in result.output

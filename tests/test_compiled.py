@@ -159,3 +159,24 @@ def test_a_regionally_compiled_hugging_face_model_trains_bit_for_bit_with_the_du
     recorded = set(load_dump(tmp_path).index["module"])
     assert {"model.layers.0", "model.layers.1", "lm_head"} <= recorded
     assert not {m for m in recorded if m.startswith("model.layers.0.")}
+
+
+def test_a_submodule_replaced_by_its_compiled_wrapper_is_recorded_at_its_boundary(tmp_path):
+    """model[0] = torch.compile(model[0]): the wrapper is hooked, nothing inside it (a review
+    found its inner modules hooked as '0._orig_mod.*', inside the compiled code)."""
+    def compiled():
+        torch._dynamo.reset()
+        model = _model(False)
+        model[0] = torch.compile(model[0])
+        return model
+
+    plain_out, plain_grads, _ = _step(compiled(), warm_up=False)
+    out, grads, said = _step(compiled(), tmp_path / "sub", warm_up=False)
+    assert torch.equal(out, plain_out)
+    assert all(torch.equal(g, h) for g, h in zip(grads, plain_grads))
+    recorded = set(load_dump(tmp_path / "sub").index["module"])
+    assert {"0", "1", "1.lin", "2"} <= recorded and not any("_orig_mod" in m for m in recorded)
+    assert fmt.compiled_modules(load_dump(tmp_path / "sub").steps[0].attrs) == ["0"]
+    _step(_model(False), tmp_path / "eager")
+    healthy = CliRunner().invoke(main, [str(tmp_path / "eager"), str(tmp_path / "sub")])
+    assert healthy.exit_code == 0, healthy.output

@@ -397,3 +397,35 @@ def test_eager_attention_against_a_fused_kernel_pairs_by_place(tmp_path, sliding
                                    "model.layers.1.self_attn"), wrong.output
     assert ("model.layers.1.self_attn's ops are recorded: h5cmp A B --module "
             "'model.layers.1.self_attn/*' --all lists them") in wrong.stdout  # not "dump again"
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * 0.5 + x
+
+
+def test_ops_dumped_by_one_run_only_keep_the_bit_identical_expectation(tmp_path):
+    """A dumped with ops=, B without (a dump option, not other code): same code and dtype, so
+    records stay expected bit-identical and an error of a few roundings is found (a review
+    found the expectation dropped for the whole comparison)."""
+    from dumper import perturb
+
+    def run(name, scale=1.0, **options):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(_Residual(), _Residual(), torch.nn.Linear(16, 2))
+        if scale != 1.0:
+            perturb(model, include="1", scale=scale, where="output")
+        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
+        with HookerAndDumper(tmp_path / name, **options).hooks(model, 0, 0):
+            model(x).sum().backward()
+        return str(tmp_path / name)
+
+    planted = run("b", scale=1 + 2.0 ** -22)
+    result = _h5cmp(run("a", ops=["0"]), planted)
+    assert result.exit_code == 1, result.output
+    assert result.stdout.startswith("B diverges from A: first at step 0:0 forward in 1 "
+                                    "(output[0])"), result.output

@@ -216,3 +216,44 @@ def test_runs_on_other_numbers_of_processes_are_not_expected_bit_identical():
              "tf32_cudnn": False, "float32_matmul_precision": "highest", "world_size": 1}
     assert fmt.same_kernels(attrs, dict(attrs))
     assert not fmt.same_kernels(attrs, {**attrs, "world_size": 2})
+
+
+def test_a_small_parameter_beside_a_large_output_gets_no_summation_allowance(tmp_path):
+    """A scalar gate scaling an 8-element output, its module also returning an unrelated
+    8x4096 one: its gradient sums 8 terms, not 32776; float64 against float32, a 2e-5 error
+    in it is found (a review found it hidden by a floor counted from every output)."""
+    class Gate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.g = torch.nn.Parameter(torch.tensor(0.7))
+
+        def forward(self, h, x):
+            return self.g * h.sum(-1), x * 2
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2, self.gate = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16), Gate()
+
+        def forward(self, x, big):
+            small, bigger = self.gate(self.l2(torch.tanh(self.l1(x))), big)
+            return small.sum() + bigger.pow(2).mean()
+
+    def run(name, dtype, plant=1.0):
+        torch.manual_seed(0)
+        model = Net().to(dtype)
+        if plant != 1.0:
+            model.gate.g.register_hook(lambda g: g * plant)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(8, 16, generator=gen).to(dtype)
+        big = torch.randn(8, 4096, generator=gen).to(dtype).requires_grad_()
+        with HookerAndDumper(tmp_path / name, params=True).hooks(model, 0, 0):
+            model(x, big).backward()
+        return str(tmp_path / name)
+
+    a = run("a", torch.float64)
+    assert CliRunner().invoke(main, [a, run("b", torch.float32)]).exit_code == 0
+    result = CliRunner().invoke(main, [a, run("c", torch.float32, 1 + 2e-5)])
+    assert result.exit_code == 1, result.output
+    assert result.stdout.startswith("B diverges from A: first at step 0:0 backward in gate "
+                                    "(param_grad[0])"), result.output
