@@ -92,17 +92,19 @@ def align_inputs(rows_a: pd.DataFrame, rows_b: pd.DataFrame) -> pd.DataFrame:
     """``rows_b`` with its calls' inputs renumbered by where they sit (module docstring);
     unchanged where each call got its tensors at the same places in both runs."""
     call = ["epoch", "step", "rank", "module", "call_idx", "occurrence", "kind"]
-    places = {side: rows[rows["kind"].isin(INPUT_KINDS)].groupby(call, sort=False)
-              for side, rows in (("a", rows_a), ("b", rows_b))}
-    paths_a = dict(places["a"]["path"].agg(tuple).items())
+    a_calls, b_calls = ({key: (tuple(paths), tuple(indices)) for key, paths, indices in zip(
+        grouped.index, grouped["path"], grouped["index"])}
+        for grouped in (rows[rows["kind"].isin(INPUT_KINDS)].groupby(call, sort=False)[
+            ["path", "index"]].agg(tuple) for rows in (rows_a, rows_b)))
     renumber: dict[tuple, int] = {}
-    for key, paths_b in places["b"]["path"].agg(tuple).items():
-        a = paths_a.get(key)
-        if a is None or a == paths_b or not (set(a) <= set(paths_b) or set(paths_b) <= set(a)):
+    for key, (paths_b, indices_b) in b_calls.items():
+        paths_a, indices_a = a_calls.get(key, (None, None))
+        if paths_a is None or paths_a == paths_b or not (
+                set(paths_a) <= set(paths_b) or set(paths_b) <= set(paths_a)):
             continue  # alike, or other places (positional in one run, keywords in the other)
-        index_a = dict(zip(a, places["a"].get_group(key)["index"]))
+        index_a = dict(zip(paths_a, indices_a))
         spare = max(index_a.values()) + 1
-        for path, index in zip(paths_b, places["b"].get_group(key)["index"]):
+        for path, index in zip(paths_b, indices_b):
             if path in index_a:
                 renumber[(*key, index)] = index_a[path]
             else:
