@@ -149,11 +149,16 @@ def _paired_distance(a: np.ndarray, b: np.ndarray, window: int) -> float:
 
 
 # the floating dtypes' largest values: what code fills masks with (finfo(dtype).min)
-FILLS = np.array(sorted({v for form in BINARY_FORMATS.values()
-                         for v, name in form.limits.items() if name in ("max", "-max")}))
+FILLS = np.array(sorted({sign * form.largest for form in BINARY_FORMATS.values()
+                         for sign in (1.0, -1.0)}))
 FILLS_FROM = float(np.abs(FILLS).min()) ** 2  # a block whose sum of squares may hold one
 BLOCK = 1 << 15  # elements per computation block: a block's float64 buffers (5 x 256 KiB) stay
 # in a core's L2 cache (2 MiB here) through the ~20 passes over it
+
+
+def _sums(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float]:
+    """``<a, a>``, ``<b, b>``, ``<b, a>``."""
+    return _dot(a, a), _dot(b, b), _dot(b, a)
 
 
 def _fills(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -229,7 +234,6 @@ class ErrorAccumulator:
     dot: float = 0.0
     mismatches: int = 0
     nonfinite_mismatches: int = 0
-    fills: int = 0  # elements both sides fill with a dtype's largest value (FILLS)
     sign_flips: int = 0
     all_equal: bool = True
     counts: dict = field(default_factory=lambda: dict(nan_a=0, nan_b=0, inf_a=0, inf_b=0))
@@ -273,27 +277,24 @@ class ErrorAccumulator:
         wa, wb = ws.a[:n], ws.b[:n]
         np.copyto(wa, a)
         np.copyto(wb, b)
-        sums = (_dot(wa, wa), _dot(wb, wb), _dot(wb, wa))
+        sums = _sums(wa, wb)
         if not all(map(math.isfinite, sums)):  # a NaN/Inf somewhere (or an overflow): exact path
-            wa, wb = self._split_nonfinite(wa, wb)
-            n = wa.size
-            if self.centering is not None:
-                self.centering.forget()
-            if n == 0:
-                return
-            sums = (_dot(wa, wa), _dot(wb, wb), _dot(wb, wa))
+            wa, wb, sums = self._narrowed(*self._split_nonfinite(wa, wb))
         if (a.dtype.kind == b.dtype.kind == "f" and max(sums[0], sums[1]) >= FILLS_FROM
                 and (fills := _fills(wa, wb)).any()):
-            wa, wb = wa[~fills], wb[~fills]
-            self.fills += int(np.count_nonzero(fills))
-            n = wa.size
-            if self.centering is not None:
-                self.centering.forget()
-            if n == 0:
-                return
-            sums = (_dot(wa, wa), _dot(wb, wb), _dot(wb, wa))
+            wa, wb, sums = self._narrowed(wa[~fills], wb[~fills])
+        n = wa.size
+        if n == 0:
+            return
         with np.errstate(over="ignore"):  # values near float64's limit (masks filled with its
             self._add_finite(wa, wb, ws, n, sums, offset)  # minimum) sum to infinity
+
+    def _narrowed(self, a: np.ndarray, b: np.ndarray) -> tuple:
+        """``a``, ``b`` (what is left of a block) and their sums: the centering, which needs
+        the whole block, is given up."""
+        if self.centering is not None:
+            self.centering.forget()
+        return a, b, _sums(a, b)
 
     def _add_exact_integers(self, a: np.ndarray, b: np.ndarray) -> None:
         """Integers float64 cannot hold exactly (beyond 2**53): the differences in Python

@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 
 from . import format as fmt
+from .decoding import value_dtype
 from .dump import Dump
 from .errors import DumpError
 from .sources import STEP_KEY
@@ -207,13 +208,14 @@ def _place(row: pd.Series, side: str) -> str:
 
 
 def _dtype_kind(dtype) -> Optional[str]:
-    """``bool``, ``int``, ``float`` or ``complex``: what a dtype's values are (None if unknown)."""
-    name = str(dtype)
-    for kind, prefixes in (("bool", ("bool",)), ("int", ("int", "uint")),
-                           ("complex", ("complex",)), ("float", ("float", "bfloat"))):
-        if name.startswith(prefixes):
-            return kind
-    return None
+    """What a recorded dtype's values are, as numpy's kind of what they decode to
+    (:func:`compare.decoding.value_dtype`): ``b``ool, ``i``nteger (signed or not),
+    ``f``loating or ``c``omplex; None if unknown."""
+    try:
+        kind = np.dtype(value_dtype(str(dtype))).kind
+    except TypeError:
+        return None
+    return "i" if kind == "u" else kind
 
 
 def _shown(labels: list[str]) -> str:

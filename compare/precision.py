@@ -33,9 +33,14 @@ class BinaryFormat(NamedTuple):
         return Rounding(2.0 ** -self.bits, 2.0 ** (self.bottom - self.bits))
 
     @property
+    def largest(self) -> float:
+        """The largest finite value (``torch.finfo(dtype).max``)."""
+        return (2 - 2.0 ** (1 - self.bits)) * 2.0 ** self.top
+
+    @property
     def limits(self) -> dict[float, str]:
         """The values code takes from the dtype itself (``torch.finfo``), by name."""
-        largest = (2 - 2.0 ** (1 - self.bits)) * 2.0 ** self.top
+        largest = self.largest
         return {largest: "max", -largest: "-max", 2.0 ** self.bottom: "tiny",
                 -2.0 ** self.bottom: "-tiny", 2.0 ** (1 - self.bits): "eps"}
 

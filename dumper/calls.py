@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections import defaultdict
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -58,10 +58,12 @@ def _forced_eager() -> bool:
     return getattr(getattr(eval_frame, "_stance", None), "stance", None) == "force_eager"
 
 
-def compiled_in_place(module: nn.Module) -> bool:
-    """Whether ``module.compile()`` made its calls run as compiled code (regional compilation;
-    not under ``force_eager``)."""
-    return getattr(module, "_compiled_call_impl", None) is not None and not _forced_eager()
+def _runs_compiled(module: nn.Module) -> bool:
+    """Whether a module of a model runs its calls as compiled code: ``module.compile()``
+    (regional compilation), or it is a submodule's ``torch.compile`` wrapper; not under
+    ``force_eager``."""
+    return ((getattr(module, "_compiled_call_impl", None) is not None or _is_compiled(module))
+            and not _forced_eager())
 
 
 # Attributes under which wrapper modules keep the module they wrap and call: FSDP1's
@@ -90,19 +92,24 @@ Modules = list[tuple[str, nn.Module]]  # a model's (path, module) pairs, from na
 
 
 class HookedModel(NamedTuple):
-    """What of a model the dumper hooks: ``modules``, the (path, module) pairs whose hooks run
-    (named as in a plain run; TorchScript modules run none), and ``compiled``, the paths of
-    the outermost modules that run as compiled code: each module compiled in place
-    (``module.compile()``), a submodule replaced by its ``torch.compile`` wrapper, or the root
-    of a model in a ``torch.compile`` ``wrapper``. Such a
-    module is hooked at its boundary (:meth:`hook`); the ``inside`` modules within it are not
+    """What of a model the dumper hooks: ``modules``, the (path, module) pairs whose hooks run,
+    of ``every`` module of the model (named as in a plain run; TorchScript modules run none),
+    and ``compiled``, the paths of the outermost modules that run as compiled code: each
+    module compiled in place (``module.compile()``), a submodule replaced by its
+    ``torch.compile`` wrapper, or the root of a model in a ``torch.compile`` ``wrapper``. Such
+    a module is hooked at its boundary (:meth:`hook`); the modules :attr:`inside` it are not
     hooked at all, as dynamo would trace their hooks into the compiled code, changing its
     graphs, its kernels and so the run's numerics."""
 
     modules: Modules
+    every: Sequence[tuple[str, nn.Module]] = ()
     compiled: tuple[str, ...] = ()
-    inside: int = 0
     wrapper: Optional[nn.Module] = None
+
+    @property
+    def inside(self) -> int:
+        """How many modules that would run hooks are inside compiled code."""
+        return sum(map(runs_hooks, (m for _, m in self.every))) - len(self.modules)
 
     def hook(self, path: str, module: nn.Module, hook: Callable, pre: bool = False,
              **options) -> RemovableHandle:
@@ -122,14 +129,18 @@ class HookedModel(NamedTuple):
 def hooked_model(model: nn.Module) -> HookedModel:
     """:class:`HookedModel` of ``model`` (given as the user's code calls it: wrappers too)."""
     wrapper = _compile_wrapper(model)
-    modules = [(path, m) for path, m in named_modules(unwrapped(model)) if runs_hooks(m)]
-    paths = [path for path, m in modules  # (a submodule replaced by its torch.compile wrapper)
-             if (wrapper is not None and path == "") or compiled_in_place(m)
-             or (_is_compiled(m) and not _forced_eager())]
-    compiled = tuple(p for p in paths if not any(fmt.contains(q, p) for q in paths if q != p))
+    every = list(named_modules(unwrapped(model)))
+    modules = [(path, m) for path, m in every if runs_hooks(m)]
+    compiled = tuple(outermost([path for path, m in modules if _runs_compiled(m)
+                                or (wrapper is not None and path == "")]))
     hooked = [(path, m) for path, m in modules
               if not any(fmt.contains(c, path) and path != c for c in compiled)]
-    return HookedModel(hooked, compiled, len(modules) - len(hooked), wrapper)
+    return HookedModel(hooked, every, compiled, wrapper)
+
+
+def outermost(paths: list[str]) -> list[str]:
+    """Those of module ``paths`` inside none of the others."""
+    return [p for p in paths if not any(fmt.contains(q, p) for q in paths if q != p)]
 
 
 def runs_hooks(module: nn.Module) -> bool:
@@ -144,8 +155,7 @@ def hookable_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 def unhookable_roots(modules: Modules) -> list[str]:
     """Paths of the outermost of a model's ``modules`` that do not :func:`runs_hooks`."""
-    paths = [path for path, m in modules if not runs_hooks(m)]
-    return [p for p in paths if not any(p.startswith(q + ".") for q in paths)]
+    return outermost([path for path, m in modules if not runs_hooks(m)])
 
 
 class MicroBatches:

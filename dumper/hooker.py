@@ -18,8 +18,7 @@ from compare import format as fmt
 from compare.dump import Dump
 
 from .arena import StepBatch
-from .calls import (HookedModel, Modules, hooked_model, named_modules, runs_hooks,
-                    unhookable_roots, unwrapped)
+from .calls import HookedModel, Modules, hooked_model, runs_hooks, unhookable_roots, unwrapped
 from .capture import StepCapture
 from .claim import PublishedFiles, StepClaim, StepConflictError
 from .collector import CollectorPause
@@ -209,10 +208,9 @@ class HookerAndDumper:
             self._start_sentinel(model)
             return False
         hooked = hooked_model(model)
-        every = list(named_modules(unwrapped(model)))
-        _warn_if_scripted_inside(every)
+        _warn_if_scripted_inside(hooked.every)
         _warn_if_compiled(hooked)
-        self._warn_if_unmatched(every)
+        self._warn_if_unmatched(hooked.every)
         rank, _ = distributed_rank()
         try:
             self._reference = self.injector.step(epoch, step, rank) if self.injector else None

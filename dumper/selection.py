@@ -23,10 +23,9 @@ def _as_tuple(value) -> tuple:
 
 def _globs(name: str, value: Patterns) -> tuple[str, ...]:
     """``value`` of option ``name``: a glob or an iterable of globs, as a tuple."""
-    globs = (value,) if isinstance(value, str) else value
     try:
-        globs = tuple(() if globs is None else globs)
-    except TypeError:
+        globs = _as_tuple(value)
+    except TypeError:  # not iterable
         globs = (value,)
     bad = [g for g in globs if not isinstance(g, str)]
     if bad:

@@ -58,19 +58,26 @@ def _step(model, directory=None, plant=None, warm_up=True, **options):
             [str(w.message) for w in caught if "h5cmp" in str(w.message)])
 
 
+def _dumped_bit_for_bit(make, directory, warm_up=True, **options) -> list[str]:
+    """A step of ``make()``'s model, without and then with the dumper: the outputs and
+    gradients must be bit for bit the same; returns the dumper's warnings."""
+    plain_out, plain_grads, _ = _step(make(), warm_up=warm_up)
+    out, grads, said = _step(make(), directory, warm_up=warm_up, **options)
+    assert torch.equal(out, plain_out)
+    assert all(torch.equal(g, h) for g, h in zip(grads, plain_grads))
+    return said
+
+
 @pytest.mark.parametrize("mode,warm_up", [("tensors", True), ("stats", True), ("hash", True),
                                           ("tensors", False)])
 def test_a_compiled_step_is_bit_identical_with_the_dumper(tmp_path, mode, warm_up):
     """Also where the blocks are first compiled in the dumped step: no hook inside them is
     there for dynamo to trace."""
-    plain_out, plain_grads, _ = _step(_model(True), warm_up=warm_up)
-    out, grads, said = _step(_model(True), tmp_path, warm_up=warm_up, mode=mode)
+    said = _dumped_bit_for_bit(lambda: _model(True), tmp_path, warm_up=warm_up, mode=mode)
     assert said == ["h5cmp: 0, 1 run as compiled code (torch.compile): recorded at their "
                     "boundaries; the 4 modules inside them are not recorded (hooks there would "
                     "change the compiled code and its numerics; run the dumped steps eagerly, "
                     "e.g. inside torch.compiler.set_stance('force_eager'), to record them)"]
-    assert torch.equal(out, plain_out)
-    assert all(torch.equal(g, h) for g, h in zip(grads, plain_grads))
     step = load_dump(tmp_path).steps[0]
     assert fmt.compiled_modules(step.attrs) == ["0", "1"]
     recorded = set(step.index["module"])
@@ -101,14 +108,11 @@ def test_a_whole_compiled_model_is_recorded_at_its_boundary(tmp_path):
         torch._dynamo.reset()
         return torch.compile(_model(False))
 
-    plain_out, plain_grads, _ = _step(compiled(), warm_up=False)
-    out, grads, said = _step(compiled(), tmp_path / "whole", warm_up=False)
+    said = _dumped_bit_for_bit(compiled, tmp_path / "whole", warm_up=False)
     assert said == ["h5cmp: <root> runs as compiled code (torch.compile): recorded at its "
                     "boundary; the 7 modules inside it are not recorded (hooks there would "
                     "change the compiled code and its numerics; run the dumped steps eagerly, "
                     "e.g. inside torch.compiler.set_stance('force_eager'), to record them)"]
-    assert torch.equal(out, plain_out)
-    assert all(torch.equal(g, h) for g, h in zip(grads, plain_grads))
     step = load_dump(tmp_path / "whole").steps[0]
     assert fmt.compiled_modules(step.attrs) == [""]
     assert set(step.index["module"]) == {""}
@@ -170,10 +174,7 @@ def test_a_submodule_replaced_by_its_compiled_wrapper_is_recorded_at_its_boundar
         model[0] = torch.compile(model[0])
         return model
 
-    plain_out, plain_grads, _ = _step(compiled(), warm_up=False)
-    out, grads, said = _step(compiled(), tmp_path / "sub", warm_up=False)
-    assert torch.equal(out, plain_out)
-    assert all(torch.equal(g, h) for g, h in zip(grads, plain_grads))
+    _dumped_bit_for_bit(compiled, tmp_path / "sub", warm_up=False)
     recorded = set(load_dump(tmp_path / "sub").index["module"])
     assert {"0", "1", "1.lin", "2"} <= recorded and not any("_orig_mod" in m for m in recorded)
     assert fmt.compiled_modules(load_dump(tmp_path / "sub").steps[0].attrs) == ["0"]
