@@ -13,8 +13,8 @@ Variants (A, B, planted sizes):
     fp64      A float64,  B float32,                         plant 3e-2 and 1e-3
     bf16      A float32,  B bfloat16 autocast (CPU),         plant 0.1
     fp16      A float32,  B float16 autocast (CPU),          plant 3e-2
-    gpu       A float32 on the CPU, B float32 on CUDA,       plant 1e-3    (--variants ...)
-    tf32      as gpu, with TF32 matmuls,                     plant 3e-2
+    gpu       A float32 on the CPU, B float32 on CUDA, TF32 off, plant 1e-3 (--variants ...)
+    tf32      as gpu, with TF32 matmuls and convolutions,    plant 3e-2
     gpu-bf16  A float32 on the CPU, B bfloat16 autocast on CUDA, plant 0.1
 
 (Across devices dropout is off in both runs: CPU and CUDA generators draw different masks.)
@@ -65,8 +65,8 @@ from compare.status import FAILING, ORIGIN  # noqa: E402
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """A on the CPU at precision ``a``; B at precision ``b`` on ``device`` (with TF32 float32
-    matmuls if ``tf32``); errors of each relative size in ``sizes`` planted in B."""
+    """A on the CPU at precision ``a``; B at precision ``b`` on ``device`` (TF32 for its float32
+    matmuls, convolutions and RNNs if ``tf32``, else none: :func:`_tf32`); errors of each relative size in ``sizes`` planted in B."""
 
     a: str
     b: str
@@ -95,12 +95,17 @@ OPTIMIZER = "adamw"
 
 @contextlib.contextmanager
 def _tf32(enabled: bool):
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = enabled
+    """TF32 on or off for B's float32 matmuls and cuDNN's convolutions and RNNs alike (cuDNN's
+    is on by default: the verdict then allows conv and LSTM outputs TF32's rounding)."""
+    flags = (torch.backends.cuda.matmul, torch.backends.cudnn)
+    before = [f.allow_tf32 for f in flags]
+    for f in flags:
+        f.allow_tf32 = enabled
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
+        for f, was in zip(flags, before):
+            f.allow_tf32 = was
 
 
 def _quiet() -> None:
