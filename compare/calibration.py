@@ -92,6 +92,7 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
         _at_least_one_rounding(out, rows, rounding_of(precision), precision,
                                frame["rms_a"].to_numpy(float))
         _at_least_a_sums_rounding(out, rows, frame, precision)
+        _at_least_a_products_rounding(out, rows, frame, precision)
     return out
 
 
@@ -132,6 +133,71 @@ def _at_least_a_sums_rounding(out: Expectation, rows: np.ndarray, frame: pd.Data
         if out.level[i] < floor:
             out.level[i] = floor
             out.label[i] = f"{precision} rounding of a sum over {k:.0f} positions"
+
+
+def _at_least_a_products_rounding(out: Expectation, rows: np.ndarray, frame: pd.DataFrame,
+                                  precision: str) -> None:
+    """A module whose weight multiplies its input (a Linear, a convolution: :func:`fan_in_out`)
+    sums K products into each element of its output (K its fan-in) and of the gradient it
+    sends back for its input (its fan-out); a sum of K terms of either sign rounds to about
+    ``sqrt(K / 3)`` roundings of the accumulator at its result's scale, as a parameter's
+    gradient does (:func:`_at_least_a_sums_rounding`), whatever order the two runs' kernels
+    add in. Only above the records' calibrated level: a module of the largest fan-in in a
+    model is no outlier among its smaller peers for the length of its sums."""
+    kinds = frame["kind"].to_numpy(object)[rows]
+    made = rows[((kinds == fmt.OUTPUT) | (kinds == fmt.GRAD_INPUT))
+                & (frame["index"].to_numpy()[rows] == 0)]
+    if not len(made):
+        return
+    fans = fan_in_out(frame)
+    if not fans:
+        return
+    accumulator = min(rounding_of(precision).unit, rounding_of("float32").unit)
+    keys = frame.loc[made, [*STEP_KEY, "module", "call_idx"]].assign(
+        rank=lambda f: f["rank"].fillna(-1))
+    for i, key, kind in zip(made, keys.itertuples(index=False, name=None),
+                            frame["kind"].to_numpy(object)[made]):
+        fan = fans.get(key)
+        if fan is None:
+            continue
+        k = fan[0] if kind == fmt.OUTPUT else fan[1]
+        floor = accumulator * np.sqrt(max(k, 1) / 3.0)
+        if out.level[i] < floor:
+            out.level[i] = floor
+            out.label[i] = f"{precision} rounding of sums of {k} products"
+
+
+def fan_in_out(frame: pd.DataFrame) -> dict[tuple, tuple[int, int]]:
+    """Per call (``STEP_KEY`` with rank -1 for none, module, call_idx) of a module whose first
+    parameter multiplies its first input: (fan-in, fan-out), the products summed into each
+    element of its output and of its input's gradient. Told by shapes, not class names: a
+    matrix (out, in) with the input's last dimension ``in`` (a Linear: in, out); a kernel
+    (out, in / groups, *window) with the input's channels (dimension 1) a multiple of its
+    second dimension (a convolution: in / groups x window, out / groups x window). A
+    transposed convolution's kernel (in, out / groups, ...) matches only by chance, where its
+    channels agree."""
+    keyed = frame.assign(rank=frame["rank"].fillna(-1))
+    call = [*STEP_KEY, "module", "call_idx"]
+    weights = keyed[(keyed["kind"] == fmt.PARAM) & (keyed["index"] == 0)]
+    inputs = keyed[(keyed["kind"] == fmt.INPUT) & (keyed["index"] == 0)]
+    if weights.empty or inputs.empty:
+        return {}
+    shapes = inputs[call + ["shape_a"]].merge(
+        weights[[*STEP_KEY, "module", "shape_a"]].drop_duplicates([*STEP_KEY, "module"]),
+        on=[*STEP_KEY, "module"], suffixes=("_x", "_w"))
+    fans = {}
+    for row in shapes.itertuples(index=False):
+        x, w = row.shape_a_x, row.shape_a_w
+        if not (isinstance(x, tuple) and isinstance(w, tuple)) or len(w) < 2 or 0 in w:
+            continue
+        window = int(np.prod(w[2:], dtype=np.int64))
+        if len(w) == 2 and x and x[-1] == w[1]:
+            fans[tuple(getattr(row, c) for c in call)] = (w[1], w[0])
+        elif len(w) > 2 and len(x) > 2 and x[1] % w[1] == 0 and w[0] % (x[1] // w[1]) == 0:
+            groups = x[1] // w[1]
+            fans[tuple(getattr(row, c) for c in call)] = (w[1] * window,
+                                                          w[0] // groups * window)
+    return fans
 
 
 def _at_least_one_rounding(out: Expectation, rows: np.ndarray, rounding, precision: str,

@@ -842,6 +842,51 @@ def test_parameter_gradients_that_cancel_over_the_batch(tmp_path, seed):
     assert first is not None and first.row["module"] == "block.lin", first
 
 
+class RecursiveLinear(nn.Module):
+    """``x @ weight.T`` added up one product at a time, as a naive kernel would: its sums of
+    K products round about ``sqrt(K / 3)`` times more than a blocked matrix product's."""
+
+    def __init__(self, fan_in: int, out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(out, fan_in) / fan_in ** 0.5)
+
+    def forward(self, x):
+        total = torch.zeros(*x.shape[:-1], self.weight.shape[0], dtype=x.dtype)
+        for k in range(x.shape[-1]):
+            total = total + x[..., k:k + 1] * self.weight[:, k]
+        return total
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_long_sums_are_judged_by_their_length(tmp_path, seed):
+    """A module that sums 2048 products one at a time, after five Linears summing 32: in
+    float32 against float64 its output carries 6e-7 to 1.3e-6, 10-22x what the Linears add
+    (a false DIFF in every seed before, the way a GPU's 1x1 convolution of fan-out 1280 was
+    a false origin against its smaller peers). Judged against the rounding of sums of 2048
+    products (``sqrt(2048 / 3)`` float32 roundings) it passes; an error of 1e-4 planted
+    there is still found there."""
+
+    def run(name, dtype, plant=False):
+        torch.manual_seed(seed)
+        layers = []
+        for _ in range(5):
+            layers += [nn.Linear(32, 32), nn.Tanh()]
+        model = nn.Sequential(*layers, nn.Linear(32, 2048), RecursiveLinear(2048, 8)).to(dtype)
+        if plant:
+            perturb(model, "11", where="output", scale=1 + 1e-4)
+        with HookerAndDumper(tmp_path / name).hooks(model, 0, 0):
+            model(torch.randn(4, 32).to(dtype)).pow(2).mean().backward()
+        return tmp_path / name
+
+    a = run("a", torch.float64)
+    healthy = compare_dumps(a, run("b", torch.float32))
+    assert not healthy["status"].isin(FAILING).any(), healthy[healthy["status"].isin(FAILING)]
+    sums = healthy[(healthy["module"] == "11") & (healthy["kind"] == "output")].iloc[0]
+    assert sums["expected_rel_error"] == pytest.approx(2.0 ** -24 * math.sqrt(2048 / 3))
+    first = summarize(compare_dumps(a, run("planted", torch.float32, plant=True))).first
+    assert first is not None and (first.row["module"], first.row["kind"]) == ("11", "output")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_normalizations_over_two_elements_are_no_false_alarm(tmp_path, seed):
