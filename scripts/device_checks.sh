@@ -5,7 +5,8 @@
 # Each part has its own time limit and prints as it goes, so a part cut short still reports;
 # a summary of every part comes last (the end of the output is what a lent machine returns).
 # The whole log goes to $OUT/checks.log (or device-out/), the dumps of the localization cases
-# that went wrong to $OUT/kept.tgz.partNN (45 MB at most: what comes back is limited).
+# that went wrong to $OUT/kept.tar.partNN (whole cases, 45 MB at most: what comes back is
+# limited).
 #
 #     bash scripts/device_checks.sh [tests,dump,localize] [LOCALIZE STEPS, default 1] [SEEDS]
 #
@@ -58,8 +59,25 @@ if [[ ",$parts," == *,localize,* ]]; then
         grep -v " done$" /tmp/h5cmp-localize.err | tail -5
     done
     if [ -d "$keep/kept" ]; then
-        tar czf - -C "$keep" kept | head -c 45M | split -b 15M -d - "$out/kept.tgz.part"
-        ls -l "$out"/kept.tgz.part*
+        # each case compressed on its own; whole cases, smallest first, while 45 MB hold
+        # them (a cut stream loses every case after the cut): cat kept.tar.part* | tar xf -
+        # gives one CASE.tgz per case
+        mkdir -p "$keep/packed"
+        for case in "$keep"/kept/*/; do
+            tar czf "$keep/packed/$(basename "$case").tgz" -C "$keep/kept" "$(basename "$case")"
+        done
+        total=0
+        chosen=()
+        while read -r size name; do
+            [ $(( total + size )) -le $(( 45 * 1024 * 1024 )) ] || continue
+            total=$(( total + size ))
+            chosen+=("$name")
+        done < <(cd "$keep/packed" && stat -c "%s %n" -- *.tgz | sort -n)
+        echo "kept dumps: ${#chosen[@]} of $(ls "$keep/packed" | wc -l) cases ($total bytes)"
+        if [ "${#chosen[@]}" -gt 0 ]; then
+            tar cf - -C "$keep/packed" "${chosen[@]}" | split -b 15M -d - "$out/kept.tar.part"
+            ls -l "$out"/kept.tar.part*
+        fi
     fi
 fi
 
