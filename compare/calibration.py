@@ -169,8 +169,9 @@ def _at_least_a_products_rounding(out: Expectation, rows: np.ndarray, frame: pd.
 
 def fan_in_out(frame: pd.DataFrame) -> dict[tuple, tuple[int, int]]:
     """Per call (``STEP_KEY`` with rank -1 for none, module, call_idx) of a module whose first
-    parameter multiplies its first input: (fan-in, fan-out), the products summed into each
-    element of its output and of its input's gradient. Told by shapes, not class names: a
+    parameter multiplies its first input, a floating one (not an Embedding's indices):
+    (fan-in, fan-out), the products summed into each element of its output and of its
+    input's gradient. Told by shapes, not class names: a
     matrix (out, in) with the input's last dimension ``in`` (a Linear: in, out); a kernel
     (out, in / groups, *window) with the input's channels (dimension 1) a multiple of its
     second dimension (a convolution: in / groups x window, out / groups x window). A
@@ -179,7 +180,8 @@ def fan_in_out(frame: pd.DataFrame) -> dict[tuple, tuple[int, int]]:
     keyed = frame.assign(rank=frame["rank"].fillna(-1))
     call = [*STEP_KEY, "module", "call_idx"]
     weights = keyed[(keyed["kind"] == fmt.PARAM) & (keyed["index"] == 0)]
-    inputs = keyed[(keyed["kind"] == fmt.INPUT) & (keyed["index"] == 0)]
+    inputs = keyed[(keyed["kind"] == fmt.INPUT) & (keyed["index"] == 0)  # (not an index)
+                   & keyed["dtype_a"].fillna("").str.contains("float")]
     if weights.empty or inputs.empty:
         return {}
     shapes = inputs[call + ["shape_a"]].merge(
