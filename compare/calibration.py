@@ -190,7 +190,8 @@ def fan_in_out(frame: pd.DataFrame) -> dict[tuple, tuple[int, int]]:
     fans = {}
     for row in shapes.itertuples(index=False):
         x, w = row.shape_a_x, row.shape_a_w
-        if not (isinstance(x, tuple) and isinstance(w, tuple)) or len(w) < 2 or 0 in w:
+        if (not (isinstance(x, tuple) and isinstance(w, tuple)) or len(w) < 2 or 0 in w
+                or 0 in x):  # (an empty input sums nothing)
             continue
         window = int(np.prod(w[2:], dtype=np.int64))
         if len(w) == 2 and x and x[-1] == w[1]:

@@ -57,15 +57,21 @@ def reduced(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.element_size() < 4 else x
 
 
+DOT_LIMIT = 2 ** 31 - 1  # elements cuBLAS's dot takes
+
+
 def tensor_sums(x: torch.Tensor, row: torch.Tensor) -> None:
     """Write the raw sums (``RAW_SUMS``) of ``x`` (flat, :func:`reduced`, not empty) into
-    ``row`` (float64, on ``x``'s device) with no host sync: nine kernels (a float64 copy, its
-    min and max, its sum, its dot product with itself, the three counts in one sum), each
-    writing its result in place, where stacking and copying results took thirteen."""
+    ``row`` (float64, on ``x``'s device) with no host sync and about ten kernels (a float64
+    copy, its min and max, its sum, its dot product with itself, the three counts in one sum
+    over a stack of their masks), where stacking and copying results took thirteen."""
     wide = x if x.dtype == torch.float64 else x.to(torch.float64)
     torch.aminmax(wide, out=(row[0], row[1]))
     torch.sum(wide, 0, out=row[2])
-    torch.dot(wide, wide, out=row[3])
+    if wide.numel() <= DOT_LIMIT and wide.stride(0) != 0:
+        torch.dot(wide, wide, out=row[3])
+    else:  # cuBLAS's dot takes at most 2**31 - 1 elements, and no stride 0
+        torch.sum(torch.square(wide), 0, out=row[3])
     torch.sum(torch.stack((torch.isnan(x), torch.isinf(x), x == 0)), 1, dtype=torch.float64,
               out=row[4:len(RAW_SUMS)])
 
