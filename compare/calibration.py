@@ -11,6 +11,7 @@ and the dump shows bit-identical records where their sources are, none is expect
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -57,6 +58,7 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
     out = Expectation(np.zeros(len(frame)), np.full(len(frame), "", object),
                       np.full(len(frame), GAIN))
     added_s = pd.Series(added)
+    fans = fan_in_out(frame)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = pd.Series(np.where((err_in > 0) & (added <= err_in), err / err_in, np.nan))
     for _, rows in pair.groupby(pair).groups.items():
@@ -92,7 +94,7 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
         _at_least_one_rounding(out, rows, rounding_of(precision), precision,
                                frame["rms_a"].to_numpy(float))
         _at_least_a_sums_rounding(out, rows, frame, precision)
-        _at_least_a_products_rounding(out, rows, frame, precision)
+        _at_least_a_products_rounding(out, rows, frame, precision, fans)
     return out
 
 
@@ -115,7 +117,6 @@ def _at_least_a_sums_rounding(out: Expectation, rows: np.ndarray, frame: pd.Data
     positions = (incoming["numel"] / incoming["last"].where(incoming["last"] > 0)).rename("k")
     per_output = incoming.assign(k=positions).groupby(
         [*STEP_KEY, "module", "index", "last"])["k"].sum()
-    accumulator = min(rounding_of(precision).unit, rounding_of("float32").unit)
     for i in grads:
         row = keyed.iloc[i]
         shape = row["shape_a"] if isinstance(row["shape_a"], tuple) else ()
@@ -129,30 +130,25 @@ def _at_least_a_sums_rounding(out: Expectation, rows: np.ndarray, frame: pd.Data
         if matching.empty:
             continue
         k = float(matching.max())
-        floor = accumulator * np.sqrt(max(k, 1.0) / 3.0)
-        if out.level[i] < floor:
-            out.level[i] = floor
-            out.label[i] = f"{precision} rounding of a sum over {k:.0f} positions"
+        _at_least(out, i, _sum_rounding(precision, k),
+                  f"{precision} rounding of a sum over {k:.0f} positions")
 
 
 def _at_least_a_products_rounding(out: Expectation, rows: np.ndarray, frame: pd.DataFrame,
-                                  precision: str) -> None:
+                                  precision: str, fans: dict[tuple, tuple[int, int]]) -> None:
     """A module whose weight multiplies its input (a Linear, a convolution: :func:`fan_in_out`)
     sums K products into each element of its output (K its fan-in) and of the gradient it
     sends back for its input (its fan-out); a sum of K terms of either sign rounds to about
     ``sqrt(K / 3)`` roundings of the accumulator at its result's scale, as a parameter's
     gradient does (:func:`_at_least_a_sums_rounding`), whatever order the two runs' kernels
     add in. Only above the records' calibrated level: a module of the largest fan-in in a
-    model is no outlier among its smaller peers for the length of its sums."""
+    model is no outlier among its smaller peers for the length of its sums. ``fans``:
+    :func:`fan_in_out` of ``frame``."""
     kinds = frame["kind"].to_numpy(object)[rows]
     made = rows[((kinds == fmt.OUTPUT) | (kinds == fmt.GRAD_INPUT))
                 & (frame["index"].to_numpy()[rows] == 0)]
-    if not len(made):
+    if not len(made) or not fans:
         return
-    fans = fan_in_out(frame)
-    if not fans:
-        return
-    accumulator = min(rounding_of(precision).unit, rounding_of("float32").unit)
     keys = frame.loc[made, [*STEP_KEY, "module", "call_idx"]].assign(
         rank=lambda f: f["rank"].fillna(-1))
     for i, key, kind in zip(made, keys.itertuples(index=False, name=None),
@@ -161,10 +157,22 @@ def _at_least_a_products_rounding(out: Expectation, rows: np.ndarray, frame: pd.
         if fan is None:
             continue
         k = fan[0] if kind == fmt.OUTPUT else fan[1]
-        floor = accumulator * np.sqrt(max(k, 1) / 3.0)
-        if out.level[i] < floor:
-            out.level[i] = floor
-            out.label[i] = f"{precision} rounding of sums of {k} products"
+        _at_least(out, i, _sum_rounding(precision, k),
+                  f"{precision} rounding of sums of {k} products")
+
+
+def _sum_rounding(precision: str, k: float) -> float:
+    """What a running sum of ``k`` terms computed in ``precision`` rounds, relatively, by
+    Higham's estimate: ``sqrt(k / 3)`` units of its accumulator (float32 for 16-bit dtypes)."""
+    accumulator = min(rounding_of(precision).unit, rounding_of("float32").unit)
+    return accumulator * math.sqrt(max(k, 1.0) / 3.0)
+
+
+def _at_least(out: Expectation, i: int, floor: float, label: str) -> None:
+    """Raise row ``i``'s expected added error to ``floor`` (saying why) where it is lower."""
+    if out.level[i] < floor:
+        out.level[i] = floor
+        out.label[i] = label
 
 
 def fan_in_out(frame: pd.DataFrame) -> dict[tuple, tuple[int, int]]:
@@ -193,7 +201,7 @@ def fan_in_out(frame: pd.DataFrame) -> dict[tuple, tuple[int, int]]:
         if (not (isinstance(x, tuple) and isinstance(w, tuple)) or len(w) < 2 or 0 in w
                 or 0 in x):  # (an empty input sums nothing)
             continue
-        window = int(np.prod(w[2:], dtype=np.int64))
+        window = math.prod(w[2:])
         if len(w) == 2 and x and x[-1] == w[1]:
             fans[tuple(getattr(row, c) for c in call)] = (w[1], w[0])
         elif len(w) > 2 and len(x) > 2 and x[1] % w[1] == 0 and w[0] % (x[1] // w[1]) == 0:

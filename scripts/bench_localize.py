@@ -66,7 +66,8 @@ from compare.status import FAILING, ORIGIN  # noqa: E402
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """A on the CPU at precision ``a``; B at precision ``b`` on ``device`` (TF32 for its float32
-    matmuls, convolutions and RNNs if ``tf32``, else none: :func:`_tf32`); errors of each relative size in ``sizes`` planted in B."""
+    matmuls, convolutions and RNNs if ``tf32``, else none: :func:`_tf32`); errors of each
+    relative size in ``sizes`` planted in B."""
 
     a: str
     b: str
