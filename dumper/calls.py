@@ -18,13 +18,16 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+COMPILED_ATTRIBUTE = "_orig_mod"  # where a torch.compile wrapper keeps the module it compiles
+
+
 def _layers(model: nn.Module) -> Iterator[nn.Module]:
     """``model``, then each model a ``torch.compile``, ``DistributedDataParallel`` or
     ``DataParallel`` wrapper holds, the innermost last."""
     while True:
         yield model
         if _is_compiled(model):
-            model = model._orig_mod
+            model = getattr(model, COMPILED_ATTRIBUTE)
         elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
         else:
@@ -33,7 +36,16 @@ def _layers(model: nn.Module) -> Iterator[nn.Module]:
 
 def _is_compiled(model: nn.Module) -> bool:
     return (type(model).__name__ == "OptimizedModule"
-            and isinstance(getattr(model, "_orig_mod", None), nn.Module))
+            and isinstance(getattr(model, COMPILED_ATTRIBUTE, None), nn.Module))
+
+
+def module_class(module: nn.Module) -> type:
+    """The class a module's records, ``include=`` globs and ``module_types`` go by: the
+    compiled module's for a ``torch.compile`` wrapper (a submodule replaced by it is recorded
+    at its boundary), so that a compiled run pairs with, and selects as, an eager one."""
+    while _is_compiled(module):
+        module = getattr(module, COMPILED_ATTRIBUTE)
+    return type(module)
 
 
 def unwrapped(model: nn.Module) -> nn.Module:
@@ -71,21 +83,37 @@ def _runs_compiled(module: nn.Module) -> bool:
 WRAPPED_ATTRIBUTES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
 
-def _is_wrapper(module: nn.Module) -> bool:
+def _wrapped_attributes() -> tuple[str, ...]:
+    """The attributes of :data:`WRAPPED_ATTRIBUTES`, and, under ``force_eager``, a submodule's
+    ``torch.compile`` wrapper's: it then only calls the module it wraps, eagerly (compiled, it
+    is recorded at its boundary instead and the module inside it is not hooked)."""
+    return WRAPPED_ATTRIBUTES + ((COMPILED_ATTRIBUTE,) if _forced_eager() else ())
+
+
+def _is_wrapper(module: nn.Module, attributes: tuple[str, ...]) -> bool:
     if not runs_hooks(module):  # TorchScript: its submodules are no wrappers
         return False
+    if COMPILED_ATTRIBUTE in attributes and not _is_compiled(module):
+        attributes = WRAPPED_ATTRIBUTES  # (a module of the user's own with that attribute)
     children = module._modules  # a submodule's attribute lives here: no __getattr__ fallback
-    return any(children.get(a) is not None for a in WRAPPED_ATTRIBUTES)
+    return any(children.get(a) is not None for a in attributes)
 
 
 def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """``model.named_modules()`` as dumps name them: without the wrapper modules of
-    :data:`WRAPPED_ATTRIBUTES`, each wrapped module under its wrapper's path (so that a model
-    wrapped by FSDP1 or activation checkpointing pairs with the plain one; the wrapper only
-    calls the module it wraps, whose hooks record the call)."""
+    :func:`_wrapped_attributes`, each wrapped module under its wrapper's path (so that a model
+    wrapped by FSDP1 or activation checkpointing, or a submodule's ``torch.compile`` wrapper
+    run under ``force_eager``, pairs with the plain one; the wrapper only calls the module it
+    wraps, whose hooks record the call)."""
+    attributes = _wrapped_attributes()
+    wrappers: set[str] = set()  # (named_modules goes parents first)
     for path, module in model.named_modules():
-        if not _is_wrapper(module):
-            yield ".".join(p for p in path.split(".") if p not in WRAPPED_ATTRIBUTES), module
+        if _is_wrapper(module, attributes):
+            wrappers.add(path)
+            continue
+        parts = path.split(".")
+        yield ".".join(part for i, part in enumerate(parts)
+                       if not (part in attributes and ".".join(parts[:i]) in wrappers)), module
 
 
 Modules = list[tuple[str, nn.Module]]  # a model's (path, module) pairs, from named_modules

@@ -18,7 +18,8 @@ from torch.utils.hooks import RemovableHandle
 
 from compare import format as fmt
 
-from .calls import CallHooks, CallTracker, HookedModel, MicroBatches, in_backward
+from .calls import (CallHooks, CallTracker, HookedModel, MicroBatches, in_backward,
+                    module_class)
 from .dataflow import Dataflow
 from .flatten import call_leaves, leaves, map_tensors
 from .grads import GradInputCollector, current_sequence_nr, gradient_edge
@@ -265,7 +266,7 @@ class StepCapture:
                ) -> tuple[_OpenCall, Optional[tuple[tuple, dict]]]:
         """A module call starts (:class:`~dumper.calls.CallHooks`): record what arrives."""
         mode, inject = self._installed[id(module)]
-        info = CallInfo(next(self._calls), path, type(module).__name__, call_idx, mode,
+        info = CallInfo(next(self._calls), path, module_class(module).__name__, call_idx, mode,
                         self._micro_batches.number)
         self._first_call.setdefault(id(module), info)
         call = self._open(info, inject, args, kwargs)

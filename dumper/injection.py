@@ -50,7 +50,7 @@ from compare.dump import Dump, StepFile, load_dump
 from compare.metrics import (NORMS_WITHIN, REORDERED_FROM, REORDERED_MARGIN,
                              reordered_rel_err, rows_measured)
 
-from .calls import CallHooks, hooked_model
+from .calls import CallHooks, hooked_model, module_class
 from .encoding import decode_to_tensor
 from .flatten import map_tensors
 
@@ -156,7 +156,7 @@ class StepReference:
     def wants(self, path: str, module: nn.Module) -> bool:
         """Whether ``module`` (at ``path``) is one the injector injects into."""
         patterns = self.injector.include
-        return not patterns or fmt.module_matches(path, type(module).__name__, patterns)
+        return not patterns or fmt.module_matches(path, module_class(module).__name__, patterns)
 
     def has(self, key: Key) -> bool:
         return key in self._rows

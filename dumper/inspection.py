@@ -10,7 +10,7 @@ from torch import nn
 from compare import format as fmt
 
 from .encoding import dtype_name
-from .calls import CallHooks, hookable_modules, named_modules, unwrapped
+from .calls import CallHooks, hookable_modules, module_class, named_modules, unwrapped
 from .flatten import call_leaves, leaves
 
 
@@ -19,7 +19,7 @@ def module_keys(model: nn.Module) -> list[str]:
     names dump groups and ``h5cmp --module`` globs use."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"module_keys needs a torch.nn.Module, got {type(model).__name__}")
-    return [fmt.module_key(path, type(m).__name__) for path, m in named_modules(unwrapped(model))]
+    return [fmt.module_key(path, module_class(m).__name__) for path, m in named_modules(unwrapped(model))]
 
 
 def io_shapes(model: nn.Module, *args, **kwargs) -> pd.DataFrame:
@@ -39,7 +39,7 @@ def io_shapes(model: nn.Module, *args, **kwargs) -> pd.DataFrame:
                          "dtype": dtype_name(t.dtype), "shape": tuple(t.shape)})
 
     def enter(module, path, call_idx, a, kw):
-        cls = type(module).__name__
+        cls = module_class(module).__name__
         info = {"call": next(calls), "module": path, "cls": cls, "call_idx": call_idx,
                 "key": fmt.module_key(path, cls)}
         record(info, fmt.INPUT, call_leaves(a, kw))

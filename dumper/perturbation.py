@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from compare import format as fmt
 
-from .calls import hookable_modules, unwrapped
+from .calls import hookable_modules, module_class, unwrapped
 from .flatten import map_tensors
 
 
@@ -43,7 +43,7 @@ class Perturbation:
         self.scale, self.noise, self.offset, self.where = scale, noise, offset, where
         patterns = (include,) if isinstance(include, str) else tuple(include)
         matched = [m for p, m in hookable_modules(unwrapped(model))
-                   if not patterns or fmt.module_matches(p, type(m).__name__, patterns)]
+                   if not patterns or fmt.module_matches(p, module_class(m).__name__, patterns)]
         if not matched:
             raise ValueError(f"no module matches {list(patterns)}; see dumper.module_keys(model)")
         for module in matched:

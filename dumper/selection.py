@@ -7,6 +7,7 @@ from torch import nn
 
 from compare import format as fmt
 
+from .calls import module_class
 from .ops import MOVES_NO_NUMBERS
 
 Patterns = Union[str, Iterable[str], None]
@@ -101,7 +102,8 @@ class Selection:
         if _matches(path, module, self.exclude):
             return False
         if self.module_types:
-            return any(isinstance(module, t) if isinstance(t, type) else type(module).__name__ == t
+            cls = module_class(module)
+            return any(issubclass(cls, t) if isinstance(t, type) else cls.__name__ == t
                        for t in self.module_types)
         return True
 
@@ -111,4 +113,4 @@ def _torch_layer(module: nn.Module) -> bool:
 
 
 def _matches(path: str, module: nn.Module, patterns: tuple) -> bool:
-    return fmt.module_matches(path, type(module).__name__, patterns)
+    return fmt.module_matches(path, module_class(module).__name__, patterns)

@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import ops
-from .calls import hooked_model, in_backward
+from .calls import hooked_model, in_backward, module_class
 from .capture import hook_gradient
 from .flatten import call_leaves, leaves
 from .grads import gradient_edge
@@ -170,7 +170,7 @@ class NonFiniteSentinel:
         self.handles: list[RemovableHandle] = []
         hooked = hooked_model(model)
         for path, module in hooked.modules:
-            cls = type(module).__name__
+            cls = module_class(module).__name__
             self.handles.append(hooked.hook(path, module, ops.quietly(
                 lambda m, args, kwargs, path=path: self._pre_hook(path, args, kwargs)),
                 pre=True, with_kwargs=True))

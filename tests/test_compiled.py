@@ -132,6 +132,39 @@ def test_a_whole_compiled_model_is_recorded_at_its_boundary(tmp_path):
     assert {"0.lin", "1.norm", "2"} <= set(load_dump(tmp_path / "eagerly").index["module"])
 
 
+def test_a_submodule_replaced_by_its_compile_wrapper_pairs_with_the_eager_model(tmp_path):
+    """``model[1] = torch.compile(model[1])``: compiled, the wrapper is recorded at its
+    boundary under the block's path and class (``module_types`` selects it as a ``Block``);
+    under ``force_eager`` every module is recorded under the eager model's names, not under
+    the wrapper's ``_orig_mod`` (before: 14 records of B missing in A and 10 of A in B, exit
+    2), and the pair is bit-identical."""
+    def wrapped():
+        torch._dynamo.reset()
+        model = _model(False)
+        model[1] = torch.compile(model[1])
+        return model
+
+    _step(_model(False), tmp_path / "eager")
+    said = _dumped_bit_for_bit(wrapped, tmp_path / "compiled", warm_up=False)
+    assert said and said[0].startswith("h5cmp: 1 runs as compiled code")
+    step = load_dump(tmp_path / "compiled").steps[0]
+    assert set(zip(step.index["module"], step.index["cls"])) >= {("1", "Block"), ("0.lin", "Linear")}
+    assert not step.index["module"].str.startswith("1.").any()
+    _step(wrapped(), tmp_path / "blocks", warm_up=False, module_types=[Block])
+    assert set(load_dump(tmp_path / "blocks").steps[0].index["module"]) == {"0", "1"}
+    healthy = CliRunner().invoke(main, [str(tmp_path / "eager"), str(tmp_path / "compiled")])
+    assert healthy.exit_code == 0, healthy.output
+
+    with torch.compiler.set_stance("force_eager"):
+        _, _, said = _step(wrapped(), tmp_path / "eagerly", warm_up=False)
+    assert not said
+    modules = set(load_dump(tmp_path / "eagerly").steps[0].index["module"])
+    assert modules == set(load_dump(tmp_path / "eager").steps[0].index["module"])
+    assert {"1", "1.lin", "1.norm"} <= modules
+    same = CliRunner().invoke(main, [str(tmp_path / "eager"), str(tmp_path / "eagerly")])
+    assert same.exit_code == 0, same.output
+    assert "B agrees with A exactly" in same.output
+
 def test_a_regionally_compiled_hugging_face_model_trains_bit_for_bit_with_the_dumper(tmp_path):
     """A tiny Llama, each decoder layer compiled in place and first compiled in the dumped
     step: hooks inside the layers would be traced into their graphs (graph breaks, other
