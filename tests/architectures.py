@@ -198,6 +198,22 @@ HELD_OUT: dict[str, Arch] = {
     "regnet": Arch(_hf("RegNetConfig", "RegNetForImageClassification", embedding_size=8,
                        hidden_sizes=[8, 16], depths=[1, 1], groups_width=4, num_labels=10),
                    _vit_batch, _hf_loss),
+    # added 2026-11-28 (sixteenth session), chosen and built before any result of theirs was
+    # looked at: a selective state-space model (Mamba: a recurrent scan, a causal depthwise
+    # convolution, gating), a Gemma2 decoder (logit soft-capping, norms before and after each
+    # block, alternating sliding-window attention) and a SegFormer (attention over a
+    # spatially reduced sequence, depthwise convolutions in its feed-forward layers)
+    "mamba": Arch(_hf("MambaConfig", "MambaForCausalLM", vocab_size=96, hidden_size=48,
+                      state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
+                      use_mambapy=False), _tokens(), _hf_loss),
+    "gemma2": Arch(_hf("Gemma2Config", "Gemma2ForCausalLM", num_key_value_heads=2, head_dim=12,
+                       sliding_window=8, **_TINY), _tokens(), _hf_loss),
+    "segformer": Arch(_hf("SegformerConfig", "SegformerForImageClassification", num_channels=3,
+                          num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+                          hidden_sizes=[16, 32], patch_sizes=[3, 3], strides=[2, 2],
+                          num_attention_heads=[1, 2], mlp_ratios=[2, 2], hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
+                          classifier_dropout_prob=0.0, num_labels=10), _vit_batch, _hf_loss),
 }
 ARCHITECTURES.update(HELD_OUT)
 
