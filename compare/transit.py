@@ -163,7 +163,7 @@ def sum_links(pairs: pd.DataFrame) -> list[tuple[tuple[int, ...], tuple[int, ...
     keys = list(zip(*(both[c] for c in (*STEP, "call_a", "kind", "index"))))
     label, seq = dict(zip(keys, both.index)), dict(zip(keys, both["seq_a"]))
     added = addend_edges(both, "call_a", "addends_a", STEP)
-    consumed = set(zip(*(both.loc[both["producer_a"] >= 0, c] for c in (*STEP, "producer_a"))))
+    consumed = _consumed(both)
     branches = added[(added["addend_kind"] == fmt.OUTPUT) & (added["kind"] == fmt.INPUT)]
     branches = {key: list(zip(group["addend"], group["addend_index"])) for key, group in
                 branches.groupby([*STEP, "call_a", "index"])}
@@ -198,6 +198,19 @@ def sum_links(pairs: pd.DataFrame) -> list[tuple[tuple[int, ...], tuple[int, ...
             totals = same_bits[tuple(step), identity] if identity is not None else [total]
             out.append((tuple(terms), tuple(totals)))
     return out
+
+
+def _consumed(both: pd.DataFrame) -> set[tuple]:
+    """``(*step, call)`` of the calls some call consumes an output of, but for a consumer
+    that hands its input back with the same bits in A (an ``Identity``, a dropout of rate 0):
+    that is the tensor itself going on (or, if a copy, one whose share A's check of the sum
+    sees), not a use of its own."""
+    inputs = both[(both["producer_a"] >= 0) & (both["kind"] == fmt.INPUT)]
+    outputs = both[both["kind"] == fmt.OUTPUT]
+    handed_back = set(zip(*(outputs[c] for c in (*STEP, "call_a")), identities(outputs, "a")))
+    return {(*step, producer) for *step, producer, call, identity in zip(
+                *(inputs[c] for c in (*STEP, "producer_a", "call_a")), identities(inputs, "a"))
+            if identity is None or (*step, call, identity) not in handed_back}
 
 
 def _linkable(pairs: pd.DataFrame, arrived: bool = False) -> pd.DataFrame:
