@@ -1751,3 +1751,26 @@ def test_an_outlier_whose_bound_is_large_is_not_said_to_have_none(tmp_path):
     assert (f"which its inputs' error ({worst['input_rel_error']:.3g}), amplified, could hide "
             f"any of it" in summary.verdict()), summary.verdict()
     assert (result["unbounded"] != "").eq(result["hidden_rel_error"] == math.inf).all()
+
+
+def test_a_gradient_handed_on_through_identity_calls_is_judged_as_the_sums(tmp_path):
+    """A SegFormer layer adds its attention's output to the residual stream through an
+    ``Identity`` drop path and a dropout of rate 0, and the next norm consumes the sum: the
+    gradient arriving at the attention's output is what the sum's two uses send back. Those
+    calls hand the output back bit for bit, so they are no use of their own; before, they
+    kept that link from being made, and a 3 % error planted in that gradient (float16
+    autocast) passed, judged against the 11 % relative error of the norm's input gradient,
+    2000x smaller in scale."""
+    require_runnable("segformer", "float32", "float16")
+    attention = "segformer.stages.1.blocks.0.attention"
+    run_step("segformer", "float32", tmp_path / "a", seed=1)
+    run_step("segformer", "float16", tmp_path / "b", seed=1)
+    healthy = compare_dumps(tmp_path / "a", tmp_path / "b")
+    assert not healthy["status"].isin(FAILING).any(), healthy[healthy["status"].isin(FAILING)]
+    run_step("segformer", "float16", tmp_path / "planted", seed=1,
+             plant={"include": [attention], "where": "grad_output", "scale": 1.03})
+    result = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "planted")])
+    assert result.exit_code == 1, result.output
+    assert (f"first divergence: step 0:0, backward, module {attention}.o_proj (Linear) call 0, "
+            "grad_output[0]") in result.output
+    assert f"{attention}.SegformerAttention#0 grad_output[0]" in result.output  # the same tensor
