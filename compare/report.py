@@ -198,7 +198,9 @@ def export(result: pd.DataFrame, summary: Summary, path: Path) -> None:
                                "total": summary.total,
                                "first_divergence": None if summary.first is None else
                                summary.first.describe(advise_rerun=not summary.rerun_given),
-                               "arguments_differ": summary.arguments.to_dict("records")},
+                               "arguments_differ": summary.arguments.to_dict("records"),
+                               "arguments_differ_without_effect":
+                                   summary.inert_arguments.to_dict("records")},
                    "rows": json.loads(flat.to_json(orient="records"))}
         path.write_text(json.dumps(payload, indent=1))
     elif suffix == ".html":

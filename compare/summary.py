@@ -192,6 +192,10 @@ class Summary:
     rerun_given: bool = False  # an injected re-run answers (--injected): no advice to make one
     # arguments (non-tensor leaves) that differ between paired calls (compare.arguments)
     arguments: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=ARGUMENT_COLUMNS))
+    # those of them in a step whose every tensor is bit-identical in B: they changed no value
+    # recorded (a flag such as use_cache), so they are listed, not a divergence
+    inert_arguments: pd.DataFrame = field(
+        default_factory=lambda: pd.DataFrame(columns=ARGUMENT_COLUMNS))
 
     @property
     def outliers(self) -> pd.DataFrame:
@@ -299,6 +303,14 @@ class Summary:
                       for _, r in self.arguments.head(SUSPECTS).iterrows()]
             if len(self.arguments) > SUSPECTS:
                 lines.append(f"  ... {len(self.arguments) - SUSPECTS} more")
+        if len(self.inert_arguments):
+            lines.append(f"{len(self.inert_arguments)} argument(s) differ between paired calls "
+                         f"in steps whose every tensor is bit-identical (they changed no value "
+                         f"recorded: not a divergence):")
+            lines += [f"  {describe_argument(r)}"
+                      for _, r in self.inert_arguments.head(SUSPECTS).iterrows()]
+            if len(self.inert_arguments) > SUSPECTS:
+                lines.append(f"  ... {len(self.inert_arguments) - SUSPECTS} more")
         if self.first is not None:
             lines.append(self.first.describe(advise_rerun=not self.rerun_given))
         if self.cannot_tell:
@@ -393,11 +405,21 @@ def summarize(result: pd.DataFrame) -> Summary:
     undecided = undecided.sort_values(["added_ratio", "hidden_rel_error"], ascending=False,
                                       kind="stable")
     undecided = undecided.assign(label=[record_label(r) for _, r in undecided.iterrows()])
+    arguments = pd.DataFrame(list(result.attrs.get(ARGUMENTS, ())), columns=ARGUMENT_COLUMNS)
+    inert = _in_identical_steps(arguments, result)
     return Summary(counts, len(result), first, precision, suspects, largest, weights, later,
                    from_stats, bool(result.attrs.get(USER_TOLERANCE)),
                    tuple(result.attrs.get(INCOMPLETE_STEPS, ())), undecided,
-                   arguments=pd.DataFrame(list(result.attrs.get(ARGUMENTS, ())),
-                                          columns=ARGUMENT_COLUMNS))
+                   arguments=arguments[~inert].reset_index(drop=True),
+                   inert_arguments=arguments[inert].reset_index(drop=True))
+
+
+def _in_identical_steps(arguments: pd.DataFrame, result: pd.DataFrame) -> np.ndarray:
+    """Which ``arguments`` were given in a step (every rank) whose every record is ``equal``
+    (bit-identical): whatever they change, it is no value the dumps hold."""
+    equal = (result["status"] == st.EQUAL).groupby([result["epoch"], result["step"]]).all()
+    return np.array([bool(equal.get((e, s), False)) for e, s in
+                     zip(arguments["epoch"], arguments["step"])], dtype=bool)
 
 
 def _before(result: pd.DataFrame, row: pd.Series) -> pd.Series:
