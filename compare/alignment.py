@@ -8,7 +8,7 @@ call that both sides ran, the two sequences of ops, in execution order and descr
 name and output shape, are aligned (``difflib.SequenceMatcher``: longest common runs first);
 B's ops that align with one of A's take that op's name, so they pair; the others keep their
 name (primed, ``add#1'``, where A has an op of that name) and are reported as one side's.
-Module records are untouched: they pair by path and call number.
+Module records pair by path and call number (after :mod:`compare.call_order`).
 
 A call's inputs (and their gradients) are numbered by the tensors among its arguments, so one
 argument that is a tensor in one run and ``None`` in the other (an attention mask one

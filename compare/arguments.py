@@ -35,10 +35,9 @@ COLUMNS = ["epoch", "step", "rank", "seq", "module", "cls", "call_idx", "kind", 
            "value_a", "value_b"]
 
 
-def argument_rows(dump: Dump) -> pd.DataFrame:
-    """The non-tensor inputs of :data:`COMPARED` types that ``dump`` recorded (what a call
-    returns that is no tensor, e.g. a loss as a float, is data, not an argument)."""
-    index = dump.index
+def argument_rows(index: pd.DataFrame) -> pd.DataFrame:
+    """The non-tensor inputs of :data:`COMPARED` types among a dump's ``index`` rows (what a
+    call returns that is no tensor, e.g. a loss as a float, is data, not an argument)."""
     rows = index[(index["dataset"] == "") & (index["index"] == -1) & (index["kind"] == fmt.INPUT)
                  & (index["status"] == fmt.ST_OK) & index["dtype"].isin(COMPARED)]
     return rows.assign(rank=rows["rank"].fillna(-1).astype(int))
@@ -58,9 +57,9 @@ def differing_arguments(a: Dump, b: Dump, pairs: pd.DataFrame) -> pd.DataFrame:
                                       zip(floats["dtype_a"], floats["dtype_b"])])
     units = units.groupby(call, as_index=False)["unit"].max()
     calls = both[["epoch", "step", "rank", "call_a", "call_b"]].drop_duplicates()
-    rows_a = argument_rows(a).rename(columns={"call": "call_a", "value": "value_a",
+    rows_a = argument_rows(a.index).rename(columns={"call": "call_a", "value": "value_a",
                                               "dtype": "type_a"})
-    rows_b = argument_rows(b).rename(columns={"call": "call_b", "value": "value_b",
+    rows_b = argument_rows(b.index).rename(columns={"call": "call_b", "value": "value_b",
                                               "dtype": "type_b"})
     merged = rows_a.merge(calls, on=call).merge(
         rows_b[["epoch", "step", "rank", "call_b", "kind", "path", "value_b", "type_b"]],

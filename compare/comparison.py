@@ -21,8 +21,9 @@ from .dump import Dump, PathLike, dataset_of, load_dump, open_h5, read_chunks, r
 from .errors import DumpError
 from . import format as fmt
 from .alignment import align_inputs, align_ops
-from .arguments import differing_arguments
+from .arguments import argument_rows, differing_arguments
 from .assembly import PartReader, assemble, compare_parts, sharded_ranks, whole_part
+from .call_order import align_calls
 from .mapping import NameMapping, find_prefix, load_mapping
 from .metrics import METRIC_COLUMNS, ErrorAccumulator, rows_measured
 from .prefetch import prefetched
@@ -117,6 +118,8 @@ def compare_dumps(a: Union[PathLike, Dump], b: Union[PathLike, Dump], rtol: Opti
     if mapping is not None:
         rows_b = _one_to_one(mapping, rows_b, mapping.apply(rows_b))
     _check_same_model(dump_a, dump_b, rows_a, rows_b)
+    rows_b = align_calls(rows_a, rows_b, argument_rows(dump_a.index),
+                         argument_rows(dump_b.index))
     rows_b = align_inputs(rows_a, align_ops(rows_a, rows_b))
     pairs, not_compared = recorded_on_both_sides(pair_records(rows_a, rows_b))
     pairs, unlike = unlike_forms(pairs, dump_a.index, dump_b.index)

@@ -266,6 +266,8 @@ class StepCapture:
                ) -> tuple[_OpenCall, Optional[tuple[tuple, dict]]]:
         """A module call starts (:class:`~dumper.calls.CallHooks`): record what arrives."""
         mode, inject = self._installed[id(module)]
+        if self._inject is not None:  # which of the reference's calls this one pairs with
+            self._inject.enter_call(path, call_idx, args, kwargs)
         info = CallInfo(next(self._calls), path, module_class(module).__name__, call_idx, mode,
                         self._micro_batches.number)
         self._first_call.setdefault(id(module), info)
@@ -298,6 +300,8 @@ class StepCapture:
     def _leave(self, module: nn.Module, call: _OpenCall, output: Any) -> None:
         """A module call returns: record its outputs (and what it will get in backward)."""
         self._close(call, output, self._installed[id(module)][1])
+        if self._inject is not None:
+            self._inject.leave_call(call.info.module, call.info.call_idx)
 
     def _open(self, info: CallInfo, inject: Optional[StepReference], args: tuple,
               kwargs: dict, sink: Optional[Sink] = None) -> _OpenCall:

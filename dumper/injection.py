@@ -14,6 +14,12 @@ the replacement helpers put them in place:
   module's backward runs;
 - ``output``: a module call's result is replaced (repairs everything downstream).
 
+Each call takes the values of the reference's call it pairs with: the call of the same module
+and number, but where the reference's calls of a module carry distinct names, integers or
+flags (:mod:`compare.call_order`; a rotary embedding called once per attention type, in an
+order that changes with the hash seed), the one given the same ones, and the calls inside it
+the ones at their place inside that call.
+
 A value that arrived as the reference's rows in another order (code that orders rows
 otherwise, e.g. tokens grouped by expert with an unstable sort) is left as it is, in every
 kind but ``param``: the reference's would land in the wrong places
@@ -46,13 +52,15 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from compare import format as fmt
+from compare.arguments import argument_rows
+from compare.call_order import by_signature, calls_inside, module_calls, runs_inside, signature
 from compare.dump import Dump, StepFile, load_dump
 from compare.metrics import (NORMS_WITHIN, REORDERED_FROM, REORDERED_MARGIN,
                              reordered_rel_err, rows_measured)
 
 from .calls import CallHooks, hooked_model, module_class
 from .encoding import decode_to_tensor
-from .flatten import map_tensors
+from .flatten import call_leaves, map_tensors, short_repr
 
 INJECTABLE = (fmt.INPUT, fmt.OUTPUT, fmt.GRAD_OUTPUT, fmt.PARAM)
 # what a localizing re-run injects: every module computes from the reference's values
@@ -119,9 +127,17 @@ class StepReference:
     def __init__(self, injector: "Injector", step_file: StepFile):
         self.injector = injector
         self.label = step_file.label
-        rows = step_file.index[step_file.index["dataset"] != ""]
+        index = step_file.index.assign(epoch=step_file.epoch, step=step_file.step, rank=-1)
+        rows = index[index["dataset"] != ""]
         self._rows = {(r.module, r.call_idx, r.kind, r.index): r for r in rows.itertuples()
                       if r.kind in injector.kinds and r.occurrence == 0}
+        self._calls = module_calls(rows, argument_rows(index))
+        # modules whose calls the reference's arguments tell apart: signature -> call_idx
+        self._told_apart = {module: found for module, calls in
+                            self._calls.groupby("module", sort=False)
+                            if len(calls) > 1 and (found := by_signature(calls))}
+        self._paired: dict[tuple[str, int], int] = {}  # (module, call_idx): the reference's
+        self._open: list[_PairedCall] = []  # calls paired with another number, open now
         self._reader = step_file.open()
         self._lock = threading.Lock()
         self.injected = 0
@@ -158,8 +174,49 @@ class StepReference:
         patterns = self.injector.include
         return not patterns or fmt.module_matches(path, module_class(module).__name__, patterns)
 
+    def enter_call(self, path: str, call_idx: int, args: tuple, kwargs: dict) -> None:
+        """A call of the module at ``path`` starts: note which of the reference's calls it
+        takes values from (the module docstring), before any is asked for."""
+        paired = self._inside_open(path, call_idx)
+        if paired is None and path in self._told_apart:
+            paired = self._told_apart[path].get(signature(
+                (p, type(x).__name__, short_repr(x)) for p, x in call_leaves(args, kwargs)
+                if not isinstance(x, torch.Tensor)))
+        if paired is None or (paired == call_idx and not self._open):
+            return
+        self._paired[(path, call_idx)] = paired
+        calls = self._calls[self._calls["module"] == path]
+        inside = {m: by_owner.get(paired, []) for m, by_owner in
+                  calls_inside(self._calls, calls).items()}
+        self._open.append(_PairedCall(path, call_idx, inside))
+
+    def leave_call(self, path: str, call_idx: int) -> None:
+        """The call :meth:`enter_call` saw start returned (or raised)."""
+        for at in range(len(self._open) - 1, -1, -1):
+            if (self._open[at].path, self._open[at].call_idx) == (path, call_idx):
+                del self._open[at:]
+                return
+
+    def _inside_open(self, module: str, call_idx: int) -> Optional[int]:
+        """The reference's number of a call made inside an open call paired with another
+        number (a submodule's, an op's), where the reference's call holds it."""
+        for call in reversed(self._open):
+            if runs_inside(module, call.path):
+                return call.take(module, call_idx)
+        return None
+
+    def _reference_key(self, key: Key) -> Key:
+        """``key`` (the run's module, call_idx, kind, index) as the reference's record key."""
+        module, call_idx, *rest = key
+        paired = self._paired.get((module, call_idx))
+        if paired is None and self._open:  # an op of a paired call, asked for the first time
+            paired = self._inside_open(module, call_idx)
+            if paired is not None:
+                self._paired[(module, call_idx)] = paired
+        return key if paired is None else (module, paired, *rest)
+
     def has(self, key: Key) -> bool:
-        return key in self._rows
+        return self._reference_key(key) in self._rows
 
     def injects(self, key: Key, like: torch.Tensor) -> bool:
         """Whether the reference's value of ``key`` will be put in place of ``like``: it has
@@ -178,7 +235,7 @@ class StepReference:
         ready = self._ready.pop(key, None)
         if ready is not None and ready[0] is like:
             return ready[1]
-        row = self._rows.get(key)
+        row = self._rows.get(self._reference_key(key))
         if row is None:
             return None
         with self._lock:
@@ -234,6 +291,24 @@ class StepReference:
         for name, _, value in put:
             module._parameters[name] = value  # no __setattr__: not a Parameter
         return put
+
+
+class _PairedCall:
+    """An open call of the run paired with the reference's call of another number, and the
+    calls made inside that one (``inside``: module -> their call_idxs, in order)."""
+
+    def __init__(self, path: str, call_idx: int, inside: dict[str, list[int]]):
+        self.path, self.call_idx, self.inside = path, call_idx, inside
+        self.taken: dict[str, dict[int, int]] = {}  # module -> the run's call_idx -> reference's
+
+    def take(self, module: str, call_idx: int) -> Optional[int]:
+        """The reference's number of the run's ``call_idx`` of ``module`` made inside this
+        call: the n-th of the reference's there for the n-th of the run's; None past its end."""
+        taken = self.taken.setdefault(module, {})
+        if call_idx not in taken:
+            theirs = self.inside.get(module, [])
+            taken[call_idx] = theirs[len(taken)] if len(taken) < len(theirs) else None
+        return taken[call_idx]
 
 
 def restore_parameters(module: nn.Module, swapped: list[tuple]) -> None:
@@ -321,6 +396,7 @@ class Injector:
 
     def _enter(self, module: nn.Module, path: str, call_idx: int, args: tuple, kwargs: dict
                ) -> tuple[tuple, Optional[tuple[tuple, dict]]]:
+        self._step.enter_call(path, call_idx, args, kwargs)
         swapped = (self._step.swap_parameters(path, call_idx, module)
                    if fmt.PARAM in self.kinds else [])
         state = (path, call_idx, swapped)
@@ -332,6 +408,7 @@ class Injector:
     def _leave(self, module: nn.Module, state: tuple, output: Any) -> Any:
         path, call_idx, swapped = state
         restore_parameters(module, swapped)
+        self._step.leave_call(path, call_idx)
         if output is None:  # the forward raised (the hooks are always called)
             return None
         if fmt.OUTPUT in self.kinds:
