@@ -333,13 +333,16 @@ class Injector:
     def __init__(self, reference: Union[str, os.PathLike, Dump],
                  kinds: Union[str, Iterable[str]] = (fmt.INPUT,),
                  include: Union[str, Iterable[str], None] = None):
+        self.include = (include,) if isinstance(include, str) else tuple(include or ())
+        if include is not None and not self.include:
+            raise ValueError("include=[] chooses no module to inject into; leave include out "
+                             "to inject into every module")
         self.reference = load_dump(reference)
         self.kinds = frozenset((kinds,) if isinstance(kinds, str) else kinds)
         bad = self.kinds - set(INJECTABLE)
         if bad or not self.kinds:
             raise ValueError(f"kinds must be a non-empty subset of {list(INJECTABLE)}, "
                              f"got {sorted(bad) or 'none'}")
-        self.include = (include,) if isinstance(include, str) else tuple(include or ())
         self._step: Optional[StepReference] = None
         self._hooks: Optional[CallHooks] = None
         self._grad_handles: list[RemovableHandle] = []

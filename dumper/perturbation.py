@@ -9,6 +9,7 @@ made here is kept in a handle list and undone by ``remove()``. (Reference inject
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Iterable, Union
 
 import torch
@@ -31,7 +32,9 @@ class Perturbation:
     on the gradients they send back for their floating inputs (``"grad_input"``: its backward
     computes wrongly; the module computes on a copy of each input whose gradient is changed,
     inside the call). For sensitivity checks, and to plant a known error in tests.
-    ``remove()`` undoes it."""
+    ``remove()`` undoes it, and warns when it planted nothing meanwhile: no matched module
+    ran (one defined but never called, e.g. a pooler the loss does not use), or none had a
+    floating tensor at that place (``"grad_input"`` of an embedding, whose input is ids)."""
 
     def __init__(self, model: nn.Module, include: Union[str, Iterable[str]],
                  where: str = fmt.OUTPUT, scale: float = 1.0, noise: float = 0.0,
@@ -42,10 +45,15 @@ class Perturbation:
         self._gen = torch.Generator().manual_seed(seed)
         self.scale, self.noise, self.offset, self.where = scale, noise, offset, where
         patterns = (include,) if isinstance(include, str) else tuple(include)
+        if not patterns:
+            raise ValueError("include=[] chooses no module to perturb; give module globs "
+                             "('*' for every module)")
         matched = [m for p, m in hookable_modules(unwrapped(model))
-                   if not patterns or fmt.module_matches(p, module_class(m).__name__, patterns)]
+                   if fmt.module_matches(p, module_class(m).__name__, patterns)]
         if not matched:
             raise ValueError(f"no module matches {list(patterns)}; see dumper.module_keys(model)")
+        self.patterns = patterns
+        self.planted = 0  # values changed, or gradients hooked or copied to change, so far
         for module in matched:
             if where == fmt.GRAD_INPUT:
                 self._handles.append(self._wrap_forward(module))
@@ -64,8 +72,10 @@ class Perturbation:
             if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
                 return leaf
             if self.where == fmt.OUTPUT:
+                self.planted += 1
                 return self._apply(leaf)
             if leaf.requires_grad:  # autograd may deliver no gradient (None): leave it so
+                self.planted += 1
                 self._handles.append(leaf.register_hook(
                     lambda grad: None if grad is None else self._apply(grad)))
             return leaf
@@ -78,12 +88,18 @@ class Perturbation:
             if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point() or not (
                     leaf.requires_grad and torch.is_grad_enabled()):
                 return leaf
+            self.planted += 1
             copy = leaf.clone()
             copy.register_hook(self._apply)
             return copy
         return _ForwardWrap(module, changed)
 
     def remove(self) -> None:
+        if self._handles and self.planted == 0:
+            warnings.warn(f"h5cmp: the perturbation of {list(self.patterns)} planted nothing: "
+                          f"no module it matches was called while it was installed, or none "
+                          f"had a floating tensor at its {self.where}", RuntimeWarning,
+                          stacklevel=2)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

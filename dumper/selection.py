@@ -60,6 +60,9 @@ class Selection:
         self.mode = mode
         self.full_tensors = _globs("full_tensors", full_tensors)
         self.include = _globs("include", include)
+        if include is not None and not self.include:
+            raise ValueError("include=[] chooses no module; leave include out to record every "
+                             "module")
         self.exclude = _globs("exclude", exclude)
         self.module_types = _as_tuple(module_types)
         self.ops = _globs("ops", ops)

@@ -380,3 +380,26 @@ def test_addend_edges_are_typed_merge_keys_even_when_there_are_none(tmp_path):
     assert none["addend"].dtype == none["addend_index"].dtype == "int64"
     calls = index[["call"]].rename(columns={"call": "addend"})
     assert none.merge(calls, on="addend").empty
+
+
+def test_a_perturbation_that_plants_nothing_says_so_and_no_glob_chooses_nothing(tmp_path):
+    """A Llama's token embedding gets ids, no floating input: a perturbation of what it sends
+    back plants nothing, and says so when removed; one of its output plants, silently. An
+    empty ``include`` is refused (it used to choose every module)."""
+    import warnings
+    from architectures import ARCHITECTURES, build
+    pytest.importorskip("transformers")
+    model, batch = build("llama", "float32")
+    for where, plants in (("grad_input", False), ("output", True)):
+        planted = perturb(model, "model.embed_tokens", where=where, scale=1.5)
+        ARCHITECTURES["llama"].loss(model, batch).backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            planted.remove()
+        said = [str(w.message) for w in caught if "planted nothing" in str(w.message)]
+        assert (planted.planted > 0) == plants and bool(said) != plants, said
+        assert all("model.embed_tokens" in text and where in text for text in said)
+    for make in (lambda: perturb(model, []), lambda: HookerAndDumper(tmp_path, include=[]),
+                 lambda: Injector(tmp_path, include=[])):
+        with pytest.raises(ValueError, match=r"include=\[\] chooses no module"):
+            make()
