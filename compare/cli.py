@@ -3,6 +3,7 @@ what the precisions explain, 1 = differences found, 2 = error."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -12,6 +13,7 @@ import click
 from . import format as fmt
 
 EXIT_SAME, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
+EXIT_PIPE_CLOSED = 141  # as a shell reports a tool that SIGPIPE ended (128 + 13): `| head`
 DEFAULT_TOP = 20  # failing rows the text report shows unless --top or --all
 
 
@@ -105,7 +107,8 @@ def main(a: Path, b: Optional[Path], track: Optional[str], debug: bool, **option
     With only A, list its steps, module calls and tensors (or, with --ranks, compare its
     ranks).
 
-    Exit status: 0 B agrees with A, 1 differences found, 2 error.
+    Exit status: 0 B agrees with A, 1 differences found, 2 error (141: the reader of the
+    output closed it early, as `| head` does).
     """
     from .errors import DumpError
     try:
@@ -125,6 +128,9 @@ def main(a: Path, b: Optional[Path], track: Optional[str], debug: bool, **option
     except DumpError as exc:
         click.echo(f"h5cmp: error: {exc}", err=True)
         sys.exit(EXIT_ERROR)
+    except BrokenPipeError:  # `h5cmp A B | head`: nothing more is read, and nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (at exit's flush)
+        sys.exit(EXIT_PIPE_CLOSED)
     except Exception as exc:  # a bug of ours: never exit 1, which means "differences found"
         if debug:
             raise

@@ -139,6 +139,19 @@ def test_console_script_starts_without_torch():
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
 
+def test_a_reader_that_closes_the_output_early_ends_it_quietly(runs):
+    """``h5cmp A B | head``: the output's reader is gone; h5cmp stops with 141, as a shell
+    reports a tool SIGPIPE ended, and says nothing (it was an internal error, exit 2)."""
+    read, write = os.pipe()
+    os.close(read)
+    code = "import sys; from compare.cli import main; main(sys.argv[1:])"
+    done = subprocess.run([sys.executable, "-c", code, str(runs["ref"]), str(runs["fwd"]),
+                           "--all"], stdout=write, stderr=subprocess.PIPE, text=True,
+                          timeout=120)
+    os.close(write)
+    assert done.returncode == 141 and done.stderr == "", done.stderr
+
+
 # ---- bad input: one line on stderr naming the file, exit 2, no traceback --------------------
 def _bad(*args, match: str):
     result = CliRunner().invoke(main, [str(a) for a in args])
