@@ -42,9 +42,13 @@ def _is_compiled(model: nn.Module) -> bool:
 def module_class(module: nn.Module) -> type:
     """The class a module's records, ``include=`` globs and ``module_types`` go by: the
     compiled module's for a ``torch.compile`` wrapper (a submodule replaced by it is recorded
-    at its boundary), so that a compiled run pairs with, and selects as, an eager one."""
-    while _is_compiled(module):
-        module = getattr(module, COMPILED_ATTRIBUTE)
+    at its boundary), through the wrappers it compiles (``compile(checkpoint_wrapper(block))``
+    is a ``block``'s class), so that a compiled run pairs with, and selects as, an eager one."""
+    if not _is_compiled(module):
+        return type(module)
+    while _is_compiled(module) or _is_wrapper(module, WRAPPED_ATTRIBUTES):
+        module = next(module._modules[a] for a in (COMPILED_ATTRIBUTE, *WRAPPED_ATTRIBUTES)
+                      if module._modules.get(a) is not None)
     return type(module)
 
 

@@ -165,6 +165,19 @@ def test_a_submodule_replaced_by_its_compile_wrapper_pairs_with_the_eager_model(
     assert same.exit_code == 0, same.output
     assert "B agrees with A exactly" in same.output
 
+def test_a_compiled_checkpoint_wrapper_is_recorded_and_selected_as_the_module_inside(tmp_path):
+    """``torch.compile(checkpoint_wrapper(block))`` (torchtitan's pattern): the compiled
+    boundary is the block's, by class as by path: ``module_types=[Block]`` selects it (before:
+    recorded as a ``CheckpointWrapper``, which the selection missed)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    torch._dynamo.reset()
+    model = _model(False)
+    model[1] = torch.compile(checkpoint_wrapper(model[1]))
+    _step(model, tmp_path / "blocks", warm_up=False, module_types=[Block])
+    index = load_dump(tmp_path / "blocks").steps[0].index
+    assert set(zip(index["module"], index["cls"])) == {("0", "Block"), ("1", "Block")}
+
+
 def test_a_regionally_compiled_hugging_face_model_trains_bit_for_bit_with_the_dumper(tmp_path):
     """A tiny Llama, each decoder layer compiled in place and first compiled in the dumped
     step: hooks inside the layers would be traced into their graphs (graph breaks, other
