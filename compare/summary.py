@@ -416,9 +416,15 @@ def summarize(result: pd.DataFrame) -> Summary:
 
 def _in_identical_steps(arguments: pd.DataFrame, result: pd.DataFrame) -> np.ndarray:
     """Which ``arguments`` were given in a step (every rank) whose every record is ``equal``
-    (bit-identical): whatever they change, it is no value the dumps hold."""
+    (bit-identical), as is every record of the steps after it: whatever they change, it is
+    no value the dumps hold (a flag that updates a buffer another step reads is not inert
+    where that step differs)."""
     equal = (result["status"] == st.EQUAL).groupby([result["epoch"], result["step"]]).all()
-    return np.array([bool(equal.get((e, s), False)) for e, s in
+    steps = sorted(equal.index)
+    # per step, whether it and every later step are all equal
+    from_here = dict(zip(reversed(steps), np.logical_and.accumulate(
+        [bool(equal[k]) for k in reversed(steps)]))) if steps else {}
+    return np.array([bool(from_here.get((e, s), False)) for e, s in
                      zip(arguments["epoch"], arguments["step"])], dtype=bool)
 
 

@@ -457,3 +457,40 @@ def test_arguments_that_change_no_recorded_value_are_listed_not_a_divergence(tmp
     import json
     listed = json.loads((tmp_path / "r.json").read_text())["summary"]
     assert listed["arguments_differ"] == [] and listed["arguments_differ_without_effect"]
+
+
+class _RunningMean(torch.nn.Module):
+    """Subtracts a running mean it updates only when told to (``update``): the flag changes
+    nothing in the step it is given in, only in the steps after."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(4))
+
+    def forward(self, x, update: bool):
+        out = x - self.mean
+        if update:
+            with torch.no_grad():
+                self.mean.add_(0.5 * x.mean(0))
+        return out
+
+
+def test_an_argument_whose_effect_shows_in_a_later_step_is_a_divergence(tmp_path):
+    """A flag that changes no value of its own step but a buffer the next step reads: the next
+    step differs, so the flag is named as the first divergence, not listed as inert."""
+    def run(name, updates):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        norm = _RunningMean()
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+        dumper = HookerAndDumper(tmp_path / name)
+        for step, update in enumerate(updates):
+            with dumper.hooks(torch.nn.ModuleDict({"lin": model, "norm": norm}), 0, step):
+                norm(model(x), update).sum().backward()
+    run("a", [True, False])
+    run("b", [False, False])
+    summary = summarize(compare_dumps(tmp_path / "a", tmp_path / "b"))
+    assert not summary.ok and len(summary.arguments) == 1 and summary.inert_arguments.empty
+    result = _h5cmp(tmp_path / "a", tmp_path / "b")
+    assert result.exit_code == 1 and "the runs gave the call other arguments" in \
+        result.output.splitlines()[0], result.output
