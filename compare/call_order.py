@@ -7,16 +7,27 @@ rotary embedding is called once per attention type, in the order of a ``set`` of
 which changes with the process's hash seed. Numbering alone would pair the full-attention call
 of one run with the sliding-window call of the other.
 
-Where each run's calls of a module in a step carry distinct :data:`NAMING_TYPES` arguments (its
-*signature*: path, type and recorded text of each) and the two runs' sets of signatures are
-the same, B's calls take the number of A's call with the same signature; and so do the calls
-made inside them, submodules' and ops': the n-th call of a module inside B's call takes the
-number of the n-th inside the A call it pairs with. A module called a different number of
-times inside the paired calls keeps its numbers. Calls whose arguments differ between the
-runs keep their numbers too, and the difference is reported (:mod:`compare.arguments`).
+B's calls of a module take the number of A's call with the same *signature* (the path, type
+and recorded text of each :data:`NAMING_TYPES` argument) where, in a step and micro-batch,
 
-The same rule serves a localizing re-run (:mod:`dumper.injection`), which injects into each
-call the reference's values of the call it pairs with.
+- each run's calls of the module have distinct signatures, and the two runs' sets are the same;
+- the calls are independent of each other in both runs: none is given what another made (or
+  what a call inside another made). Calls that feed each other (a shared block told its layer
+  index) run in an order that matters: another order there is a difference, reported as
+  their arguments (:mod:`compare.arguments`), not renumbered away.
+
+The records renumbered are the calls' own (inputs, outputs and their gradients); a module's
+weights are the same at each of its calls and keep their numbers. The calls made inside a
+renumbered call, submodules' and ops' (their forward records lie between its first and its
+last), take the number of the call at the same place inside A's
+paired call: the n-th call of a module inside B's call, the n-th inside A's; where a module is
+called a different number of times inside the paired calls, or renumbering would give two of
+its calls one number, it keeps its numbers. Anywhere else the numbers stand.
+
+A localizing re-run (:mod:`dumper.injection`) pairs its calls with the reference's by the same
+rule, call by call as they start: a call whose signature is one of the reference's (where
+those are distinct and independent) takes that call's values, and a call with one the
+reference lacks takes none.
 """
 from __future__ import annotations
 
@@ -29,8 +40,10 @@ from . import format as fmt
 
 STEP = ["epoch", "step", "rank"]
 NAMING_TYPES = ("str", "int", "bool")  # the arguments that tell a module's calls apart
+CALL_KINDS = (fmt.INPUT, fmt.OUTPUT, fmt.GRAD_INPUT, fmt.GRAD_OUTPUT)  # a call's own records
+FORWARD_KINDS = (fmt.INPUT, fmt.PARAM, fmt.OUTPUT)  # recorded as a call starts and returns
 Signature = tuple  # sorted (path, type name, recorded text) of a call's NAMING_TYPES arguments
-Inside = dict  # module called inside -> parent's call_idx -> its call_idxs there, in order
+Inside = dict  # module called inside -> the parent's call_idx -> its call_idxs there, in order
 
 
 def signature(arguments: Iterable[tuple[str, str, str]]) -> Signature:
@@ -39,35 +52,57 @@ def signature(arguments: Iterable[tuple[str, str, str]]) -> Signature:
 
 
 def module_calls(rows: pd.DataFrame, arguments: pd.DataFrame) -> pd.DataFrame:
-    """One row per call of ``rows`` (records of a dump's index): its step, ``module``,
-    ``call_idx``, execution order (``call``) and ``signature``, from ``arguments`` (the index
-    rows of the non-tensor inputs, :func:`compare.arguments.argument_rows`)."""
-    calls = rows.groupby([*STEP, "module", "call_idx"], sort=False)["call"].min().reset_index()
+    """One row per call of ``rows`` (records of a dump's index) with forward records: its
+    step, ``module``, ``call_idx``, ``micro_batch``, execution order (``call``), the first and
+    last ``seq`` of its forward records (``start``, ``end``: a call made inside it records
+    between them), ``signature`` (from ``arguments``: the index rows of the non-tensor inputs,
+    :func:`compare.arguments.argument_rows`) and ``producers`` (the ``call`` numbers of the
+    calls that made its tensor inputs), in execution order."""
+    inputs = rows[rows["kind"] == fmt.INPUT]
+    producers = inputs.groupby([*STEP, "call"], sort=False)["producer"].agg(frozenset)
+    forward = rows[rows["kind"].isin(FORWARD_KINDS)]
+    calls = forward.groupby([*STEP, "module", "call_idx"], sort=False).agg(
+        call=("call", "min"), micro_batch=("micro_batch", "first"), start=("seq", "min"),
+        end=("seq", "max")).reset_index()
     signatures = {key: signature(zip(group["path"], group["dtype"], group["value"]))
                   for key, group in arguments.groupby([*STEP, "call"], sort=False)}
-    calls["signature"] = [signatures.get(k, ()) for k in zip(
-        calls["epoch"], calls["step"], calls["rank"], calls["call"])]
-    return calls.sort_values("call", kind="stable")
+    keys = list(zip(calls["epoch"], calls["step"], calls["rank"], calls["call"]))
+    calls["signature"] = [signatures.get(k, ()) for k in keys]
+    calls["producers"] = [producers.get(k, frozenset()) for k in keys]
+    return calls.sort_values("start", kind="stable").reset_index(drop=True)
 
 
-def by_signature(calls: pd.DataFrame) -> dict[Signature, int]:
-    """The ``call_idx`` of each signature among one module's ``calls`` in a step; empty
-    where two calls share one (no signature tells them apart)."""
+def told_apart(step_calls: pd.DataFrame, calls: pd.DataFrame) -> dict[Signature, int]:
+    """The ``call_idx`` of each signature among ``calls`` (one module's calls in one micro-
+    batch of a step, rows of :func:`module_calls`; ``step_calls``: all of that step's), where
+    their signatures are distinct and the calls independent (module docstring); else empty."""
     found = dict(zip(calls["signature"], calls["call_idx"]))
-    return found if len(found) == len(calls) else {}
+    if len(calls) < 2 or len(found) != len(calls):
+        return {}
+    made = set(calls["call"])
+    for module, by_owner in calls_inside(step_calls, calls).items():
+        made |= set(step_calls[(step_calls["module"] == module)
+                               & step_calls["call_idx"].isin(
+                                   [i for ids in by_owner.values() for i in ids])]["call"])
+    fed = set().union(*calls["producers"])
+    return {} if fed & made else found
 
 
-def calls_inside(calls: pd.DataFrame, parent: pd.DataFrame) -> Inside:
+def calls_inside(step_calls: pd.DataFrame, parent: pd.DataFrame) -> Inside:
     """Per module called inside the calls ``parent`` (one module's calls in a step, rows of
-    :func:`module_calls`), the ``call_idx`` it got within each of them, in order; ``calls``:
-    that step's calls."""
-    starts, owners = list(parent["call"]), list(parent["call_idx"])
+    :func:`module_calls`), the ``call_idx`` it got within each of them, in order: the calls
+    of its submodules and ops that recorded between its first and last forward record.
+    ``step_calls``: that step's calls, in execution order."""
     path = parent["module"].iloc[0]
+    starts, ends = list(step_calls["start"]), list(step_calls["end"])
+    modules, call_idxs = list(step_calls["module"]), list(step_calls["call_idx"])
     found: Inside = {}
-    for module, call_idx, call in zip(calls["module"], calls["call_idx"], calls["call"]):
-        at = bisect.bisect_right(starts, call) - 1
-        if at >= 0 and runs_inside(module, path):
-            found.setdefault(module, {}).setdefault(owners[at], []).append(call_idx)
+    for owner, start, end in zip(parent["call_idx"], parent["start"], parent["end"]):
+        at = bisect.bisect_right(starts, start)
+        while at < len(starts) and starts[at] <= end:
+            if ends[at] <= end and runs_inside(modules[at], path):
+                found.setdefault(modules[at], {}).setdefault(owner, []).append(call_idxs[at])
+            at += 1
     return found
 
 
@@ -83,29 +118,44 @@ def align_calls(rows_a: pd.DataFrame, rows_b: pd.DataFrame, arguments_a: pd.Data
         in_a = steps_a.get(step)
         if in_a is None:
             continue
-        modules_a = dict(iter(in_a.groupby("module", sort=False)))
-        for module, b in sorted(in_b.groupby("module", sort=False),
-                                key=lambda item: item[0].count(".")):  # parents first
-            a = modules_a.get(module)
-            if (*step, module) in renumber or a is None or len(b) < 2:
+        groups_a = dict(iter(in_a.groupby(["module", "micro_batch"], sort=False)))
+        done = set()  # (module, micro_batch) renumbered, or inside a call renumbered
+        for (module, micro_batch), b in sorted(
+                in_b.groupby(["module", "micro_batch"], sort=False),
+                key=lambda item: item[0][0].count(".")):  # parents first
+            a = groups_a.get((module, micro_batch))
+            if (module, micro_batch) in done or a is None or len(a) != len(b) or \
+                    list(a["signature"]) == list(b["signature"]):
                 continue
-            taken = by_signature(a)
-            if list(a["signature"]) == list(b["signature"]) or set(taken) != set(b["signature"]) \
-                    or len(b) != len(a):
+            taken, theirs = told_apart(in_a, a), told_apart(in_b, b)
+            if not taken or set(taken) != set(theirs):
                 continue
-            moved = {i: taken[s] for i, s in zip(b["call_idx"], b["signature"])}
-            renumber[(*step, module)] = moved
-            inside_a, inside_b = calls_inside(in_a, a), calls_inside(in_b, b)
-            for inner, by_owner in inside_b.items():
-                there = inside_a.get(inner, {})
-                if all(len(there.get(moved[o], ())) == len(ids) for o, ids in by_owner.items()):
-                    renumber[(*step, inner)] = {i: j for o, ids in by_owner.items()
-                                                for i, j in zip(ids, there[moved[o]])}
+            moved = {i: taken[s] for s, i in theirs.items()}
+            for inner, pairs in [(module, moved), *_inside(moved, in_a, a, in_b, b)]:
+                renumber.setdefault((*step, inner), {}).update(pairs)
+                done.add((inner, micro_batch))
     if not renumber:
         return rows_b
     keys = zip(rows_b["epoch"], rows_b["step"], rows_b["rank"], rows_b["module"])
-    return rows_b.assign(call_idx=[renumber[k].get(i, i) if k in renumber else i
-                                   for k, i in zip(keys, rows_b["call_idx"])])
+    own = rows_b["kind"].isin(CALL_KINDS)
+    return rows_b.assign(call_idx=[renumber[k].get(i, i) if k in renumber and mine else i
+                                   for k, i, mine in zip(keys, rows_b["call_idx"], own)])
+
+
+def _inside(moved: dict[int, int], in_a: pd.DataFrame, a: pd.DataFrame, in_b: pd.DataFrame,
+            b: pd.DataFrame) -> list[tuple[str, dict[int, int]]]:
+    """Per module called inside B's calls ``b`` that ``moved`` pairs with A's ``a``, the
+    renumbering of its calls there (``in_a``, ``in_b``: the step's calls)."""
+    inside_a = calls_inside(in_a, a)
+    found = []
+    for module, by_owner in calls_inside(in_b, b).items():
+        there = inside_a.get(module, {})
+        if any(len(there.get(moved[o], ())) != len(ids) for o, ids in by_owner.items()):
+            continue
+        pairs = {i: j for o, ids in by_owner.items() for i, j in zip(ids, there[moved[o]])}
+        if set(pairs) == set(pairs.values()):  # a permutation of its own calls: no clash
+            found.append((module, pairs))
+    return found
 
 
 def runs_inside(module: str, parent: str) -> bool:
@@ -113,3 +163,4 @@ def runs_inside(module: str, parent: str) -> bool:
     if not parent:  # the root module
         return module != ""
     return module.startswith(f"{parent}.") or module.startswith(f"{parent}{fmt.OP_SEPARATOR}")
+

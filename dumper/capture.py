@@ -267,7 +267,7 @@ class StepCapture:
         """A module call starts (:class:`~dumper.calls.CallHooks`): record what arrives."""
         mode, inject = self._installed[id(module)]
         if self._inject is not None:  # which of the reference's calls this one pairs with
-            self._inject.enter_call(path, call_idx, args, kwargs)
+            self._inject.enter_call(path, call_idx, self._micro_batches.number, args, kwargs)
         info = CallInfo(next(self._calls), path, module_class(module).__name__, call_idx, mode,
                         self._micro_batches.number)
         self._first_call.setdefault(id(module), info)

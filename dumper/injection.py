@@ -16,9 +16,9 @@ the replacement helpers put them in place:
 
 Each call takes the values of the reference's call it pairs with: the call of the same module
 and number, but where the reference's calls of a module carry distinct names, integers or
-flags (:mod:`compare.call_order`; a rotary embedding called once per attention type, in an
-order that changes with the hash seed), the one given the same ones, and the calls inside it
-the ones at their place inside that call.
+flags and are independent of each other (:mod:`compare.call_order`; a rotary embedding called
+once per attention type, in an order that changes with the hash seed), the one given the same
+ones (none where none was), and the calls inside it the ones at their place inside that call.
 
 A value that arrived as the reference's rows in another order (code that orders rows
 otherwise, e.g. tokens grouped by expert with an unstable sort) is left as it is, in every
@@ -36,7 +36,8 @@ computation's error alone: give the injector to :class:`~dumper.HookerAndDumper`
 and it records what *arrived* at each module before replacing it (flagged ``injected`` in the
 index), then what the module made of the reference's values. ``compare.localize`` reads it.
 Used alone (:meth:`Injector.register`), the injector installs its own hooks and changes the
-run without recording anything.
+run without recording anything (and, counting no micro-batches, pairs calls by their
+arguments with those of the reference's first).
 """
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ from torch.utils.hooks import RemovableHandle
 
 from compare import format as fmt
 from compare.arguments import argument_rows
-from compare.call_order import by_signature, calls_inside, module_calls, runs_inside, signature
+from compare.call_order import (CALL_KINDS, Inside, calls_inside, module_calls, runs_inside,
+                                signature, told_apart)
 from compare.dump import Dump, StepFile, load_dump
 from compare.metrics import (NORMS_WITHIN, REORDERED_FROM, REORDERED_MARGIN,
                              reordered_rel_err, rows_measured)
@@ -66,6 +68,7 @@ INJECTABLE = (fmt.INPUT, fmt.OUTPUT, fmt.GRAD_OUTPUT, fmt.PARAM)
 # what a localizing re-run injects: every module computes from the reference's values
 LOCALIZING = (fmt.INPUT, fmt.PARAM, fmt.GRAD_OUTPUT)
 Key = tuple  # (module path, call_idx, kind, index)
+NO_CALL = -1  # the number of the reference's call a run's call pairs with where none does
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -132,12 +135,14 @@ class StepReference:
         self._rows = {(r.module, r.call_idx, r.kind, r.index): r for r in rows.itertuples()
                       if r.kind in injector.kinds and r.occurrence == 0}
         self._calls = module_calls(rows, argument_rows(index))
-        # modules whose calls the reference's arguments tell apart: signature -> call_idx
-        self._told_apart = {module: found for module, calls in
-                            self._calls.groupby("module", sort=False)
-                            if len(calls) > 1 and (found := by_signature(calls))}
+        # per (module, micro-batch) whose calls the reference's arguments tell apart: the
+        # call_idx of each signature (compare.call_order)
+        self._told_apart = {key: found for key, calls in
+                            self._calls.groupby(["module", "micro_batch"], sort=False)
+                            if (found := told_apart(self._calls, calls))}
+        self._inside: dict[str, Inside] = {}  # per module paired otherwise: calls inside it
         self._paired: dict[tuple[str, int], int] = {}  # (module, call_idx): the reference's
-        self._open: list[_PairedCall] = []  # calls paired with another number, open now
+        self._open: list[_PairedCall] = []  # calls paired otherwise, open now
         self._reader = step_file.open()
         self._lock = threading.Lock()
         self.injected = 0
@@ -174,21 +179,24 @@ class StepReference:
         patterns = self.injector.include
         return not patterns or fmt.module_matches(path, module_class(module).__name__, patterns)
 
-    def enter_call(self, path: str, call_idx: int, args: tuple, kwargs: dict) -> None:
+    def enter_call(self, path: str, call_idx: int, micro_batch: int, args: tuple,
+                   kwargs: dict) -> None:
         """A call of the module at ``path`` starts: note which of the reference's calls it
         takes values from (the module docstring), before any is asked for."""
         paired = self._inside_open(path, call_idx)
-        if paired is None and path in self._told_apart:
-            paired = self._told_apart[path].get(signature(
+        signatures = self._told_apart.get((path, micro_batch))
+        if paired is None and signatures:  # none of the reference's has these: no values
+            paired = signatures.get(signature(
                 (p, type(x).__name__, short_repr(x)) for p, x in call_leaves(args, kwargs)
-                if not isinstance(x, torch.Tensor)))
+                if not isinstance(x, torch.Tensor)), NO_CALL)
         if paired is None or (paired == call_idx and not self._open):
             return
         self._paired[(path, call_idx)] = paired
-        calls = self._calls[self._calls["module"] == path]
-        inside = {m: by_owner.get(paired, []) for m, by_owner in
-                  calls_inside(self._calls, calls).items()}
-        self._open.append(_PairedCall(path, call_idx, inside))
+        if path not in self._inside:
+            self._inside[path] = calls_inside(self._calls, self._calls[
+                self._calls["module"] == path])
+        self._open.append(_PairedCall(path, call_idx, {
+            module: by_owner.get(paired, []) for module, by_owner in self._inside[path].items()}))
 
     def leave_call(self, path: str, call_idx: int) -> None:
         """The call :meth:`enter_call` saw start returned (or raised)."""
@@ -198,22 +206,27 @@ class StepReference:
                 return
 
     def _inside_open(self, module: str, call_idx: int) -> Optional[int]:
-        """The reference's number of a call made inside an open call paired with another
-        number (a submodule's, an op's), where the reference's call holds it."""
+        """The reference's number of a call made inside an open call paired otherwise (a
+        submodule's, an op's): the call at its place in the reference's, else ``NO_CALL``;
+        None where no such call is open."""
         for call in reversed(self._open):
             if runs_inside(module, call.path):
                 return call.take(module, call_idx)
         return None
 
     def _reference_key(self, key: Key) -> Key:
-        """``key`` (the run's module, call_idx, kind, index) as the reference's record key."""
-        module, call_idx, *rest = key
+        """``key`` (the run's module, call_idx, kind, index) as the reference's record key:
+        a call's own records at the call it pairs with; weights, the same at every call, at
+        the run's number."""
+        module, call_idx, kind, index = key
+        if kind not in CALL_KINDS:
+            return key
         paired = self._paired.get((module, call_idx))
         if paired is None and self._open:  # an op of a paired call, asked for the first time
             paired = self._inside_open(module, call_idx)
             if paired is not None:
                 self._paired[(module, call_idx)] = paired
-        return key if paired is None else (module, paired, *rest)
+        return key if paired is None else (module, paired, kind, index)
 
     def has(self, key: Key) -> bool:
         return self._reference_key(key) in self._rows
@@ -294,20 +307,22 @@ class StepReference:
 
 
 class _PairedCall:
-    """An open call of the run paired with the reference's call of another number, and the
-    calls made inside that one (``inside``: module -> their call_idxs, in order)."""
+    """An open call of the run paired with another of the reference's calls than its number
+    says (or with none), and the calls made inside that one (``inside``: module -> their
+    call_idxs, in order)."""
 
     def __init__(self, path: str, call_idx: int, inside: dict[str, list[int]]):
         self.path, self.call_idx, self.inside = path, call_idx, inside
         self.taken: dict[str, dict[int, int]] = {}  # module -> the run's call_idx -> reference's
 
-    def take(self, module: str, call_idx: int) -> Optional[int]:
+    def take(self, module: str, call_idx: int) -> int:
         """The reference's number of the run's ``call_idx`` of ``module`` made inside this
-        call: the n-th of the reference's there for the n-th of the run's; None past its end."""
+        call: the n-th of the reference's there for the n-th of the run's; ``NO_CALL`` past
+        its end."""
         taken = self.taken.setdefault(module, {})
         if call_idx not in taken:
             theirs = self.inside.get(module, [])
-            taken[call_idx] = theirs[len(taken)] if len(taken) < len(theirs) else None
+            taken[call_idx] = theirs[len(taken)] if len(taken) < len(theirs) else NO_CALL
         return taken[call_idx]
 
 
@@ -399,7 +414,7 @@ class Injector:
 
     def _enter(self, module: nn.Module, path: str, call_idx: int, args: tuple, kwargs: dict
                ) -> tuple[tuple, Optional[tuple[tuple, dict]]]:
-        self._step.enter_call(path, call_idx, args, kwargs)
+        self._step.enter_call(path, call_idx, 0, args, kwargs)  # (it counts no micro-batches)
         swapped = (self._step.swap_parameters(path, call_idx, module)
                    if fmt.PARAM in self.kinds else [])
         state = (path, call_idx, swapped)

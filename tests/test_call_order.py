@@ -8,10 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
+from torch import nn
 
 from compare import compare_dumps, localize, summarize
 from compare.cli import main
+from dumper import HookerAndDumper, Injector
+from dumper.injection import LOCALIZING
 
 pytest.importorskip("transformers")
 CHILD = Path(__file__).with_name("call_order_child.py")
@@ -66,3 +70,93 @@ def test_a_localizing_rerun_in_another_order_finds_no_origin(two_orders, tmp_pat
         table[table["verdict"] != "fine"]
     shell = CliRunner().invoke(main, [str(a), str(b), "--injected", str(rerun)])
     assert shell.exit_code == 0 and "0 origin" in shell.output, shell.output
+
+
+class _Scaled(nn.Module):
+    """A Linear scaled by a factor named by its argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.sub = nn.Linear(4, 4)
+        self.scale = {"a": 1.0, "b": 3.0}
+
+    def forward(self, x, kind: str):
+        return self.sub(x) * self.scale[kind]
+
+
+class _PerKind(nn.Module):
+    """Calls ``p`` once per kind, in ``order``, on the same input (independent calls, as a
+    rotary embedding per attention type); with ``reuse``, ``p``'s submodule again after."""
+
+    def __init__(self, order, reuse=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.p, self.head, self.order, self.reuse = _Scaled(), nn.Linear(4, 2), order, reuse
+
+    def forward(self, x):
+        out = {kind: self.p(x, kind) for kind in self.order}
+        y = out["a"] + 2 * out["b"]
+        return self.head(self.p.sub(y) if self.reuse else y)
+
+
+class _Step(nn.Module):
+    """A block told which layer it is (an int): a learned offset per layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.offset = nn.Linear(4, 4), nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x, layer: int):
+        return torch.tanh(self.lin(x) + self.offset[layer])
+
+
+class _Chained(nn.Module):
+    """One block applied ``len(order)`` times, each told its layer in ``order``."""
+
+    def __init__(self, order):
+        super().__init__()
+        torch.manual_seed(0)
+        self.block, self.order = _Step(), order
+
+    def forward(self, x):
+        for layer in self.order:
+            x = self.block(x, layer)
+        return x
+
+
+def _dump_in_process(directory, model, micro_batches=1, **options):
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    with HookerAndDumper(directory, **options).hooks(model, 0, 0):
+        for chunk in x.chunk(micro_batches):
+            model(chunk).sum().backward()
+
+
+@pytest.mark.parametrize("case", ["weights inside", "reused after", "micro-batches"])
+def test_reordered_calls_pair_with_weights_reuse_and_micro_batches(tmp_path, case):
+    """The weights of a module inside the reordered calls (recorded at its first call), a
+    submodule called again outside them, and two micro-batches each in another order: every
+    record pairs, exit 0. A localizing re-run in B's order on A's values finds no origin."""
+    reuse, micro = case == "reused after", 2 if case == "micro-batches" else 1
+    a, b, reference, c = (tmp_path / name for name in ("a", "b", "reference", "c"))
+    _dump_in_process(a, _PerKind(["a", "b"], reuse), micro)
+    _dump_in_process(b, _PerKind(["b", "a"], reuse), micro)
+    result = compare_dumps(a, b)
+    assert (result["status"] == "equal").all(), result[result["status"] != "equal"]
+    assert CliRunner().invoke(main, [str(a), str(b)]).exit_code == 0
+    _dump_in_process(reference, _PerKind(["a", "b"], reuse), micro, params=True)
+    _dump_in_process(c, _PerKind(["b", "a"], reuse), micro,
+                     inject=Injector(reference, LOCALIZING))
+    table = localize(reference, b, c)
+    assert (table["verdict"] == "fine").all() and (table["local_status"] == "equal").all(), \
+        table[table["local_status"] != "equal"]
+
+
+def test_calls_that_feed_each_other_in_another_order_are_a_difference(tmp_path):
+    """A block applied three times, told its layer index, in reverse order in B (B's bug): the
+    calls feed each other, so their order matters; it is reported as the arguments that
+    differ, not renumbered away."""
+    _dump_in_process(tmp_path / "a", _Chained([0, 1, 2]))
+    _dump_in_process(tmp_path / "b", _Chained([2, 1, 0]))
+    shell = CliRunner().invoke(main, [str(tmp_path / "a"), str(tmp_path / "b")])
+    assert shell.exit_code == 1, shell.output
+    assert "the runs gave the call other arguments" in shell.output.splitlines()[0]
