@@ -20,6 +20,7 @@ from .precision import cast_rounding, lowest, rounding_of
 from .gains import bias_scales, linear_gains
 from .metrics import REORDERED_MARGIN
 from .formulas import ELEMENTWISE, near_zero_roundings
+from .formulas import ALLOWANCE as RECOMPUTE_MARGIN
 from .formulas import allowed as recompute_allowance
 from .routing import moved_rows
 from .scale import added_scale, scale_noise
@@ -209,6 +210,9 @@ class Evidence:
         self.recomputed_whole = ((frame["recomputed_stride"].to_numpy(float) == 1)
                                  & frame["cls"].isin(list(ELEMENTWISE)).to_numpy(bool))
         self.miscomputed = self.recomputed > self.recomputed_floor  # NaN: not recomputed
+        # what rounding gives, without the margin that keeps a recomputation from accusing
+        # a call of rounding: where a call's error is excused as its own rounding, no more
+        self.recomputed_rounding = self.recomputed_floor / RECOMPUTE_MARGIN
 
     def _merged_sources(self, frame: pd.DataFrame) -> list[np.ndarray]:
         sources = [s[self.compared[s]] for s in self._through_one_sided()]

@@ -43,7 +43,11 @@ A record is
   activation, a normalization, an ``Embedding``), is off by more than rounding in the dtype it computed in
   explains (a bound, not a typical figure: a call recomputed within it is still judged by the
   rule above, what could hide in it is at most that bound, and, where it passes, what it
-  adds at most its recomputed error, measured; but where its recomputed
+  adds at most its recomputed error, measured; where that error is within what rounding
+  gives, without the margin, the rule's own error is at least it, which may be far more
+  than comparable records add where the terms a call sums cancel, as in a normalization's
+  backward: :meth:`_Judgement._own_rounding`;
+  and where its recomputed
   error is at most half its error, the rest is its inputs' error through the call, however
   far beyond the gain: :meth:`_Judgement._amplified`);
 - ``inherited`` when not, but it carries an error from a failing (or inherited) source beyond
@@ -288,13 +292,20 @@ class _Judgement:
         elif self._scale_moves(i, level):
             return st.DIFF
         elif r.err[i] > bound:
-            if not self._amplified(i):
+            if self._amplified(i):
+                self.reason[i] = (f"its inputs' error ({self.err_in[i]:.3g}) amplified by its "
+                                  f"call, which B computed within rounding (recomputed "
+                                  f"{r.recomputed[i]:.3g} from its own records)")
+            elif self._own_rounding(i, bound, level):
+                self.reason[i] = (f"its own computation's rounding, where the terms it sums "
+                                  f"cancel (recomputed {r.recomputed[i]:.3g} from its own "
+                                  f"records, within the {r.recomputed_rounding[i]:.3g} that "
+                                  f"rounding gives), and its inputs' error "
+                                  f"({self.err_in[i]:.3g})")
+            else:
                 return st.DIFF
             # what it adds is what it was recomputed to add
             self.added[i] = self.hidden[i] = r.recomputed[i]
-            self.reason[i] = (f"its inputs' error ({self.err_in[i]:.3g}) amplified by its "
-                              f"call, which B computed within rounding (recomputed "
-                              f"{r.recomputed[i]:.3g} from its own records)")
         elif settled:  # what it adds itself, measured: the rest of a first-order estimate
             self.added[i] = min(self.added[i], r.recomputed[i])  # is its inputs' error
         return st.INHERITED if self.tainted[i] and r.err[i] > envelope else st.CLOSE
@@ -336,6 +347,22 @@ class _Judgement:
         r = self.r
         return (r.recomputed_whole[i] and r.recomputed[i] <= r.recomputed_floor[i]
                 and self.err_in[i] > 0 and r.recomputed[i] <= r.err[i] / 2)
+
+    def _own_rounding(self, i: int, bound: float, level: float) -> bool:
+        """Whether a record's error is what its call's own computation added, measured, and
+        its inputs' error as the rule bounds it: the call recomputed from its records within
+        what rounding gives (``Evidence.recomputed_rounding``, which grows where the terms it
+        sums cancel: a normalization's backward removes the gradient's mean and its
+        projection on the normalized input; not the margin above it, which keeps a
+        recomputation from accusing rounding), and ``err <= hypot(bound, recomputed)``. A
+        call that B computed otherwise than from its own operands (a planted error, a wrong
+        kernel) is off its recomputation; one given other operands or settings than A's
+        (weights, an eps) is recomputed to add little while it differs from A by more. Not
+        where no error is expected (``level`` 0: bit-identical records expected, where any
+        change is the finding)."""
+        r = self.r
+        return (level > 0 and r.recomputed[i] <= r.recomputed_rounding[i]
+                and r.err[i] <= math.hypot(bound, r.recomputed[i]))
 
     def _scale_moves(self, i: int, level: float) -> bool:
         """The scale test (:mod:`compare.scale`): backward records only, where the sources'
