@@ -11,10 +11,12 @@ B's calls of a module take the number of A's call with the same *signature* (the
 and recorded text of each :data:`NAMING_TYPES` argument) where, in a step and micro-batch,
 
 - each run's calls of the module have distinct signatures, and the two runs' sets are the same;
-- the calls are independent of each other in both runs: none is given what another made (or
-  what a call inside another made). Calls that feed each other (a shared block told its layer
-  index) run in an order that matters: another order there is a difference, reported as
-  their arguments (:mod:`compare.arguments`), not renumbered away.
+- in each run the calls were given the same tensors (by their checksums, digests or
+  statistics), so that their order cannot change what they compute: a rotary embedding given
+  the same hidden states and positions per attention type. Calls given other tensors may feed
+  each other (a shared block told its layer index, each call given the last one's output):
+  their order matters, and another order there is a difference, reported as their arguments
+  (:mod:`compare.arguments`), not renumbered away.
 
 The records renumbered are the calls' own (inputs, outputs and their gradients); a module's
 weights are the same at each of its calls and keep their numbers. The calls made inside a
@@ -26,8 +28,8 @@ its calls one number, it keeps its numbers. Anywhere else the numbers stand.
 
 A localizing re-run (:mod:`dumper.injection`) pairs its calls with the reference's by the same
 rule, call by call as they start: a call whose signature is one of the reference's (where
-those are distinct and independent) takes that call's values, and a call with one the
-reference lacks takes none.
+those are distinct and given the same tensors) takes that call's values, and a call with one
+the reference lacks takes none.
 """
 from __future__ import annotations
 
@@ -56,10 +58,11 @@ def module_calls(rows: pd.DataFrame, arguments: pd.DataFrame) -> pd.DataFrame:
     step, ``module``, ``call_idx``, ``micro_batch``, execution order (``call``), the first and
     last ``seq`` of its forward records (``start``, ``end``: a call made inside it records
     between them), ``signature`` (from ``arguments``: the index rows of the non-tensor inputs,
-    :func:`compare.arguments.argument_rows`) and ``producers`` (the ``call`` numbers of the
-    calls that made its tensor inputs), in execution order."""
-    inputs = rows[rows["kind"] == fmt.INPUT]
-    producers = inputs.groupby([*STEP, "call"], sort=False)["producer"].agg(frozenset)
+    :func:`compare.arguments.argument_rows`) and ``given`` (what tells its tensor inputs'
+    values apart: :func:`_described`), in execution order."""
+    inputs = rows[(rows["kind"] == fmt.INPUT) & (rows["index"] >= 0)]
+    given = {key: tuple(sorted(_described(group)))
+             for key, group in inputs.groupby([*STEP, "call"], sort=False)}
     forward = rows[rows["kind"].isin(FORWARD_KINDS)]
     calls = forward.groupby([*STEP, "module", "call_idx"], sort=False).agg(
         call=("call", "min"), micro_batch=("micro_batch", "first"), start=("seq", "min"),
@@ -68,24 +71,26 @@ def module_calls(rows: pd.DataFrame, arguments: pd.DataFrame) -> pd.DataFrame:
                   for key, group in arguments.groupby([*STEP, "call"], sort=False)}
     keys = list(zip(calls["epoch"], calls["step"], calls["rank"], calls["call"]))
     calls["signature"] = [signatures.get(k, ()) for k in keys]
-    calls["producers"] = [producers.get(k, frozenset()) for k in keys]
+    calls["given"] = [given.get(k, ()) for k in keys]
     return calls.sort_values("start", kind="stable").reset_index(drop=True)
 
 
-def told_apart(step_calls: pd.DataFrame, calls: pd.DataFrame) -> dict[Signature, int]:
+def _described(inputs: pd.DataFrame) -> Iterable[tuple]:
+    """Per tensor input of a call, what tells its values apart from another's: its index,
+    dtype, shape, checksum, digest and statistics (a NaN as None: equal to another)."""
+    columns = ["index", "dtype", "shape", "checksum", "digest", *fmt.STAT_COLUMNS]
+    for values in zip(*(inputs[c] for c in columns)):
+        yield tuple(None if isinstance(v, float) and v != v else v for v in values)
+
+
+def told_apart(calls: pd.DataFrame) -> dict[Signature, int]:
     """The ``call_idx`` of each signature among ``calls`` (one module's calls in one micro-
-    batch of a step, rows of :func:`module_calls`; ``step_calls``: all of that step's), where
-    their signatures are distinct and the calls independent (module docstring); else empty."""
+    batch of a step, rows of :func:`module_calls`), where their signatures are distinct and
+    the calls were given the same tensors (module docstring); else empty."""
     found = dict(zip(calls["signature"], calls["call_idx"]))
-    if len(calls) < 2 or len(found) != len(calls):
+    if len(calls) < 2 or len(found) != len(calls) or len(set(calls["given"])) > 1:
         return {}
-    made = set(calls["call"])
-    for module, by_owner in calls_inside(step_calls, calls).items():
-        made |= set(step_calls[(step_calls["module"] == module)
-                               & step_calls["call_idx"].isin(
-                                   [i for ids in by_owner.values() for i in ids])]["call"])
-    fed = set().union(*calls["producers"])
-    return {} if fed & made else found
+    return found
 
 
 def calls_inside(step_calls: pd.DataFrame, parent: pd.DataFrame) -> Inside:
@@ -127,7 +132,7 @@ def align_calls(rows_a: pd.DataFrame, rows_b: pd.DataFrame, arguments_a: pd.Data
             if (module, micro_batch) in done or a is None or len(a) != len(b) or \
                     list(a["signature"]) == list(b["signature"]):
                 continue
-            taken, theirs = told_apart(in_a, a), told_apart(in_b, b)
+            taken, theirs = told_apart(a), told_apart(b)
             if not taken or set(taken) != set(theirs):
                 continue
             moved = {i: taken[s] for s, i in theirs.items()}

@@ -16,7 +16,7 @@ the replacement helpers put them in place:
 
 Each call takes the values of the reference's call it pairs with: the call of the same module
 and number, but where the reference's calls of a module carry distinct names, integers or
-flags and are independent of each other (:mod:`compare.call_order`; a rotary embedding called
+flags and got the same tensors (:mod:`compare.call_order`; a rotary embedding called
 once per attention type, in an order that changes with the hash seed), the one given the same
 ones (none where none was), and the calls inside it the ones at their place inside that call.
 
@@ -139,7 +139,7 @@ class StepReference:
         # call_idx of each signature (compare.call_order)
         self._told_apart = {key: found for key, calls in
                             self._calls.groupby(["module", "micro_batch"], sort=False)
-                            if (found := told_apart(self._calls, calls))}
+                            if (found := told_apart(calls))}
         self._inside: dict[str, Inside] = {}  # per module paired otherwise: calls inside it
         self._paired: dict[tuple[str, int], int] = {}  # (module, call_idx): the reference's
         self._open: list[_PairedCall] = []  # calls paired otherwise, open now
