@@ -36,6 +36,7 @@ from __future__ import annotations
 import bisect
 from typing import Iterable
 
+import numpy as np
 import pandas as pd
 
 from . import format as fmt
@@ -57,22 +58,32 @@ def module_calls(rows: pd.DataFrame, arguments: pd.DataFrame) -> pd.DataFrame:
     """One row per call of ``rows`` (records of a dump's index) with forward records: its
     step, ``module``, ``call_idx``, ``micro_batch``, execution order (``call``), the first and
     last ``seq`` of its forward records (``start``, ``end``: a call made inside it records
-    between them), ``signature`` (from ``arguments``: the index rows of the non-tensor inputs,
-    :func:`compare.arguments.argument_rows`) and ``given`` (what tells its tensor inputs'
-    values apart: :func:`_described`), in execution order."""
-    inputs = rows[(rows["kind"] == fmt.INPUT) & (rows["index"] >= 0)]
-    given = {key: tuple(sorted(_described(group)))
-             for key, group in inputs.groupby([*STEP, "call"], sort=False)}
+    between them), ``repeated`` (the module has other calls in that step and micro-batch), and
+    for a repeated call its ``signature`` (from ``arguments``: the index rows of the non-tensor
+    inputs, :func:`compare.arguments.argument_rows`) and ``given`` (what tells its tensor
+    inputs' values apart: :func:`_described`), in execution order."""
     forward = rows[rows["kind"].isin(FORWARD_KINDS)]
     calls = forward.groupby([*STEP, "module", "call_idx"], sort=False).agg(
         call=("call", "min"), micro_batch=("micro_batch", "first"), start=("seq", "min"),
         end=("seq", "max")).reset_index()
+    calls["repeated"] = calls.duplicated([*STEP, "module", "micro_batch"], keep=False)
+    keys = list(zip(*(calls[c] for c in (*STEP, "call"))))
+    wanted = {k for k, repeated in zip(keys, calls["repeated"]) if repeated}
+    inputs = _of_calls(rows[(rows["kind"] == fmt.INPUT) & (rows["index"] >= 0)], wanted)
+    given = {key: tuple(sorted(_described(group)))
+             for key, group in inputs.groupby([*STEP, "call"], sort=False)}
     signatures = {key: signature(zip(group["path"], group["dtype"], group["value"]))
-                  for key, group in arguments.groupby([*STEP, "call"], sort=False)}
-    keys = list(zip(calls["epoch"], calls["step"], calls["rank"], calls["call"]))
+                  for key, group in _of_calls(arguments, wanted).groupby([*STEP, "call"],
+                                                                        sort=False)}
     calls["signature"] = [signatures.get(k, ()) for k in keys]
     calls["given"] = [given.get(k, ()) for k in keys]
     return calls.sort_values("start", kind="stable").reset_index(drop=True)
+
+
+def _of_calls(rows: pd.DataFrame, calls: set[tuple]) -> pd.DataFrame:
+    """``rows`` of the ``(epoch, step, rank, call)`` in ``calls``."""
+    return rows[np.array([k in calls for k in zip(*(rows[c] for c in (*STEP, "call")))],
+                         dtype=bool)]
 
 
 def _described(inputs: pd.DataFrame) -> Iterable[tuple]:
@@ -117,28 +128,32 @@ def align_calls(rows_a: pd.DataFrame, rows_b: pd.DataFrame, arguments_a: pd.Data
     the module docstring); ``arguments_a``/``_b``: the index rows of each run's non-tensor
     inputs. Unchanged where the runs called their modules in the same order."""
     calls_a, calls_b = module_calls(rows_a, arguments_a), module_calls(rows_b, arguments_b)
-    steps_a = dict(iter(calls_a.groupby(STEP, sort=False)))
+    group = [*STEP, "module", "micro_batch"]
+    orders_a, orders_b = ({key: tuple(g["signature"]) for key, g in
+                           calls[calls["repeated"]].groupby(group, sort=False)}
+                          for calls in (calls_a, calls_b))
+    # the groups B called in another order than A, parents first
+    others = sorted((key for key, order in orders_b.items() if key in orders_a
+                     and order != orders_a[key] and len(order) == len(orders_a[key])),
+                    key=lambda key: key[3].count("."))
+    steps_a = dict(iter(calls_a.groupby(STEP, sort=False))) if others else {}
+    steps_b = dict(iter(calls_b.groupby(STEP, sort=False))) if others else {}
     renumber: dict[tuple, dict[int, int]] = {}  # (epoch, step, rank, module) -> B's -> A's
-    for step, in_b in calls_b.groupby(STEP, sort=False):
-        in_a = steps_a.get(step)
-        if in_a is None:
+    done = set()  # (epoch, step, rank, module, micro_batch): renumbered, or inside one that is
+    for *step, module, micro_batch in others:
+        step = tuple(step)
+        if (*step, module, micro_batch) in done:
             continue
-        groups_a = dict(iter(in_a.groupby(["module", "micro_batch"], sort=False)))
-        done = set()  # (module, micro_batch) renumbered, or inside a call renumbered
-        for (module, micro_batch), b in sorted(
-                in_b.groupby(["module", "micro_batch"], sort=False),
-                key=lambda item: item[0][0].count(".")):  # parents first
-            a = groups_a.get((module, micro_batch))
-            if (module, micro_batch) in done or a is None or len(a) != len(b) or \
-                    list(a["signature"]) == list(b["signature"]):
-                continue
-            taken, theirs = told_apart(a), told_apart(b)
-            if not taken or set(taken) != set(theirs):
-                continue
-            moved = {i: taken[s] for s, i in theirs.items()}
-            for inner, pairs in [(module, moved), *_inside(moved, in_a, a, in_b, b)]:
-                renumber.setdefault((*step, inner), {}).update(pairs)
-                done.add((inner, micro_batch))
+        in_a, in_b = steps_a[step], steps_b[step]
+        a = in_a[(in_a["module"] == module) & (in_a["micro_batch"] == micro_batch)]
+        b = in_b[(in_b["module"] == module) & (in_b["micro_batch"] == micro_batch)]
+        taken, theirs = told_apart(a), told_apart(b)
+        if not taken or set(taken) != set(theirs):
+            continue
+        moved = {i: taken[s] for s, i in theirs.items()}
+        for inner, pairs in [(module, moved), *_inside(moved, in_a, a, in_b, b)]:
+            renumber.setdefault((*step, inner), {}).update(pairs)
+            done.add((*step, inner, micro_batch))
     if not renumber:
         return rows_b
     keys = zip(rows_b["epoch"], rows_b["step"], rows_b["rank"], rows_b["module"])

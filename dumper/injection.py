@@ -137,8 +137,9 @@ class StepReference:
         self._calls = module_calls(rows, argument_rows(index))
         # per (module, micro-batch) whose calls the reference's arguments tell apart: the
         # call_idx of each signature (compare.call_order)
+        repeated = self._calls[self._calls["repeated"]]
         self._told_apart = {key: found for key, calls in
-                            self._calls.groupby(["module", "micro_batch"], sort=False)
+                            repeated.groupby(["module", "micro_batch"], sort=False)
                             if (found := told_apart(calls))}
         self._inside: dict[str, Inside] = {}  # per module paired otherwise: calls inside it
         self._paired: dict[tuple[str, int], int] = {}  # (module, call_idx): the reference's
