@@ -248,11 +248,14 @@ class Evidence:
         an input is positive on one side only (a fraction f of it), a ReLU, a max or a clamp
         passes the gradient in one run and not in the other: sqrt(f / active) of it,
         relatively, with ``active`` the share of the input that passes gradients (taken as at
-        least a quarter: a ReLU passes about half). That error sits in the k flipped elements:
+        least a quarter: a ReLU passes about half); none where B ran on A's input (injected),
+        whose signs a cast keeps. That error sits in the k flipped elements:
         it gets the room of an error spread over k elements (``_sampling``), a few times
         itself where k is 1 (a TF32 convolution's rounding tipping one element of a ReLU's
         input)."""
-        flips = np.where(self.reordered, 0.0, frame["sign_flips"].fillna(0.0).to_numpy(float))
+        # (an input B replaced with A's value holds what arrived: B ran on A's signs)
+        flips = np.where(self.reordered | self.replaced, 0.0,
+                         frame["sign_flips"].fillna(0.0).to_numpy(float))
         numel = frame["numel"].to_numpy(float)
         share = np.divide(flips, numel, out=np.zeros(self.n), where=numel > 0)
         inputs = (frame["kind"] == fmt.INPUT).to_numpy()
