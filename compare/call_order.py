@@ -62,6 +62,7 @@ def module_calls(rows: pd.DataFrame, arguments: pd.DataFrame) -> pd.DataFrame:
     for a repeated call its ``signature`` (from ``arguments``: the index rows of the non-tensor
     inputs, :func:`compare.arguments.argument_rows`) and ``given`` (what tells its tensor
     inputs' values apart: :func:`_described`), in execution order."""
+    rows = rows.assign(rank=rows["rank"].fillna(-1))  # (a dump made without ranks)
     forward = rows[rows["kind"].isin(FORWARD_KINDS)]
     calls = forward.groupby([*STEP, "module", "call_idx"], sort=False).agg(
         call=("call", "min"), micro_batch=("micro_batch", "first"), start=("seq", "min"),
@@ -70,7 +71,7 @@ def module_calls(rows: pd.DataFrame, arguments: pd.DataFrame) -> pd.DataFrame:
     keys = list(zip(*(calls[c] for c in (*STEP, "call"))))
     wanted = {k for k, repeated in zip(keys, calls["repeated"]) if repeated}
     inputs = _of_calls(rows[(rows["kind"] == fmt.INPUT) & (rows["index"] >= 0)], wanted)
-    given = {key: tuple(sorted(_described(group)))
+    given = {key: tuple(sorted(_described(group), key=lambda input: input[0]))
              for key, group in inputs.groupby([*STEP, "call"], sort=False)}
     signatures = {key: signature(zip(group["path"], group["dtype"], group["value"]))
                   for key, group in _of_calls(arguments, wanted).groupby([*STEP, "call"],
@@ -88,10 +89,12 @@ def _of_calls(rows: pd.DataFrame, calls: set[tuple]) -> pd.DataFrame:
 
 def _described(inputs: pd.DataFrame) -> Iterable[tuple]:
     """Per tensor input of a call, what tells its values apart from another's: its index,
-    dtype, shape, checksum, digest and statistics (a NaN as None: equal to another)."""
+    dtype, shape, checksum, digest and statistics (a NaN as None: equal to another; a list
+    as a tuple)."""
     columns = ["index", "dtype", "shape", "checksum", "digest", *fmt.STAT_COLUMNS]
     for values in zip(*(inputs[c] for c in columns)):
-        yield tuple(None if isinstance(v, float) and v != v else v for v in values)
+        yield tuple(None if isinstance(v, float) and v != v else
+                    tuple(v) if isinstance(v, list) else v for v in values)
 
 
 def told_apart(calls: pd.DataFrame) -> dict[Signature, int]:

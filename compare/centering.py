@@ -50,15 +50,18 @@ LAST, CHANNEL, POSITION = "last", "channel", "position"
 # a group's spread is not far above it, its length passes on in part, and the group weighs
 # less in the whole.
 NORMALIZATION_EPS = (0.0, 1e-6, 1e-5, 1e-4, 1e-3)
-UNCENTERED = "RMSNorm"  # class names of normalizations that divide by the root mean square only
+# class names of normalizations that divide by the root mean square only (T5's and its
+# descendants' LayerNorm is one: no mean removed, no bias)
+UNCENTERED = ("RMSNorm", "RmsNorm", "T5LayerNorm")
 
 
 def normalized_sizes(pairs: pd.DataFrame) -> np.ndarray:
     """Per row of ``pairs`` (columns ``module, cls_a, kind, index, shape_a``): the parameter
     length ``C`` of the normalization the row is the first input or the first incoming
     gradient of, else 0 (backward, a normalization removes each group's mean of the gradient,
-    and its projection on the normalized input; an RMSNorm, :data:`UNCENTERED`, which removes
-    no mean forward, removes none backward either: its incoming gradient is not centered). A
+    and its projection on the normalized input; an RMSNorm, by the class names of
+    :data:`UNCENTERED`, which removes no mean forward, removes none backward either: its
+    incoming gradient is not centered). A
     normalization is a module whose parameters (one row each in the dump) are all of one
     dimension and one length: LayerNorm, RMSNorm, BatchNorm, GroupNorm (not a Linear: its
     weight has two)."""
@@ -68,7 +71,7 @@ def normalized_sizes(pairs: pd.DataFrame) -> np.ndarray:
         known = [s for s in shapes if isinstance(s, tuple)]
         if known and all(len(s) == 1 for s in known) and len({s[0] for s in known}) == 1:
             sizes[module] = known[0][0]
-    centers = ~pairs["cls_a"].fillna("").str.contains(UNCENTERED)
+    centers = ~pairs["cls_a"].fillna("").str.contains("|".join(UNCENTERED))
     first = ((pairs["kind"] == fmt.INPUT) | ((pairs["kind"] == fmt.GRAD_OUTPUT) & centers)) \
         & (pairs["index"] == 0)
     return np.where(first, pairs["module"].map(sizes).fillna(0), 0).astype(np.int64)
