@@ -82,10 +82,9 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
     the grad_output of the call that returned it) and the grad_output of each of its addends.
     In a localizing re-run, the later record may be one B replaced (what arrived), where
     B handed its own value on (:func:`_handed_on`)."""
-    both = _linkable(pairs, arrived=True)
-    flow = both.loc[(both["kind"] == fmt.INPUT) & (both["producer_a"] >= 0),
-                    [*STEP, "call_a", "index", "producer_a"]]
-    known = both.assign(identity=identities(both, "a"), row=both.index)
+    known = _known(pairs)
+    flow = known.loc[(known["kind"] == fmt.INPUT) & (known["producer_a"] >= 0),
+                     [*STEP, "call_a", "index", "producer_a"]]
 
     def of(kind: str, call: str, row: str, extra=()) -> pd.DataFrame:
         rows = known.loc[(known["kind"] == kind) & known["identity"].notna(),
@@ -97,7 +96,7 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
     # a consumer that hands an input back as its output (its output holds the input's bits)
     # sends back for it the whole gradient of that tensor, other uses' included: where it does
     # in A but not in B (a cast A did not need makes a new tensor), B's is its share only
-    computed = known[~_replaced(known)]  # B's bits are B's own
+    computed = known[~known["replaced"]]  # B's bits are B's own
     handed_back = _without(_handed_back(computed, STEP), _handed_back(
         computed.assign(identity=identities(computed, "b")), STEP))
     sent = _without(of(fmt.GRAD_INPUT, "call_a", "earlier", ["index"]), handed_back)
@@ -105,7 +104,7 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
         of(fmt.GRAD_OUTPUT, "producer_a", "later"), on=[*STEP, "producer_a", "identity"])
     # a sum made between modules: the gradient of each output it adds unchanged is the sum's,
     # the gradient its consumer sends back for it (an input), or that arrives at it (an output)
-    added = addend_edges(both, "call_a", "addends_a", STEP)
+    added = addend_edges(known, "call_a", "addends_a", STEP)
     added = added[added["addend_kind"] == fmt.OUTPUT].drop(columns="addend_kind")
     addends = of(fmt.GRAD_OUTPUT, "addend", "later", ["index"]).rename(
         columns={"index": "addend_index"})
@@ -123,30 +122,35 @@ def links(pairs: pd.DataFrame) -> list[tuple[int, int]]:
 
 def _handed_on(known: pd.DataFrame, found: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The links of ``found`` along which B handed its own value on: the earlier record is not
-    one B replaced, and the later one, where B replaced it (what arrived), got no replaced
-    value on the way: no record with its bits in A, of a call enclosing the later record's,
-    was replaced between the two in B's order (that call's code, the later record's module's
-    included, then got A's value; a sibling's replaced copy is its own)."""
-    replaced = known[_replaced(known)]
-    if replaced.empty:
-        return found
-    between: dict[tuple, list[tuple[float, str]]] = {}  # (step, identity in A) -> (seq, module)
-    for key, identity, seq, module in zip(zip(*(replaced[c] for c in STEP)), replaced["identity"],
-                                          replaced["seq_b"], replaced["module"]):
+    one B replaced, and the later one got no replaced value on the way (:func:`_arrived`)."""
+    replaced = _replacements(known)
+    return [(earlier, later) for earlier, later in found if not known.at[earlier, "replaced"]
+            and _arrived(known, replaced, known.at[earlier, "seq_b"], later)]
+
+
+def _replacements(known: pd.DataFrame) -> dict[tuple, list[tuple[float, str]]]:
+    """``(*step, identity in A)`` -> ``(seq_b, module)`` of the records B replaced."""
+    replaced = known[known["replaced"]]
+    between: dict[tuple, list[tuple[float, str]]] = {}
+    for *step, identity, seq, module in zip(*(replaced[c] for c in (
+            *STEP, "identity", "seq_b", "module"))):
         if identity is not None:
-            between.setdefault((key, identity), []).append((seq, module))
-    out = []
-    for earlier, later in found:
-        if earlier in replaced.index:
-            continue
-        if later in replaced.index:
-            row, start = known.loc[later], known.at[earlier, "seq_b"]
-            if any(start < seq < row["seq_b"] and module != row["module"]
-                   and fmt.contains(module, row["module"]) for seq, module in between.get(
-                       (tuple(row[c] for c in STEP), row["identity"]), ())):
-                continue
-        out.append((earlier, later))
-    return out
+            between.setdefault((*step, identity), []).append((seq, module))
+    return between
+
+
+def _arrived(known: pd.DataFrame, replaced: dict, start: float, later: int) -> bool:
+    """Whether record ``later`` holds what B's code made of its values since ``start`` (B's
+    seq): B computed it, or B replaced it (what arrived) and no record with its bits in A, of
+    a call enclosing its own, was replaced in between in B's order (that call's code, the
+    later record's module's included, then got A's value; a sibling's replaced copy is its
+    own)."""
+    if not known.at[later, "replaced"]:
+        return True
+    row = known.loc[later]
+    return not any(start < seq < row["seq_b"] and module != row["module"]
+                   and fmt.contains(module, row["module"]) for seq, module in replaced.get(
+                       (*(row[c] for c in STEP), row["identity"]), ()))
 
 
 def sum_links(pairs: pd.DataFrame) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -157,9 +161,12 @@ def sum_links(pairs: pd.DataFrame) -> list[tuple[tuple[int, ...], tuple[int, ...
     the sums it is added into (``terms``). ``totals``: that output's grad_output, and every
     other grad_output of the step with the same bits in A (an enclosing call that returned the
     same tensor). An output some call consumes as well is none (its gradient has that use's
-    share). Where A's values agree with the sum, B's must too."""
-    both = _linkable(pairs)
+    share). Where A's values agree with the sum, B's must too. In a localizing re-run, a term
+    B replaced stands for A's value (what B summed), and a total B replaced for what arrived
+    where no value was replaced on the way (:func:`_arrived`)."""
+    both = _known(pairs)
     both = both[both["occurrence"] == 0]
+    replaced = _replacements(both)
     keys = list(zip(*(both[c] for c in (*STEP, "call_a", "kind", "index"))))
     label, seq = dict(zip(keys, both.index)), dict(zip(keys, both["seq_a"]))
     added = addend_edges(both, "call_a", "addends_a", STEP)
@@ -168,7 +175,7 @@ def sum_links(pairs: pd.DataFrame) -> list[tuple[tuple[int, ...], tuple[int, ...
     branches = {key: list(zip(group["addend"], group["addend_index"])) for key, group in
                 branches.groupby([*STEP, "call_a", "index"])}
     gradients = both[both["kind"] == fmt.GRAD_OUTPUT]
-    identity_of = dict(zip(gradients.index, identities(gradients, "a")))
+    identity_of = dict(zip(gradients.index, gradients["identity"]))
     same_bits = {}  # (step, identity in A) -> grad_output rows
     for key, row in zip(zip(*(gradients[c] for c in STEP)), gradients.index):
         if identity_of[row] is not None:
@@ -195,9 +202,65 @@ def sum_links(pairs: pd.DataFrame) -> list[tuple[tuple[int, ...], tuple[int, ...
             if total is None or (*step, branch) in consumed:
                 continue
             identity = identity_of[total]
-            totals = same_bits[tuple(step), identity] if identity is not None else [total]
+            totals = _as_summed(both, replaced, terms, same_bits[tuple(step), identity]
+                                if identity is not None else [total])
+            if totals:
+                out.append((tuple(terms), tuple(totals)))
+    return out
+
+
+def fan_out_links(pairs: pd.DataFrame) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``(terms, totals)`` row labels of ``pairs``: the gradient arriving at an output that
+    several calls consume (the keys and values of an attention computed from one norm's output,
+    or one input passed twice) is the sum of what those uses send back for it, their
+    grad_inputs (``terms``; a call inside another consuming call is that call's, whose
+    grad_input holds its share). ``totals``: the output's grad_output and every other one with
+    its bits in A (an enclosing call that returned the same tensor); in a localizing re-run, B
+    replaced (what arrived) where no value was replaced on the way (:func:`_handed_on`). Where
+    A's values agree with the sum (no use that is no call), B's must too."""
+    known = _known(pairs)
+    known = known[known["occurrence"] == 0]
+    keys = [*STEP, "call_a", "kind", "index"]
+    label = dict(zip(zip(*(known[c] for c in keys)), known.index))
+    used = known[(known["kind"] == fmt.INPUT) & (known["producer_a"] >= 0)
+                 & known["identity"].notna()]
+    outputs = known[(known["kind"] == fmt.OUTPUT) & known["identity"].notna()]
+    output_index = dict(zip(zip(*(outputs[c] for c in (*STEP, "call_a", "identity"))),
+                            outputs["index"]))
+    gradients = known[known["kind"] == fmt.GRAD_OUTPUT]
+    same_bits: dict[tuple, list[int]] = {}  # (step, identity in A) -> grad_output rows
+    for *step, identity, row in zip(*(gradients[c] for c in (*STEP, "identity", "row"))):
+        if identity is not None:
+            same_bits.setdefault((*step, identity), []).append(row)
+    returned = known[known["kind"] == fmt.OUTPUT].groupby([*STEP, "call_a"])["seq_a"].min()
+    replaced = _replacements(known)
+    out = []
+    for (*step, producer, identity), uses in used.groupby(
+            [*STEP, "producer_a", "identity"], sort=False):
+        windows = [(seq, returned.get((*step, call), math.inf))
+                   for call, seq in zip(uses["call_a"], uses["seq_a"])]
+        outer = [(call, index) for call, index, seq in zip(uses["call_a"], uses["index"],
+                                                           uses["seq_a"])
+                 if not any(start < seq <= end for start, end in windows)]
+        index = output_index.get((*step, producer, identity))
+        total = label.get((*step, producer, fmt.GRAD_OUTPUT, index))
+        terms = [label.get((*step, call, fmt.GRAD_INPUT, i)) for call, i in outer]
+        if len(terms) < 2 or None in terms or total is None or known.loc[
+                terms, "replaced"].any():
+            continue
+        totals = _as_summed(known, replaced, terms, same_bits.get(
+            (*step, known.at[total, "identity"]), [total]))
+        if totals:
             out.append((tuple(terms), tuple(totals)))
     return out
+
+
+def _as_summed(known: pd.DataFrame, replaced: dict, terms: list[int], totals: list[int]
+               ) -> list[int]:
+    """The ``totals`` that hold what B summed its ``terms`` into (:func:`_arrived`;
+    ``replaced``: :func:`_replacements`)."""
+    start = max(known.at[t, "seq_b"] for t in terms)
+    return [t for t in totals if _arrived(known, replaced, start, t)]
 
 
 def _consumed(both: pd.DataFrame) -> set[tuple]:
@@ -211,6 +274,14 @@ def _consumed(both: pd.DataFrame) -> set[tuple]:
     return {(*step, producer) for *step, producer, call, identity in zip(
                 *(inputs[c] for c in (*STEP, "producer_a", "call_a")), identities(inputs, "a"))
             if identity is None or (*step, call, identity) not in handed_back}
+
+
+def _known(pairs: pd.DataFrame) -> pd.DataFrame:
+    """The rows of :func:`_linkable` with B's replaced ones, and columns ``identity`` (in A,
+    :func:`identities`), ``row`` (the label) and ``replaced``."""
+    both = _linkable(pairs, arrived=True)
+    return both.assign(identity=identities(both, "a"), row=both.index,
+                       replaced=_replaced(both))
 
 
 def _linkable(pairs: pd.DataFrame, arrived: bool = False) -> pd.DataFrame:
@@ -244,8 +315,8 @@ def _handed_back(rows: pd.DataFrame, step: list[str]) -> pd.DataFrame:
 
 def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, chunk_elements: int
             ) -> dict[int, dict]:
-    """``TRANSIT_COLUMNS`` per later record of each link (:func:`links`, :func:`sum_links`),
-    by row label; ``files_a``, ``files_b``: the step files by (epoch, step, rank)."""
+    """``TRANSIT_COLUMNS`` per later record of each link (:func:`links`, :func:`sum_links`,
+    :func:`fan_out_links`), by row label; ``files_a``, ``files_b``: the step files by (epoch, step, rank)."""
     out: dict[int, dict] = {}
 
     def note(later: int, diff: float, earlier: list[pd.Series]) -> None:
@@ -260,31 +331,34 @@ def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, chunk_elements: i
             key = (e["epoch"], e["step"], e["rank"])
             with reading(str(files_b[key].path)):
                 note(later, _difference(e, l, readers_b[key], chunk_elements), [e])
-        for terms, totals in sum_links(pairs):
+        for terms, totals in sum_links(pairs) + fan_out_links(pairs):
             rows, ends = [pairs.loc[t] for t in terms], [pairs.loc[t] for t in totals]
             key = (rows[0]["epoch"], rows[0]["step"], rows[0]["rank"])
             if not all(r["dataset_a"] and r["dataset_b"] for r in (*rows, *ends)) or len(
                     {tuple(r[f"shape_{s}"]) for r in (*rows, *ends) for s in "ab"}) > 1:
                 continue  # values of one shape on both sides are needed
             with reading(str(files_a[key].path)):
-                in_a = _sum_differences(rows, ends[:1], readers_a[key], "a", chunk_elements)[0]
+                in_a = _sum_differences(*([_values(readers_a[key], r, chunk_elements, "a")
+                                           for r in part] for part in (rows, ends[:1])))[0]
             if not in_a <= rounding_of(lowest(r["dtype_a"] for r in (*rows, *ends))).unit:
                 continue  # the sum's uses are not all recorded, or it is not what A does
-            with reading(str(files_b[key].path)):
+            with reading(str(files_b[key].path)):  # a term B replaced: A's value, summed
+                summed = [_values(readers_a[key], r, chunk_elements, "a") if replaced
+                          else _values(readers_b[key], r, chunk_elements)
+                          for r, replaced in zip(rows, _replaced(pairs.loc[list(terms)]))]
                 for total, diff in zip(totals, _sum_differences(
-                        rows, ends, readers_b[key], "b", chunk_elements)):
+                        summed, [_values(readers_b[key], r, chunk_elements) for r in ends])):
                     note(total, diff, rows)
     return out
 
 
-def _sum_differences(terms: list[pd.Series], totals: list[pd.Series], reader: StepReader,
-                     side: str, chunk_elements: int) -> list[float]:
-    """Per total, ``||total - sum(terms)|| / || sum(|terms|) ||`` from one side's values: how
-    far it lies from the terms' sum, relative to the terms' magnitude (what rounding their sum
-    may move it by, whatever they cancel)."""
+def _sum_differences(terms: list[Iterator[np.ndarray]], totals: list[Iterator[np.ndarray]]
+                     ) -> list[float]:
+    """Per total, ``||total - sum(terms)|| / || sum(|terms|) ||`` from their values in chunks
+    (:func:`_values`): how far it lies from the terms' sum, relative to the terms' magnitude
+    (what rounding their sum may move it by, whatever they cancel)."""
     squares = np.zeros(len(totals) + 1)
-    for parts in itertools.zip_longest(*(_values(reader, r, chunk_elements, side)
-                                         for r in (*terms, *totals))):
+    for parts in itertools.zip_longest(*terms, *totals):
         wide = np.complex128 if any(np.iscomplexobj(p) for p in parts) else np.float64
         parts = [p.astype(wide, copy=False) for p in parts]
         summed = np.sum(parts[:len(terms)], axis=0)

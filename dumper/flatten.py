@@ -40,6 +40,12 @@ def short_repr(obj: Any, limit: int = 80) -> str:
     return clip(text, limit)
 
 
+def leaf_text(leaf: Any) -> tuple[str, str]:
+    """How a non-tensor leaf is recorded: its type's name and its :func:`short_repr` (the
+    pair a call's signature is made of, in the dump and in the injector alike)."""
+    return type(leaf).__name__, short_repr(leaf)
+
+
 def clip(text: str, limit: int) -> str:
     """``text``, cut to ``limit`` characters with ``...`` when longer."""
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -62,7 +62,7 @@ from compare.metrics import (NORMS_WITHIN, REORDERED_FROM, REORDERED_MARGIN,
 
 from .calls import CallHooks, hooked_model, module_class
 from .encoding import decode_to_tensor
-from .flatten import call_leaves, map_tensors, short_repr
+from .flatten import call_leaves, leaf_text, map_tensors
 
 INJECTABLE = (fmt.INPUT, fmt.OUTPUT, fmt.GRAD_OUTPUT, fmt.PARAM)
 # what a localizing re-run injects: every module computes from the reference's values
@@ -188,7 +188,7 @@ class StepReference:
         signatures = self._told_apart.get((path, micro_batch))
         if paired is None and signatures:  # none of the reference's has these: no values
             paired = signatures.get(signature(
-                (p, type(x).__name__, short_repr(x)) for p, x in call_leaves(args, kwargs)
+                (p, *leaf_text(x)) for p, x in call_leaves(args, kwargs)
                 if not isinstance(x, torch.Tensor)), NO_CALL)
         if paired is None or (paired == call_idx and not self._open):
             return

@@ -10,7 +10,7 @@ import torch
 from compare import format as fmt
 
 from .arena import NUMBERS, Pending, StepBatch, on_device, on_host_arena
-from .flatten import clip, short_repr
+from .flatten import clip, leaf_text
 from .known import KnownTensors, SharedValues
 from .snapshot import Snapshot, SnapshotPool
 from .digest import tensor_digest
@@ -263,5 +263,6 @@ def leaf_record(seq: int, call: CallInfo, kind: str, path: str, leaf: Any,
                 text: Optional[str] = None) -> Record:
     """Record for a non-tensor leaf: its type and, as its value, ``text`` or else its short
     repr; no data."""
-    return Record(seq, call, kind, -1, path, type(leaf).__name__, (), "", False, fmt.ST_OK,
-                  short_repr(leaf) if text is None else text)
+    type_name, value = leaf_text(leaf)
+    return Record(seq, call, kind, -1, path, type_name, (), "", False, fmt.ST_OK,
+                  value if text is None else text)
