@@ -1762,19 +1762,57 @@ def test_a_gradient_handed_on_through_identity_calls_is_judged_as_the_sums(tmp_p
     kept that link from being made, and a 3 % error planted in that gradient (float16
     autocast) passed, judged against the 11 % relative error of the norm's input gradient,
     2000x smaller in scale."""
-    require_runnable("segformer", "float32", "float16")
     attention = "segformer.stages.1.blocks.0.attention"
-    run_step("segformer", "float32", tmp_path / "a", seed=1)
-    run_step("segformer", "float16", tmp_path / "b", seed=1)
-    healthy = compare_dumps(tmp_path / "a", tmp_path / "b")
-    assert not healthy["status"].isin(FAILING).any(), healthy[healthy["status"].isin(FAILING)]
-    run_step("segformer", "float16", tmp_path / "planted", seed=1,
-             plant={"include": [attention], "where": "grad_output", "scale": 1.03})
-    result = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "planted")])
+    a, planted, planted_inj = _segformer_pairs(tmp_path, {
+        "include": [attention], "where": "grad_output", "scale": 1.03})
+    result = CliRunner().invoke(h5cmp, [str(a), str(planted)])
     assert result.exit_code == 1, result.output
     assert (f"first divergence: step 0:0, backward, module {attention}.o_proj (Linear) call 0, "
             "grad_output[0]") in result.output
     assert f"{attention}.SegformerAttention#0 grad_output[0]" in result.output  # the same tensor
+    # re-run on A's values, the block's output gradient (a term of the sum) is A's: it found
+    # no origin while that term's record (what arrived) stood for what B summed
+    result = CliRunner().invoke(h5cmp, [str(a), str(planted), "--injected", str(planted_inj)])
+    assert f"origin: step 0:0 backward {attention}.o_proj.Linear#0 grad_output[0]" in \
+        result.output, result.output
+
+
+def _segformer_pairs(tmp_path, plant: dict) -> tuple:
+    """A SegFormer step (seed 1) in float32 with its weights (A), in float16 autocast with
+    ``plant`` (``dumper.perturb``), and re-run so on A's values: ``(a, planted, planted
+    re-run)``, after checking that the healthy float16 pair and its re-run find nothing."""
+    require_runnable("segformer", "float32", "float16")
+    a = tmp_path / "a"
+    run_step("segformer", "float32", a, seed=1, dumper_options={"params": True})
+    inject = {"dumper_options": {"inject": a}}
+    for name, options in [("b", {}), ("b-inj", inject), ("planted", {"plant": plant}),
+                          ("planted-inj", {"plant": plant, **inject})]:
+        run_step("segformer", "float16", tmp_path / name, seed=1, **options)
+    healthy = compare_dumps(a, tmp_path / "b")
+    assert not healthy["status"].isin(FAILING).any(), healthy[healthy["status"].isin(FAILING)]
+    table = localize(a, tmp_path / "b", tmp_path / "b-inj", free_result=healthy)
+    assert (table["verdict"] != ORIGIN).all(), table[table["verdict"] == ORIGIN]
+    return a, tmp_path / "planted", tmp_path / "planted-inj"
+
+
+def test_a_gradient_that_several_calls_send_back_is_judged_as_their_sum(tmp_path):
+    """SegFormer computes its attention's keys and values from one norm's output: the gradient
+    arriving at that norm is the sum of what the two Linears send back. No link held that sum,
+    and a 3 % error planted in it (float16 autocast) passed the two-dump verdict and had no
+    origin in the re-run on A's values: the norm's gradient was judged against the largest
+    error among its sources (the keys' gradient, all noise)."""
+    norm = "segformer.stages.0.blocks.0.attention.sequence_reduction.layer_norm"
+    a, planted, planted_inj = _segformer_pairs(tmp_path, {
+        "include": [norm], "where": "grad_output", "scale": 1.03})
+    result = CliRunner().invoke(h5cmp, [str(a), str(planted)])
+    assert result.exit_code == 1, result.output
+    assert (f"first divergence: step 0:0, backward, module {norm} (LayerNorm) call 0, "
+            "grad_output[0]") in result.output
+    attention = "segformer.stages.0.blocks.0.attention"
+    assert (f"{attention}.k_proj.Linear#0 grad_input[0] + {attention}.v_proj.Linear#0 "
+            f"grad_input[0]") in result.output
+    table = localize(a, planted, planted_inj)
+    assert table.loc[table["verdict"] == ORIGIN, "module"].iloc[0] == norm
 
 
 def _xlnet_step(directory, precision: str, **options) -> None:
