@@ -5,6 +5,7 @@ known to hold."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -33,6 +34,26 @@ def _unit(dtype: str) -> float:
     return {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 2.0 ** -24}[dtype]
 
 
+@pytest.fixture(scope="module")
+def healthy_pairs(tmp_path_factory):
+    """``(arch, dtype) -> (A, healthy comparison)``: A a float32 step of ``arch`` with its
+    weights, compared with the same step at ``dtype``; each made once per module, for the
+    plants in one architecture to share."""
+    references: dict[str, Path] = {}
+    made: dict[tuple[str, str], tuple] = {}
+
+    def pair(arch: str, dtype: str) -> tuple:
+        if arch not in references:
+            references[arch] = tmp_path_factory.mktemp(arch) / "a"
+            run_step(arch, "float32", references[arch], dumper_options={"params": True})
+        if (arch, dtype) not in made:
+            b = tmp_path_factory.mktemp(f"{arch}-{dtype}") / "b"
+            run_step(arch, dtype, b)
+            made[arch, dtype] = (references[arch], compare_dumps(references[arch], b))
+        return made[arch, dtype]
+    return pair
+
+
 @pytest.mark.parametrize("arch, module, dtype, scale", [
     ("llama", "model.layers.0.mlp.up_proj", "bfloat16", 1.1),   # a Linear
     ("llama", "model.layers.1.mlp.act_fn", "float16", 1.03),    # SiLU
@@ -46,7 +67,8 @@ def _unit(dtype: str) -> float:
     ("mobilenet_v2", "mobilenet_v2.layer.0.conv_3x3.convolution", "bfloat16", 1.1),  # stride 2
     ("gpt2", "transformer.h.0.mlp.c_fc", "bfloat16", 1.1),       # Hugging Face's Conv1D
 ])
-def test_a_calls_own_backward_error_is_found_exactly(tmp_path, arch, module, dtype, scale):
+def test_a_calls_own_backward_error_is_found_exactly(tmp_path, healthy_pairs, arch, module,
+                                                     dtype, scale):
     """A module whose own backward is off by ``scale`` (the gradient it sends back, scaled
     inside its call) in a low-precision B whose gradients carry as much error already: its
     grad_input is the first divergence, by ``scale - 1`` recomputed; the healthy pair's every
@@ -54,11 +76,9 @@ def test_a_calls_own_backward_error_is_found_exactly(tmp_path, arch, module, dty
     why = cannot_run(arch, dtype)
     if why:
         pytest.skip(f"torch cannot run {arch} under {dtype} here: {why}")
-    run_step(arch, "float32", tmp_path / "a", dumper_options={"params": True})
-    run_step(arch, dtype, tmp_path / "b")
+    a, healthy = healthy_pairs(arch, dtype)
     run_step(arch, dtype, tmp_path / "p",
              plant={"include": [module], "where": "grad_input", "scale": scale})
-    healthy = compare_dumps(tmp_path / "a", tmp_path / "b")
     checked = healthy[healthy["recomputed_rel_err"].notna()]
     assert len(checked) >= 10 and not (checked["status"] == st.DIFF).any()
     # and near zero (float16 gradients of 5e-6 are subnormal) the spacing there, twice
@@ -68,7 +88,7 @@ def test_a_calls_own_backward_error_is_found_exactly(tmp_path, arch, module, dty
         "rms_a"].to_numpy()
     assert (checked["recomputed_rel_err"].to_numpy() <= floor).all()
     assert summarize(healthy).ok, summarize(healthy).verdict()
-    planted = compare_dumps(tmp_path / "a", tmp_path / "p")
+    planted = compare_dumps(a, tmp_path / "p")
     first = summarize(planted).first
     assert (first.row["module"], first.row["kind"]) == (module, "grad_input")
     assert first.row["recomputed_rel_err"] == pytest.approx(scale - 1, rel=0.1)
