@@ -130,7 +130,8 @@ def linear_gains(frame: pd.DataFrame) -> np.ndarray:
     grad_input and the weight's and bias's gradients of a call of a module owning a weight of
     two or more dimensions; NaN elsewhere."""
     out = np.full(len(frame), np.nan)
-    params = frame[frame["kind"] == fmt.PARAM]
+    params = frame.loc[frame["kind"] == fmt.PARAM,
+                       ["module", "index", "shape_a", "shape_b", "rms_a"]]
     weights = {m: _weight(p) for m, p in params.groupby("module", sort=False)}
     shapes = {m: dict(zip(p["index"], p["shape_a"])) for m, p in params.groupby("module")}
     calls = _Calls(frame)
