@@ -30,7 +30,8 @@ In a localizing re-run (B ``injected``: it ran on A's values), a record holding 
 before A's value replaced it is linked to the record it was handed on from, which B computed;
 not where a record of the same tensor in A, of a call enclosing the later one's, was replaced
 between the two (the enclosing call's input: its child got A's value), nor where the earlier
-record or a sum's are replaced.
+record is replaced; a sum's term B replaced stands for A's value rounded to B's dtype (what
+B summed).
 Sharded records put together from parts have no link.
 """
 from __future__ import annotations
@@ -46,7 +47,7 @@ from . import format as fmt
 from .dataflow import addend_edges
 from .dump import StepReader, StepReaders, one_side, read_chunks, reading
 from .pairing import from_shards
-from .precision import lowest, rounding_of
+from .precision import lowest, rounded, rounding_of
 
 TRANSIT_COLUMNS = ("transit_rel_diff", "transit_from")
 STEP = ["epoch", "step", "rank"]
@@ -162,8 +163,8 @@ def sum_links(pairs: pd.DataFrame) -> list[tuple[tuple[int, ...], tuple[int, ...
     other grad_output of the step with the same bits in A (an enclosing call that returned the
     same tensor). An output some call consumes as well is none (its gradient has that use's
     share). Where A's values agree with the sum, B's must too. In a localizing re-run, a term
-    B replaced stands for A's value (what B summed), and a total B replaced for what arrived
-    where no value was replaced on the way (:func:`_arrived`)."""
+    B replaced stands for A's value rounded to its dtype in B (what B summed), and a total B
+    replaced for what arrived where no value was replaced on the way (:func:`_arrived`)."""
     both = _known(pairs)
     both = both[both["occurrence"] == 0]
     replaced = _replacements(both)
@@ -216,7 +217,7 @@ def fan_out_links(pairs: pd.DataFrame) -> list[tuple[tuple[int, ...], tuple[int,
     grad_inputs (``terms``; a call inside another consuming call is that call's, whose
     grad_input holds its share). ``totals``: the output's grad_output and every other one with
     its bits in A (an enclosing call that returned the same tensor); in a localizing re-run, B
-    replaced (what arrived) where no value was replaced on the way (:func:`_handed_on`). Where
+    replaced (what arrived) where no value was replaced on the way (:func:`_arrived`). Where
     A's values agree with the sum (no use that is no call), B's must too."""
     known = _known(pairs)
     known = known[known["occurrence"] == 0]
@@ -316,7 +317,8 @@ def _handed_back(rows: pd.DataFrame, step: list[str]) -> pd.DataFrame:
 def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, chunk_elements: int
             ) -> dict[int, dict]:
     """``TRANSIT_COLUMNS`` per later record of each link (:func:`links`, :func:`sum_links`,
-    :func:`fan_out_links`), by row label; ``files_a``, ``files_b``: the step files by (epoch, step, rank)."""
+    :func:`fan_out_links`), by row label; ``files_a``, ``files_b``: the step files by
+    (epoch, step, rank)."""
     out: dict[int, dict] = {}
 
     def note(later: int, diff: float, earlier: list[pd.Series]) -> None:
@@ -343,15 +345,20 @@ def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, chunk_elements: i
             if not all(r["dataset_a"] and r["dataset_b"] for r in (*rows, *ends)) or len(
                     {tuple(r[f"shape_{s}"]) for r in (*rows, *ends) for s in "ab"}) > 1:
                 continue  # values of one shape on both sides are needed
+            replaced = _replaced(pairs.loc[list(terms)]).to_numpy()
+            if any(rounded(np.zeros(1), r["dtype_b"]) is None
+                   for r in itertools.compress(rows, replaced)):
+                continue  # B summed A's value cast to a dtype this cannot round to
             with reading(str(files_a[key].path)):
                 in_a = _sum_differences(*([_values(readers_a[key], r, chunk_elements, "a")
                                            for r in part] for part in (rows, ends[:1])))[0]
             if not in_a <= rounding_of(lowest(r["dtype_a"] for r in (*rows, *ends))).unit:
                 continue  # the sum's uses are not all recorded, or it is not what A does
-            with reading(str(files_b[key].path)):  # a term B replaced: A's value, summed
-                summed = [_values(readers_a[key], r, chunk_elements, "a") if replaced
+            with reading(str(files_b[key].path)):  # a term B replaced: A's value, as B's
+                summed = [(rounded(part, r["dtype_b"]) for part in _values(
+                              readers_a[key], r, chunk_elements, "a")) if was_replaced
                           else _values(readers_b[key], r, chunk_elements)
-                          for r, replaced in zip(rows, _replaced(pairs.loc[list(terms)]))]
+                          for r, was_replaced in zip(rows, replaced)]
                 for total, diff in zip(totals, _sum_differences(
                         summed, [_values(readers_b[key], r, chunk_elements) for r in ends])):
                     note(total, diff, rows)
