@@ -69,17 +69,22 @@ LOWERED_BY_CODE = (*AUTOCAST_DTYPES, "tensorfloat32")
 
 
 
+ROUNDABLE = ("float64", "float32", "float16", "bfloat16")  # the dtypes rounded() rounds to
+
+
 def rounded(values: np.ndarray, dtype: str) -> Optional[np.ndarray]:
     """Real ``values`` rounded to ``dtype`` (to nearest, ties to even), as float64; None for
-    a dtype this cannot round to (float8, float4: not needed so far)."""
-    if dtype in ("float64", "float32", "float16"):
+    a dtype this cannot round to (not in :data:`ROUNDABLE`: float8, float4, not needed so
+    far)."""
+    if dtype not in ROUNDABLE:
+        return None
+    if dtype != "bfloat16":
         return values.astype(dtype).astype(np.float64)
-    if dtype == "bfloat16":  # the upper half of float32's bits, rounded
-        bits = values.astype(np.float32).view(np.uint32)
-        bits = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-                ) & np.uint32(0xFFFF0000)
-        return bits.view(np.float32).astype(np.float64)
-    return None
+    # bfloat16: the upper half of float32's bits, rounded
+    bits = values.astype(np.float32).view(np.uint32)
+    bits = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+            ) & np.uint32(0xFFFF0000)
+    return bits.view(np.float32).astype(np.float64)
 
 
 def rounding_of(dtype: str) -> Rounding:

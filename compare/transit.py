@@ -47,7 +47,7 @@ from . import format as fmt
 from .dataflow import addend_edges
 from .dump import StepReader, StepReaders, one_side, read_chunks, reading
 from .pairing import from_shards
-from .precision import lowest, rounded, rounding_of
+from .precision import ROUNDABLE, lowest, rounded, rounding_of
 
 TRANSIT_COLUMNS = ("transit_rel_diff", "transit_from")
 STEP = ["epoch", "step", "rank"]
@@ -246,8 +246,7 @@ def fan_out_links(pairs: pd.DataFrame) -> list[tuple[tuple[int, ...], tuple[int,
         index = output_index.get((*step, producer, identity))
         total = label.get((*step, producer, fmt.GRAD_OUTPUT, index))
         terms = [label.get((*step, call, fmt.GRAD_INPUT, i)) for call, i in outer]
-        if len(terms) < 2 or None in terms or total is None or known.loc[
-                terms, "replaced"].any():
+        if len(terms) < 2 or None in terms or total is None:
             continue
         totals = _as_summed(known, replaced, terms, same_bits.get(
             (*step, known.at[total, "identity"]), [total]))
@@ -346,8 +345,7 @@ def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, chunk_elements: i
                     {tuple(r[f"shape_{s}"]) for r in (*rows, *ends) for s in "ab"}) > 1:
                 continue  # values of one shape on both sides are needed
             replaced = _replaced(pairs.loc[list(terms)]).to_numpy()
-            if any(rounded(np.zeros(1), r["dtype_b"]) is None
-                   for r in itertools.compress(rows, replaced)):
+            if any(r["dtype_b"] not in ROUNDABLE for r in itertools.compress(rows, replaced)):
                 continue  # B summed A's value cast to a dtype this cannot round to
             with reading(str(files_a[key].path)):
                 in_a = _sum_differences(*([_values(readers_a[key], r, chunk_elements, "a")
