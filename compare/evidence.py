@@ -180,17 +180,23 @@ class Evidence:
         self.unbounded = self._unbounded()  # why there is no bound, "" where there is
         # what B's code between two records of one tensor changed (compare.transit), and what
         # casts may: one rounding to the lowest precision B computes in, relatively, or at the
-        # tensor's scale its underflow (code between modules may round through it and back)
+        # tensor's scale its underflow (code between modules may round through it and back);
+        # a sum of k records, one per addition, each at most a unit of its partial sum, which
+        # the terms' magnitude bounds, of mean zero and independent: sqrt(k - 1) of them in
+        # the norm (Higham and Mary's probabilistic bound; the worst case, k - 1, would let
+        # a 3 % error hide in a bfloat16 sum of 9)
         self.transit = frame["transit_rel_diff"].to_numpy(float)
         cast = rounding_of(lowest(frame["dtype_b"][self.compared].unique()) if self.compared.any()
                            else "float64")
+        additions = frame["transit_from"].fillna("").map(
+            lambda sent: sent.count(SUM_OF_RECORDS)).to_numpy(float)
         with np.errstate(divide="ignore"):
-            self.transit_floor = cast.unit + cast.underflow / frame["rms_a"].to_numpy(float)
+            self.transit_floor = np.sqrt(np.fmax(additions, 1)) * (
+                cast.unit + cast.underflow / frame["rms_a"].to_numpy(float))
         self.in_transit = self.transit > self.transit_floor  # changed beyond that (NaN: no link)
         # B's value is the sum of other records' values, as in A, within rounding: its error
         # is theirs, summed (cancelling terms amplify it relatively)
-        self.summed = (self.transit <= self.transit_floor) & frame["transit_from"].fillna(
-            "").str.contains(SUM_OF_RECORDS, regex=False).to_numpy(bool)
+        self.summed = (self.transit <= self.transit_floor) & (additions > 0)
         # what B's computation of a call added, recomputed from its records (compare.recompute),
         # and what rounding in the dtype it computes in explains, relatively and near zero
         self.recomputed = frame["recomputed_rel_err"].to_numpy(float)

@@ -142,12 +142,10 @@ def _replacements(known: pd.DataFrame) -> dict[tuple, list[tuple[float, str]]]:
 
 def _arrived(known: pd.DataFrame, replaced: dict, start: float, later: int) -> bool:
     """Whether record ``later`` holds what B's code made of its values since ``start`` (B's
-    seq): B computed it, or B replaced it (what arrived) and no record with its bits in A, of
-    a call enclosing its own, was replaced in between in B's order (that call's code, the
-    later record's module's included, then got A's value; a sibling's replaced copy is its
-    own)."""
-    if not known.at[later, "replaced"]:
-        return True
+    seq), computed by B or replaced (what arrived): no record with its bits in A, of a call
+    enclosing its own, was replaced in between in B's order (that call's code, the later
+    record's module's included, then got A's value, whether or not the injector replaced
+    the later record too; a sibling's replaced copy is its own)."""
     row = known.loc[later]
     return not any(start < seq < row["seq_b"] and module != row["module"]
                    and fmt.contains(module, row["module"]) for seq, module in replaced.get(
@@ -350,7 +348,8 @@ def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, chunk_elements: i
             with reading(str(files_a[key].path)):
                 in_a = _sum_differences(*([_values(readers_a[key], r, chunk_elements, "a")
                                            for r in part] for part in (rows, ends[:1])))[0]
-            if not in_a <= rounding_of(lowest(r["dtype_a"] for r in (*rows, *ends))).unit:
+            roundings = math.sqrt(len(rows) - 1)  # one per addition (evidence.transit_floor)
+            if not in_a <= roundings * rounding_of(lowest(r["dtype_a"] for r in (*rows, *ends))).unit:
                 continue  # the sum's uses are not all recorded, or it is not what A does
             with reading(str(files_b[key].path)):  # a term B replaced: A's value, as B's
                 summed = [(rounded(part, r["dtype_b"]) for part in _values(

@@ -338,6 +338,53 @@ def test_injected_outputs_replace_a_wrong_module(tmp_path):
     assert (downstream["status"] == "equal").all()
 
 
+class HandsToChild(nn.Module):
+    """A wrapper whose child gets its input tensor itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.child = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.child(x)
+
+
+class WrappedAfterLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.wrap, self.out = nn.Linear(16, 16), HandsToChild(), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.wrap(self.first(x))))
+
+
+def test_a_child_given_a_replaced_value_through_its_parent_is_no_origin(tmp_path):
+    """An injector limited by ``include=`` to a parent replaces the parent's input; the child,
+    which gets that tensor, is not injected, so its row is not marked replaced, yet it holds
+    A's value: what B's ``first`` sent (3 % wrong, planted) did not arrive there, and the
+    row is not linked to it, so the code between them is no origin."""
+    batch = torch.randn(32, 16)
+
+    def run(directory, dtype, inject=None):
+        torch.manual_seed(0)
+        model = WrappedAfterLinear().to(dtype)
+        if dtype != torch.float32:
+            model.first.register_forward_hook(lambda m, args, out: out * 1.03)
+        with HookerAndDumper(directory, inject=inject).hooks(model, 0, 0):
+            model(batch.to(dtype)).float().pow(2).mean().backward()
+        return directory
+
+    ref = run(tmp_path / "ref", torch.float32)
+    free = run(tmp_path / "free", torch.bfloat16)
+    rerun = run(tmp_path / "rerun", torch.bfloat16, Injector(ref, include=["wrap"]))
+    rows = compare_dumps(ref, rerun).set_index(["module", "kind"])
+    assert rows.loc[("wrap", "input"), "injected"] == 1
+    assert rows.loc[("wrap.child", "input"), "injected"] == 0
+    assert pd.isna(rows.loc[("wrap.child", "input"), "transit_rel_diff"])
+    table = localize(ref, free, rerun)
+    assert not table["module"][table["verdict"] == ORIGIN].str.startswith("wrap").any()
+
+
 def test_perturbations_of_what_modules_send_back_undo_in_any_order():
     """Two such perturbations of one module multiply, each removal takes its own away
     whatever the order; a module that hands its input back gets it, not a copy (nothing of
