@@ -214,6 +214,21 @@ HELD_OUT: dict[str, Arch] = {
                           num_attention_heads=[1, 2], mlp_ratios=[2, 2], hidden_dropout_prob=0.0,
                           attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
                           classifier_dropout_prob=0.0, num_labels=10), _vit_batch, _hf_loss),
+    # added 2026-11-29 (nineteenth session), chosen and built before any result of theirs was
+    # looked at: a Swin (shifted-window attention with a relative position bias, patch
+    # merging), a DeBERTa-v2 (disentangled content-to-position attention) and a Falcon
+    # (multi-query attention, attention and feed-forward in parallel, rotary embedding)
+    "swin": Arch(_hf("SwinConfig", "SwinForImageClassification", image_size=16, patch_size=2,
+                     embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=4, mlp_ratio=2.0,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                     drop_path_rate=0.0, num_labels=10), _vit_batch, _hf_loss),
+    "deberta_v2": Arch(_hf("DebertaV2Config", "DebertaV2ForMaskedLM", **_TINY,
+                           **_NO_DROPOUT_BERT, relative_attention=True, position_buckets=8,
+                           pos_att_type=["c2p", "p2c"]), _tokens(), _hf_loss),
+    "falcon": Arch(_hf("FalconConfig", "FalconForCausalLM", vocab_size=96, hidden_size=48,
+                       num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+                       parallel_attn=True, new_decoder_architecture=False, alibi=False,
+                       hidden_dropout=0.0, attention_dropout=0.0), _tokens(), _hf_loss),
 }
 ARCHITECTURES.update(HELD_OUT)
 
