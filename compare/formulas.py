@@ -19,6 +19,10 @@ the one that A's own records follow best.
 - ``Embedding`` (:data:`GATHERS`): ``y = W[x]``, the rows its integer input names (a copy:
   rounding explains one rounding of the result, no sum; its gradient goes to the weight only,
   none is sent back);
+- adaptive average pools (:data:`POOLS`), at the sizes their records have: output ``i`` of a
+  dimension of ``L`` inputs and ``n`` outputs is the mean of inputs ``floor(i L / n)`` to
+  ``ceil((i + 1) L / n)``, PyTorch's bins; backward, each output's gradient shared equally
+  among its bin's inputs (a global pool, ``n = 1``: the mean, and the gradient over ``L``);
 - normalizations (class names with ``LayerNorm``, ``RMSNorm`` or ``BatchNorm``; not
   ``SyncBatchNorm`` or gated ones), at the module's recorded ``eps``: ``x̂ = (x - μ) / σ``
   (``σ = sqrt(mean((x - μ)²) + eps)``; ``μ = 0`` for an RMSNorm), ``y = γ x̂ + β``,
@@ -119,6 +123,9 @@ ELEMENTWISE: dict[str, tuple[Callable, Callable]] = {
     "Sigmoid": (_sigmoid, lambda x: _sigmoid(x) * (1.0 - _sigmoid(x))),
     "Tanh": (np.tanh, lambda x: 1.0 - np.tanh(x) ** 2),
 }
+# adaptive average pools: their spatial dimensions
+POOLS = {"AdaptiveAvgPool1d": 1, "AdaptiveAvgPool2d": 2, "AdaptiveAvgPool3d": 3}
+UNWEIGHTED = frozenset((*ELEMENTWISE, *POOLS))  # formulas that take no weights
 # spatial dimensions; and those that compute what a convolution sends back
 CONVOLUTIONS = {"Conv1d": 1, "Conv2d": 2, "Conv3d": 3,
                 "ConvTranspose1d": 1, "ConvTranspose2d": 2, "ConvTranspose3d": 3}
@@ -151,6 +158,8 @@ def candidates(cls: str) -> list[Formula]:
         return [functools.partial(_linear, cls == "Conv1D")]
     if cls in GATHERS:
         return [_gathered]
+    if cls in POOLS:
+        return [functools.partial(_pooled, POOLS[cls])]
     if not any(n in cls for n in NORMALIZATIONS) or any(n in cls for n in NOT_NORMALIZATIONS):
         return []
     if "BatchNorm" in cls:
@@ -408,6 +417,42 @@ def _transposed_convolution(dims: int, kind: str, ops: Operands) -> Optional[Fig
     return Figures(gx, _correlated(padded, weight, geometry, sliding),
                    _squared_terms(padded, weight, geometry, sliding),
                    group_channels * math.prod(kernel))
+
+
+def _bins(inputs: int, outputs: int) -> np.ndarray:
+    """``(outputs, inputs)`` weights of an adaptive average pool along one dimension."""
+    weights = np.zeros((outputs, inputs))
+    for i in range(outputs):
+        start, end = i * inputs // outputs, -(-(i + 1) * inputs // outputs)
+        weights[i, start:end] = 1.0 / (end - start)
+    return weights
+
+
+def _along(values: np.ndarray, matrices: list[np.ndarray]) -> np.ndarray:
+    """``values`` with each of its trailing axes, one per matrix ``(to, from)``, mapped by it."""
+    for axis, matrix in zip(range(values.ndim - len(matrices), values.ndim), matrices):
+        values = np.moveaxis(np.tensordot(values, matrix, axes=([axis], [1])), -1, axis)
+    return values
+
+
+def _pooled(dims: int, kind: str, ops: Operands) -> Optional[Figures]:
+    """An adaptive average pool over the trailing ``dims`` axes, at its records' sizes."""
+    t = ops.tensors
+    x = t.get(fmt.INPUT)
+    if kind == fmt.OUTPUT:
+        source, got = x, t[fmt.OUTPUT]
+    else:
+        source, got = t[fmt.GRAD_OUTPUT], t[fmt.GRAD_INPUT]
+        if x is not None and x.shape != got.shape:
+            return None
+    if source is None or source.ndim != got.ndim or source.ndim <= dims or \
+            source.shape[:-dims] != got.shape[:-dims]:
+        return None
+    sizes = zip(source.shape[-dims:], got.shape[-dims:])
+    matrices = [_bins(n, m) if kind == fmt.OUTPUT else _bins(m, n).T for n, m in sizes]
+    return Figures(got, _along(source, matrices),
+                   float(_along(np.square(source), [np.square(m) for m in matrices]).sum()),
+                   math.prod(int((m > 0).sum(axis=1).max()) for m in matrices))
 
 
 def _elementwise(f: Callable, grad: Callable, kind: str, ops: Operands) -> Optional[Figures]:

@@ -1,7 +1,8 @@
 """A call recomputed from its own records: what B's computation of one call added.
 
 Where a module's class says what it computes (:mod:`compare.formulas`: ``Linear``,
-convolutions, elementwise activations, normalizations, ``Embedding``), its output follows
+convolutions, elementwise activations, normalizations, ``Embedding``, adaptive average
+pools), its output follows
 from its input and weights, and the gradient it sends back from the gradient that arrives
 and its input.
 Recomputed in float64 from B's own records of the call, the difference is what B's
@@ -53,8 +54,8 @@ from .decoding import decode
 from .dump import StepReaders, one_side, reading
 from .pairing import from_shards
 from .attributes import NO_ATTRIBUTES, Attributes, Recorded
-from .formulas import (CONVOLUTIONS, ELEMENTWISE, GATHERS, RECOMPUTE_FIGURES, WEIGHTED,
-                       Operands, allowed, candidates, near_zero_roundings)
+from .formulas import (CONVOLUTIONS, ELEMENTWISE, GATHERS, POOLS, RECOMPUTE_FIGURES,
+                       UNWEIGHTED, WEIGHTED, Operands, allowed, candidates, near_zero_roundings)
 from .precision import lowest, rounded, rounding_of
 from .statistics import STATS_RESOLUTION
 
@@ -199,7 +200,7 @@ class _Call:
             else:
                 self.by_kind.setdefault(row["kind"], row)
         cls = next(iter(rows.values()))["cls_a"]
-        self.formulas, self.takes_weights = candidates(cls), cls not in ELEMENTWISE
+        self.formulas, self.takes_weights = candidates(cls), cls not in UNWEIGHTED
         self.gathers = cls in GATHERS  # its weight is read at the rows its input names
         self.sampling = self._sampling(cls)
         self.cache: dict[tuple, Optional[np.ndarray]] = {}
@@ -249,6 +250,8 @@ class _Call:
             return 0
         if cls in ELEMENTWISE or self.gathers:
             return ndim
+        if cls in POOLS:  # each channel of each sample apart
+            return max(ndim - POOLS[cls], 0)
         if cls in WEIGHTED:
             return 1 if cls in CONVOLUTIONS else max(ndim - 1, 0)
         # a LayerNorm or RMSNorm: over the trailing axes its weight spans, else per row or

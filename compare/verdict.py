@@ -92,6 +92,7 @@ from . import format as fmt
 from . import status as st
 from .calibration import EXACT_GAIN, EXACT_LABEL, GAIN, Expectation, calibrate
 from .evidence import STATS_GAIN, Evidence
+from .formulas import UNWEIGHTED
 from .gains import adjoint_gains
 from .precision import computed_in, precision_of, rounding_of
 from .scale import describe as describe_scale
@@ -397,8 +398,9 @@ class _Judgement:
             sampled = f", on one sample in {stride:.0f}" if stride > 1 else ""
             return (f"{MISCOMPUTED} {r.recomputed[i]:.3g} (rel) from what its own records give "
                     f"({r.frame.at[i, 'cls']}: recomputed from its "
-                    f"{'input' if r.frame.at[i, 'kind'] == fmt.OUTPUT else 'incoming gradient'} "
-                    f"and weights{sampled}), where rounding explains "
+                    f"{'input' if r.frame.at[i, 'kind'] == fmt.OUTPUT else 'incoming gradient'}"
+                    f"{'' if r.frame.at[i, 'cls'] in UNWEIGHTED else ' and weights'}{sampled}), "
+                    f"where rounding explains "
                     f"{r.recomputed_floor[i]:.2g}: this call's own computation is not what it "
                     f"is in A")
         if r.in_transit[i]:

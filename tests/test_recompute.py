@@ -575,3 +575,59 @@ def test_an_embedding_is_recomputed_from_the_rows_its_ids_name(tmp_path, monkeyp
                                               inject=a))
     row = injected[(injected["module"] == "emb") & (injected["kind"] == "output")].iloc[0]
     assert row["recomputed_rel_err"] == pytest.approx(0.1, rel=1e-3)
+
+
+class _Pooled(nn.Module):
+    """Adaptive average pools: to bins of unequal sizes (7 rows to 3), and global."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bins = nn.AdaptiveAvgPool2d((3, 2))
+        self.mix = nn.Conv2d(8, 8, 1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = self.mix(torch.tanh(self.bins(torch.tanh(self.conv(x)))))
+        return self.head(self.pool(torch.tanh(x)).flatten(1))
+
+
+def _pooled(directory, dtype: torch.dtype, plant: dict = None):
+    torch.manual_seed(0)
+    model = _Pooled().to(dtype)
+    batch = torch.randn(2, 3, 7, 5, generator=torch.Generator().manual_seed(1)).to(dtype)
+    planted = perturb(model, **plant) if plant else None
+    with HookerAndDumper(directory, params=True).hooks(model, 0, 0):
+        model(batch).pow(2).mean().backward()
+    if planted:
+        planted.remove()
+    return directory
+
+
+def test_adaptive_average_pools_are_recomputed_and_their_errors_found(tmp_path):
+    """Float64 A, float32 B: each pool's output and the gradient it sends back (the first
+    needs none: its input is the conv's) are recomputed within float32 rounding, the pair
+    agrees, and a 1e-3 error in a pool's forward or backward is the first divergence, by
+    1e-3. (MobileNetV2's and a ResNet's pooled features carry tens of percent from bfloat16:
+    a 10 % error in the pool itself hid there from the error figures.)"""
+    a = _pooled(tmp_path / "a", torch.float64)
+    result = compare_dumps(a, _pooled(tmp_path / "b", torch.float32))
+    rows = result[result["recomputed_rel_err"].notna() & result["cls"].str.startswith("Adaptive")]
+    # terms per element: 7 rows to 3 bins of 3 and 5 columns to 2 of 3 (rows 2 and 4 and
+    # column 2 in two bins each); the global pool over 3 x 2
+    assert sorted(zip(rows["module"], rows["kind"], rows["recomputed_terms"])) == [
+        ("bins", "grad_input", 4), ("bins", "output", 9), ("pool", "grad_input", 1),
+        ("pool", "output", 6)]
+    floor = allowed(2.0 ** -24, rows["recomputed_spread"].to_numpy(),
+                    rows["recomputed_terms"].to_numpy())
+    assert (rows["recomputed_rel_err"].to_numpy() <= floor).all()
+    assert summarize(result).ok, summarize(result).verdict()
+    for module, where in (("bins", "output"), ("pool", "grad_input")):
+        planted = _pooled(tmp_path / f"{module}{where}", torch.float32,
+                          plant={"include": [module], "where": where, "scale": 1.001})
+        first = summarize(compare_dumps(a, planted)).first
+        assert (first.row["module"], first.row["kind"]) == (module, where)
+        assert first.row["recomputed_rel_err"] == pytest.approx(1e-3, rel=0.05)
+        source = "input" if where == "output" else "incoming gradient"
+        assert f"(AdaptiveAvgPool2d: recomputed from its {source})" in first.row["reason"]
