@@ -102,7 +102,10 @@ class Evidence:
         self.step_key = list(zip(frame["epoch"], frame["step"]))
         # both runs computed in the same dtypes throughout (then weights must agree exactly)
         self.one_precision = bool((frame["dtype_a"] == frame["dtype_b"])[self.compared].all())
-        self.params = (frame["kind"] == fmt.PARAM).to_numpy()
+        # weights: a call's own, and parameters its code hands on as inputs
+        self.params = ((frame["kind"] == fmt.PARAM) | (
+            (frame["kind"] == fmt.INPUT) & (frame["producer"] == fmt.PRODUCER_PARAMETER))
+        ).to_numpy()
         self.label = labels(frame)
         self.dtypes = list(zip(frame["dtype_a"], frame["dtype_b"]))
         self.sketched = (frame["sketched"] == 1).to_numpy()

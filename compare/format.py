@@ -223,6 +223,11 @@ ENCODINGS = frozenset({ENC_RAW, ENC_BITS, ENC_NONE})
 # Record status.
 ST_OK, ST_DROPPED, ST_UNSUPPORTED = "ok", "dropped", "unsupported"
 
+# `producer` of an input no hooked call made (or changed in place since), and of one that is
+# a parameter of the model (a torch.nn.Parameter a call's code passes on: DeBERTa's relative
+# position embeddings, a weight given to an op): its difference is the weights'
+NO_PRODUCER, PRODUCER_PARAMETER = -1, -2
+
 # Columns of the per-step index table, in order: (name, kind), kind "str" = UTF-8 string
 # (fixed-length as written by the dumper; readers also accept variable-length).
 INDEX_COLUMNS: tuple[tuple[str, str], ...] = (
@@ -245,7 +250,10 @@ INDEX_COLUMNS: tuple[tuple[str, str], ...] = (
     ("requires_grad", "int8"),
     ("status", "str"),        # ST_OK / ST_DROPPED / ST_UNSUPPORTED
     ("value", "str"),         # short repr of a non-tensor leaf (CONV_PATH: conv_text), or why not stored
-    ("producer", "int32"),    # input rows: `call` of the module call that output this tensor, else -1
+    # input rows: `call` of the module call that output this tensor, else NO_PRODUCER, or
+    # PRODUCER_PARAMETER for a parameter of the model (since 2026-11-29: earlier files have
+    # NO_PRODUCER there)
+    ("producer", "int32"),
     # input rows without a producer, and output rows a call made by its own code: the hooked
     # calls' outputs the tensor sums unchanged (addends_text), "" for none. Since 10.
     ("addends", "str"),

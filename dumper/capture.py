@@ -317,8 +317,11 @@ class StepCapture:
         for leaf_path, leaf in call_leaves(args, kwargs):
             if isinstance(leaf, torch.Tensor):
                 producer = self._flow.producer_of(leaf)
+                if producer < 0 and isinstance(leaf, nn.Parameter):
+                    producer = fmt.PRODUCER_PARAMETER
                 # made outside hooked calls: maybe a sum, named where first consumed
-                summed = producer < 0 and self._flow.note_input(leaf, info.number, index)
+                summed = producer == fmt.NO_PRODUCER and self._flow.note_input(
+                    leaf, info.number, index)
                 if want_input:
                     record = self._maker.tensor(seq, info, fmt.INPUT, index, leaf_path, leaf)
                     record.producer = producer

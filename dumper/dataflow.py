@@ -84,11 +84,11 @@ class Dataflow:
         return True
 
     def producer_of(self, t: torch.Tensor) -> int:
-        """Call that output ``t``'s current value, or -1 (unknown: made, or modified since,
-        outside any hooked call, or an inference tensor)."""
+        """Call that output ``t``'s current value, or ``fmt.NO_PRODUCER`` (unknown: made, or
+        modified since, outside any hooked call, or an inference tensor)."""
         known = self._producers.get(id(t))
         if known is None or known[0]() is not t or t.is_inference() or known[2] != t._version:
-            return -1
+            return fmt.NO_PRODUCER
         return known[1]
 
     def addends_of(self, t: torch.Tensor) -> str:

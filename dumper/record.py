@@ -59,7 +59,7 @@ class Record:
     sketch: Union[tuple, Pending, None] = None  # likewise (parameter statistics)
     digest: Union[int, Pending, None] = None  # hash mode: the digest (CPU), or on the device
     occurrence: int = 0
-    producer: int = -1
+    producer: int = fmt.NO_PRODUCER
     addends: str = ""  # the outputs the tensor sums unchanged (dumper.dataflow.Dataflow.addends_of)
     injected: bool = False  # the call ran on the reference's value instead (dumper.injection)
     sharding: Optional[Sharding] = None  # the values are this rank's shard of a global tensor
