@@ -31,8 +31,8 @@ STEP = fmt.step_file_name(0, 0)
 SEED = int(os.environ.get("H5CMP_FUZZ_SEED", 20261123))
 SCALE = float(os.environ.get("H5CMP_FUZZ_SCALE", 1))
 CASES_PER_KIND = {kind: max(1, round(count * SCALE)) for kind, count in {
-    "bytes": 90, "truncate": 10, "attribute": 20, "index cell": 30, "dataset": 25,
-    "link": 25}.items()}
+    "bytes": 45, "truncate": 6, "attribute": 12, "index cell": 18, "dataset": 15,
+    "link": 15}.items()}
 SECONDS_PER_CASE = 30  # generous for a loaded CI machine; a case takes ~0.1 s
 
 
