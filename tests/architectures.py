@@ -217,7 +217,8 @@ HELD_OUT: dict[str, Arch] = {
     # added 2026-11-29 (nineteenth session), chosen and built before any result of theirs was
     # looked at: a Swin (shifted-window attention with a relative position bias, patch
     # merging), a DeBERTa-v2 (disentangled content-to-position attention) and a Falcon
-    # (multi-query attention, attention and feed-forward in parallel, rotary embedding)
+    # (multi-query attention, attention and feed-forward in parallel, rotary embedding);
+    # DeBERTa-v2's results at seeds 1-3 were then studied (a parameter handed on as an input)
     "swin": Arch(_hf("SwinConfig", "SwinForImageClassification", image_size=16, patch_size=2,
                      embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=4, mlp_ratio=2.0,
                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
