@@ -508,6 +508,10 @@ def _result_frame(pairs: pd.DataFrame, metrics: dict[int, dict], base: dict[str,
     frame = pairs.copy()
     for col in ("seq", "call", "producer", "addends", "cls", "path"):
         frame[col] = frame[f"{col}_a"].fillna(frame[f"{col}_b"])
+    # a parameter handed on, whichever side says so (files before 2026-11-29 cannot)
+    handed = (frame["producer_a"] == fmt.PRODUCER_PARAMETER) | (
+        frame["producer_b"] == fmt.PRODUCER_PARAMETER)
+    frame.loc[handed, "producer"] = fmt.PRODUCER_PARAMETER
     known = frame["micro_batch_a"].notna() & (frame["micro_batch_a"] != fmt.NO_MICRO_BATCH)
     frame["micro_batch"] = frame["micro_batch_a"].where(known, frame["micro_batch_b"]).fillna(
         fmt.NO_MICRO_BATCH)

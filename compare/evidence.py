@@ -103,9 +103,7 @@ class Evidence:
         # both runs computed in the same dtypes throughout (then weights must agree exactly)
         self.one_precision = bool((frame["dtype_a"] == frame["dtype_b"])[self.compared].all())
         # weights: a call's own, and parameters its code hands on as inputs
-        self.params = ((frame["kind"] == fmt.PARAM) | (
-            (frame["kind"] == fmt.INPUT) & (frame["producer"] == fmt.PRODUCER_PARAMETER))
-        ).to_numpy()
+        self.params = np.asarray(fmt.holds_weights(frame["kind"], frame["producer"]), bool)
         self.label = labels(frame)
         self.dtypes = list(zip(frame["dtype_a"], frame["dtype_b"]))
         self.sketched = (frame["sketched"] == 1).to_numpy()

@@ -228,6 +228,12 @@ ST_OK, ST_DROPPED, ST_UNSUPPORTED = "ok", "dropped", "unsupported"
 # position embeddings, a weight given to an op): its difference is the weights'
 NO_PRODUCER, PRODUCER_PARAMETER = -1, -2
 
+
+def holds_weights(kind, producer):
+    """Whether a record holds weights (elementwise for pandas Series): a call's own
+    (``param``), or a parameter its code hands on as an input (``PRODUCER_PARAMETER``)."""
+    return (kind == PARAM) | ((kind == INPUT) & (producer == PRODUCER_PARAMETER))
+
 # Columns of the per-step index table, in order: (name, kind), kind "str" = UTF-8 string
 # (fixed-length as written by the dumper; readers also accept variable-length).
 INDEX_COLUMNS: tuple[tuple[str, str], ...] = (

@@ -124,7 +124,10 @@ def _check_weights(ref: Dump, rerun: Dump, loc: pd.DataFrame, local: pd.DataFram
     off than the cast to B's dtype moves them (compared on both sides), or injected (the
     reference holds their values and the re-run injected ``param``)."""
     kinds = {k for _, ks in _injected_from(rerun) for k in ks}
-    params = loc[(loc["kind"] == fmt.PARAM) & loc["status"].isin(st.COMPARED | {st.INHERITED})]
+    params = loc[fmt.holds_weights(loc["kind"], loc["producer"])
+                 & loc["status"].isin(st.COMPARED | {st.INHERITED})]
+    # a parameter handed on as an input is A's where B ran on A's value of that input
+    params = params[(params["kind"] == fmt.PARAM) | (params["injected"] != 1)]
     # A's weights in B's dtype: bit-identical, or no further off than the cast to it moves them
     cast = [cast_rounding(a, b) for a, b in zip(params["dtype_a"], params["dtype_b"])]
     params = params[(params["status"] != st.EQUAL)
@@ -138,10 +141,14 @@ def _check_weights(ref: Dump, rerun: Dump, loc: pd.DataFrame, local: pd.DataFram
                      for c in ("epoch", "step", "module", "index"))))
     injected = fmt.PARAM in kinds or not kinds  # a standalone injector: by what A holds
     for r in params.itertuples():
-        if injected and (r.epoch, r.step, r.module, r.index) in held:
+        if r.kind == fmt.PARAM and injected and (r.epoch, r.step, r.module, r.index) in held:
             continue
-        why = (f"A ({ref.path}) holds no values of them there (dump A with params=True)"
-               if injected else "the re-run did not inject 'param'")
+        if r.kind == fmt.INPUT:  # a parameter handed on
+            why = "the re-run did not inject that input (inject 'input' into that call)"
+        elif injected:
+            why = f"A ({ref.path}) holds no values of them there (dump A with params=True)"
+        else:
+            why = "the re-run did not inject 'param'"
         raise DumpError(
             f"{rerun.path}: its modules ran on their own weights, which differ from A's at "
             f"step {fmt.step_label(r.epoch, r.step, r.rank)} (first: "

@@ -11,7 +11,8 @@ output         the call's inputs, its module's parameters, and the outputs of it
                calls
 input          the outputs of the call that produced it (``producer``); if unknown, what the
                parent call had by then: its inputs and parameters, and the outputs of the
-               children that ran before this call
+               children that ran before this call; none for a parameter of the model the
+               parent's code hands on (``PRODUCER_PARAMETER``: weights, as below)
 grad_output    the call's outputs (what the loss was computed from), the grad_inputs of the
                calls that consumed them (the outermost: a consumer nested in another whose
                grad_input for them was compared sends back part of what the outer one does,
@@ -196,6 +197,8 @@ class _Step:
             return (self.of(fwd, fmt.INPUT) + self.weights(call)
                     + self.of(self.children[call], fmt.OUTPUT))
         if kind == fmt.INPUT:
+            if producer == fmt.PRODUCER_PARAMETER:  # weights, like a call's own
+                return []
             if producer >= 0:
                 return self.of((producer,), fmt.OUTPUT)
             if parent is None:

@@ -135,7 +135,9 @@ class Divergence:
                              "(another device, generator or seed), their masks differ; "
                              "compare with dropout off (p=0) in both runs")
         elif self.verdict == st.WEIGHTS:
-            lines.append("  this module's weights differ before the step: compare an earlier step "
+            what = ("a parameter of the model handed to this call differs" if self.row["kind"]
+                    == fmt.INPUT else "this module's weights differ")
+            lines.append(f"  {what} before the step: compare an earlier step "
                          "(or the checkpoints) to find where")
         else:
             origin = f"{self.parent}'s own code" if self.parent else "the code calling the model"
@@ -372,7 +374,8 @@ def summarize(result: pd.DataFrame) -> Summary:
                      & (result["same_as"] == "")]
     largest = passing.loc[passing["added_ratio"].idxmax()] if len(passing) and \
         passing["added_ratio"].notna().any() else None
-    params = result[(result["kind"] == fmt.PARAM) & (result["status"] == st.INHERITED)]
+    weight_rows = fmt.holds_weights(result["kind"], result["producer"])
+    params = result[weight_rows & (result["status"] == st.INHERITED)]
     # (a parameter that differs by more than its own size is noise in one run at least, e.g.
     # a bias no gradient reaches moved by the optimizer alone: no measure of how far apart
     # the weights are, unless every one is)
@@ -384,7 +387,7 @@ def summarize(result: pd.DataFrame) -> Summary:
         ["added_ratio", "added_rel_error"], ascending=False, kind="stable")
     suspects = suspects.assign(label=[record_label(r) for _, r in suspects.iterrows()])
     from_stats = int((result["rel_l2_err"].isna() & result["rel_err_from_stats"].notna()
-                      & (result["kind"] != fmt.PARAM)).sum())
+                      & ~weight_rows).sum())
     # (not a record whose own computation, recomputed from its records on every sample,
     # added no more than an outlier would: what it adds itself is measured, not bounded)
     measured = ((result["recomputed_stride"] == 1)
@@ -393,7 +396,7 @@ def summarize(result: pd.DataFrame) -> Summary:
     # later step undecided)
     outlier = (result["added_ratio"] >= OUTLIER) & np.isfinite(result["added_ratio"])
     candidates = (result["status"].isin([st.CLOSE, st.INHERITED])
-                  & (result["kind"] != fmt.PARAM) & (result["same_as"] == "")
+                  & ~weight_rows & (result["same_as"] == "")
                   & (result["hidden_rel_error"] > OUTLIER * result["expected_rel_error"])
                   & ((result["hidden_rel_error"] < 1) | outlier) & ~measured).to_numpy()
     if first is not None:  # where it may begin instead: an outlier before it, where as
@@ -436,7 +439,7 @@ def _before(result: pd.DataFrame, row: pd.Series) -> pd.Series:
     step = list(zip(result["epoch"], result["step"]))
     at = (row["epoch"], row["step"])
     earlier = pd.Series([k < at for k in step], index=result.index)
-    if row["kind"] == fmt.PARAM:
+    if fmt.holds_weights(row["kind"], row["producer"]):
         return earlier
     same = pd.Series([k == at for k in step], index=result.index)
     rank = result["rank"].fillna(-1) == (-1 if pd.isna(row["rank"]) else row["rank"])
@@ -464,7 +467,7 @@ def _diagnose(result: pd.DataFrame, row: pd.Series) -> Divergence:
     position = same_step.index.get_loc(row.name)
     upstream = same_step.iloc[earlier_sources(same_step)[position]]
     aliases = same_step[same_step["same_as"] == record_label(row)]
-    if row["kind"] == fmt.PARAM:
+    if fmt.holds_weights(row["kind"], row["producer"]):
         return Divergence(row, st.WEIGHTS, upstream, aliases=aliases)
     if row["kind"] in (fmt.INPUT, fmt.GRAD_OUTPUT):
         producer = None

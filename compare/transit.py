@@ -27,11 +27,11 @@ Per later record of a link:
 
 The verdict (:mod:`compare.verdict`) allows what casts through B's lowest precision may do.
 In a localizing re-run (B ``injected``: it ran on A's values), a record holding what arrived
-before A's value replaced it is linked to the record it was handed on from, which B computed;
-not where a record of the same tensor in A, of a call enclosing the later one's, was replaced
-between the two (the enclosing call's input: its child got A's value), nor where the earlier
-record is replaced; a sum's term B replaced stands for A's value rounded to B's dtype (what
-B summed).
+before A's value replaced it is linked to the record it was handed on from, which B computed.
+No record is linked where a record of the same tensor in A, of a call enclosing the later
+one's, was replaced between the two (the enclosing call's input: its child got A's value,
+replaced itself or not), nor where the earlier record is replaced; a sum's term B replaced
+stands for A's value rounded to B's dtype (what B summed).
 Sharded records put together from parts have no link.
 """
 from __future__ import annotations
@@ -146,10 +146,12 @@ def _arrived(known: pd.DataFrame, replaced: dict, start: float, later: int) -> b
     enclosing its own, was replaced in between in B's order (that call's code, the later
     record's module's included, then got A's value, whether or not the injector replaced
     the later record too; a sibling's replaced copy is its own)."""
-    row = known.loc[later]
-    return not any(start < seq < row["seq_b"] and module != row["module"]
-                   and fmt.contains(module, row["module"]) for seq, module in replaced.get(
-                       (*(row[c] for c in STEP), row["identity"]), ()))
+    if not replaced:
+        return True
+    seq_b, within = known.at[later, "seq_b"], known.at[later, "module"]
+    return not any(start < seq < seq_b and module != within and fmt.contains(module, within)
+                   for seq, module in replaced.get(
+                       (*(known.at[later, c] for c in STEP), known.at[later, "identity"]), ()))
 
 
 def sum_links(pairs: pd.DataFrame) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

@@ -12,10 +12,13 @@ from click.testing import CliRunner
 
 from compare import compare_dumps, load_dump, summarize
 from compare import format as fmt
+from compare import status as st
 from compare.status import FAILING
 from compare.cli import main
 from compare.statistics import sketch_of_chunks, sketch_rel_error
-from dumper import HookerAndDumper
+from compare import localize
+from compare.errors import DumpError
+from dumper import HookerAndDumper, Injector
 from dumper.stats import tensor_sketch
 
 from helpers import Planted
@@ -209,35 +212,41 @@ def test_wrong_weights_at_the_first_step_are_a_divergence_across_precisions(
     assert "at the first step, more than a cast between the runs' dtypes" in wrong_run.output
 
 
+class TableUser(torch.nn.Module):
+    def forward(self, x, table):
+        return x @ table.T
+
+
+class HandsOnATable(torch.nn.Module):
+    """Its code hands a parameter to a call, as DeBERTa hands its relative position
+    embeddings to every layer (the Embedding that holds it is never called)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(4, 6)
+        self.consumer = TableUser()
+
+    def forward(self, x):
+        return self.consumer(x, self.table.weight)
+
+
+def _hands_on(directory, scale: float, **options) -> str:
+    torch.manual_seed(0)
+    model = HandsOnATable()
+    with torch.no_grad():
+        model.table.weight.mul_(scale)
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    with HookerAndDumper(directory, **options).hooks(model, 0, 0):
+        model(x).pow(2).mean().backward()
+    return str(directory)
+
+
 def test_a_parameter_handed_on_as_an_input_is_judged_as_a_weight(tmp_path):
     """An input that is a parameter of the model (its ``producer`` says so) differs because
     the weights do: at the first step of a same-precision pair, 1 % off is a divergence
-    named as wrong weights, not error made by the code before the call."""
-    x = torch.randn(8, 6)
-
-    class Consumer(torch.nn.Module):
-        def forward(self, x, table):
-            return x @ table.T
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.table = torch.nn.Embedding(4, 6)
-            self.consumer = Consumer()
-
-        def forward(self, x):
-            return self.consumer(x, self.table.weight)
-
-    def run(name, scale):
-        torch.manual_seed(0)
-        model = Model()
-        with torch.no_grad():
-            model.table.weight.mul_(scale)
-        with HookerAndDumper(tmp_path / name).hooks(model, 0, 0):
-            model(x).pow(2).mean().backward()
-        return str(tmp_path / name)
-
-    a, b = run("a", 1.0), run("b", 1.01)
+    named as wrong weights, not error made by the code before the call; a re-run on A's
+    values must replace it to give local errors."""
+    a, b = _hands_on(tmp_path / "a", 1.0), _hands_on(tmp_path / "b", 1.01)
     index = load_dump(a).index
     table = index[(index["module"] == "consumer") & (index["kind"] == "input")]
     assert table["producer"].tolist() == [fmt.NO_PRODUCER, fmt.PRODUCER_PARAMETER]
@@ -247,6 +256,14 @@ def test_a_parameter_handed_on_as_an_input_is_judged_as_a_weight(tmp_path):
     assert result.exit_code == 1, result.output
     assert ("where both runs compute bit-identically: the runs did not start from the same "
             "weights, or diverged at an earlier step") in result.output
+    assert "a parameter of the model handed to this call differs before the step" in result.output
+    assert "arose outside any hooked submodule" not in result.output
+    assert first.verdict == st.WEIGHTS and first.row["source"] == ""
+    no_inputs = _hands_on(tmp_path / "c", 1.01, inject=Injector(a, kinds=["grad_output"]))
+    with pytest.raises(DumpError, match="did not inject that input"):
+        localize(a, b, no_inputs)
+    rerun = _hands_on(tmp_path / "d", 1.01, inject=a)
+    assert not localize(a, b, rerun)["verdict"].eq(st.ORIGIN).any()  # accepted, no origin
 
 
 def test_a_parameter_handed_on_drifts_as_weights_do_at_a_later_step(tmp_path):
