@@ -356,7 +356,9 @@ class Evidence:
         gets integers: as its inputs (an embedding's token ids) or from its children (a
         router's choice of experts whose weights the parent holds); another module's integers
         (the position ids an attention's projections never see) select nothing of them."""
-        drifted = (self.weight_status == st.INHERITED) & ~self.replaced
+        # (a call's own weights: a parameter handed on is not looked up by that call's indices)
+        drifted = ((self.weight_status == st.INHERITED) & ~self.replaced
+                   & (self.frame["kind"] == fmt.PARAM).to_numpy())
         unknown = self.from_stats & ~self.sketched  # how much: five statistics cannot tell
         module = self.frame["module"].to_numpy(object)
         kind = self.frame["kind"].to_numpy(object)
