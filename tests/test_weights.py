@@ -262,7 +262,8 @@ def test_a_parameter_handed_on_as_an_input_is_judged_as_a_weight(tmp_path):
     no_inputs = _hands_on(tmp_path / "c", 1.01, inject=Injector(a, kinds=["grad_output"]))
     with pytest.raises(DumpError, match="did not inject that input"):
         localize(a, b, no_inputs)
-    rerun = _hands_on(tmp_path / "d", 1.01, inject=a)
+    with pytest.warns(RuntimeWarning, match="holds no parameter values"):  # (none it needs)
+        rerun = _hands_on(tmp_path / "d", 1.01, inject=a)
     assert not localize(a, b, rerun)["verdict"].eq(st.ORIGIN).any()  # accepted, no origin
 
 
