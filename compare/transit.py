@@ -350,8 +350,8 @@ def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, chunk_elements: i
             with reading(str(files_a[key].path)):
                 in_a = _sum_differences(*([_values(readers_a[key], r, chunk_elements, "a")
                                            for r in part] for part in (rows, ends[:1])))[0]
-            roundings = math.sqrt(len(rows) - 1)  # one per addition (evidence.transit_floor)
-            if not in_a <= roundings * rounding_of(lowest(r["dtype_a"] for r in (*rows, *ends))).unit:
+            unit = rounding_of(lowest(r["dtype_a"] for r in (*rows, *ends))).unit
+            if not in_a <= math.sqrt(len(rows) - 1) * unit:  # one per addition (evidence)
                 continue  # the sum's uses are not all recorded, or it is not what A does
             with reading(str(files_b[key].path)):  # a term B replaced: A's value, as B's
                 summed = [(rounded(part, r["dtype_b"]) for part in _values(
