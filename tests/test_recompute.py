@@ -359,16 +359,34 @@ CONVS = [f"convs.{i}" for i in range(0, 15, 2)]  # between them: Tanh
 ZERO_PADDED = {"convs.0", "convs.2", "convs.4", "convs.6", "convs.14", "line", "volume"}
 
 
-def _geometries(directory, dtype: torch.dtype, plant: dict = None, **options):
-    torch.manual_seed(0)
-    model = _Geometries().to(dtype)
-    batch = torch.randn(2, 4, 12, 12, generator=torch.Generator().manual_seed(1)).to(dtype)
+def _dumped_step(directory, model: nn.Module, batch: torch.Tensor, plant: dict = None,
+                 **options):
+    """One step of ``model`` on ``batch`` dumped into ``directory`` (``plant``: passed to
+    ``dumper.perturb`` for that step; ``options``: to the dumper)."""
     planted = perturb(model, **plant) if plant else None
     with HookerAndDumper(directory, **options).hooks(model, 0, 0):
         model(batch).pow(2).mean().backward()
     if planted:
         planted.remove()
     return directory
+
+
+def _planted_first(a, run, directory, module: str, where: str):
+    """The first divergence against ``a`` of float32 ``run`` with a 1e-3 error planted in
+    ``module``'s ``where``: that record, by 1e-3 recomputed."""
+    planted = run(directory, torch.float32,
+                  plant={"include": [module], "where": where, "scale": 1.001})
+    first = summarize(compare_dumps(a, planted)).first
+    assert (first.row["module"], first.row["kind"]) == (module, where)
+    assert first.row["recomputed_rel_err"] == pytest.approx(1e-3, rel=0.05)
+    return first
+
+
+def _geometries(directory, dtype: torch.dtype, plant: dict = None, **options):
+    torch.manual_seed(0)
+    model = _Geometries().to(dtype)
+    batch = torch.randn(2, 4, 12, 12, generator=torch.Generator().manual_seed(1)).to(dtype)
+    return _dumped_step(directory, model, batch, plant, **options)
 
 
 def test_every_convolution_geometry_is_recomputed_within_rounding(tmp_path):
@@ -397,11 +415,7 @@ def test_a_convolutions_own_error_is_found_exactly(tmp_path, module, where):
     three-dimensional) in a float32 B against float64 A: the first divergence, by 1e-3
     recomputed."""
     a = _geometries(tmp_path / "a", torch.float64, params=True)
-    planted = _geometries(tmp_path / "p", torch.float32,
-                          plant={"include": [module], "where": where, "scale": 1.001})
-    first = summarize(compare_dumps(a, planted)).first
-    assert (first.row["module"], first.row["kind"]) == (module, where)
-    assert first.row["recomputed_rel_err"] == pytest.approx(1e-3, rel=0.05)
+    _planted_first(a, _geometries, tmp_path / "p", module, where)
 
 
 def test_the_geometry_is_recorded_and_older_files_recompute_what_they_can(tmp_path,
@@ -514,12 +528,7 @@ def _transposed(directory, dtype: torch.dtype, plant: dict = None, **options):
         nn.ConvTranspose2d(6, 4, 3, stride=3, padding=2, dilation=2, groups=2,
                            output_padding=2)).to(dtype)
     batch = torch.randn(2, 4, 5, 6, generator=torch.Generator().manual_seed(1)).to(dtype)
-    planted = perturb(model, **plant) if plant else None
-    with HookerAndDumper(directory, **options).hooks(model, 0, 0):
-        model(batch.requires_grad_()).pow(2).mean().backward()
-    if planted:
-        planted.remove()
-    return directory
+    return _dumped_step(directory, model, batch.requires_grad_(), plant, **options)
 
 
 def test_transposed_convolutions_are_recomputed_and_their_errors_found(tmp_path):
@@ -538,11 +547,7 @@ def test_transposed_convolutions_are_recomputed_and_their_errors_found(tmp_path)
     assert (rows["recomputed_rel_err"].to_numpy() <= floor).all()
     assert summarize(result).ok, summarize(result).verdict()
     for module, where in (("2", "output"), ("0", "grad_input")):
-        planted = _transposed(tmp_path / f"{module}{where}", torch.float32,
-                              plant={"include": [module], "where": where, "scale": 1.001})
-        first = summarize(compare_dumps(a, planted)).first
-        assert (first.row["module"], first.row["kind"]) == (module, where)
-        assert first.row["recomputed_rel_err"] == pytest.approx(1e-3, rel=0.05)
+        _planted_first(a, _transposed, tmp_path / f"{module}{where}", module, where)
 
 
 def test_an_embedding_is_recomputed_from_the_rows_its_ids_name(tmp_path, monkeypatch):
@@ -597,12 +602,7 @@ def _pooled(directory, dtype: torch.dtype, plant: dict = None):
     torch.manual_seed(0)
     model = _Pooled().to(dtype)
     batch = torch.randn(2, 3, 7, 5, generator=torch.Generator().manual_seed(1)).to(dtype)
-    planted = perturb(model, **plant) if plant else None
-    with HookerAndDumper(directory, params=True).hooks(model, 0, 0):
-        model(batch).pow(2).mean().backward()
-    if planted:
-        planted.remove()
-    return directory
+    return _dumped_step(directory, model, batch, plant, params=True)
 
 
 def test_adaptive_average_pools_are_recomputed_and_their_errors_found(tmp_path):
@@ -624,10 +624,6 @@ def test_adaptive_average_pools_are_recomputed_and_their_errors_found(tmp_path):
     assert (rows["recomputed_rel_err"].to_numpy() <= floor).all()
     assert summarize(result).ok, summarize(result).verdict()
     for module, where in (("bins", "output"), ("pool", "grad_input")):
-        planted = _pooled(tmp_path / f"{module}{where}", torch.float32,
-                          plant={"include": [module], "where": where, "scale": 1.001})
-        first = summarize(compare_dumps(a, planted)).first
-        assert (first.row["module"], first.row["kind"]) == (module, where)
-        assert first.row["recomputed_rel_err"] == pytest.approx(1e-3, rel=0.05)
+        first = _planted_first(a, _pooled, tmp_path / f"{module}{where}", module, where)
         source = "input" if where == "output" else "incoming gradient"
         assert f"(AdaptiveAvgPool2d: recomputed from its {source})" in first.row["reason"]
