@@ -12,7 +12,8 @@ _EXPORTS = {
     "compare_dumps": "comparison", "load_dump": "dump", "Dump": "dump", "StepFile": "dump",
     "DumpError": "errors", "format_tree": "inspect", "summarize": "summary", "Summary": "summary",
     "Divergence": "summary", "Tolerance": "tolerance", "pair_tolerance": "tolerance",
-    "localize": "injection", "describe_origins": "injection", "judge": "verdict",
+    "localize": "injection", "describe_origins": "injection", "ops_suspects": "injection",
+    "judge": "verdict",
     "NameMapping": "mapping", "Rule": "mapping", "load_mapping": "mapping",
     "suggest_mapping": "suggest",
 }

@@ -224,7 +224,8 @@ def compare_command(a: Path, b: Path, opts: Options) -> int:
         from .status import ORIGIN
         if not opts.quiet:
             click.echo("\nlocal vs accumulated error (the reference's values injected):")
-            click.echo(describe_origins(origins))
+            click.echo(describe_origins(origins, unexplained=not summary.ok
+                                        or summary.cannot_tell))
         found = (origins["verdict"] == ORIGIN).any() or not summary.arguments.empty
         return EXIT_DIFFERENT if found else EXIT_SAME
     return EXIT_SAME if summary.ok else EXIT_DIFFERENT

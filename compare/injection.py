@@ -31,8 +31,10 @@ from .comparison import compare_dumps
 from .dump import Dump, PathLike, load_dump
 from .errors import DumpError
 from .precision import cast_rounding, rounding_of
+from .sources import parent_calls
 
 ORIGINS_SHOWN = 10  # origins listed by describe_origins
+OPS_SUSPECTS = 3  # modules whose own code ops_suspects names at most
 # What a module makes, and what must have been injected for its error to be local.
 PRODUCED = {fmt.OUTPUT: fmt.INPUT, fmt.GRAD_INPUT: fmt.GRAD_OUTPUT}
 DIRECTION_KINDS = {"forward": fmt.FORWARD_KINDS, "backward": fmt.BACKWARD_KINDS}
@@ -48,12 +50,13 @@ def localize(reference: PathLike | Dump, free: PathLike | Dump, injected: PathLi
     """One row per record of the injected run that carries local error only (see the module
     docstring), in execution order, with ``local_*`` (injected vs reference) and
     ``accumulated_*`` (free vs reference) status, rel_error, added_ratio and reason, the
-    ``injected`` flag (1: what arrived, replaced by A's value before the module ran) and a
-    ``verdict``: ``origin`` (wrong even from the reference's values), ``inherited`` (wrong only
-    in the free run), ``fine``. Records the injected run has and the reference has not, or the
-    other way round (an in-place module fed a copy makes a gradient the original run merges),
-    are no origin. ``free_result``: ``compare_dumps(reference, free, ...)`` if
-    already done.
+    ``injected`` flag (1: what arrived, replaced by A's value before the module ran), the
+    ``call`` number and a ``verdict``: ``origin`` (wrong even from the reference's values),
+    ``inherited`` (wrong only in the free run), ``fine``. Records the injected run has and the
+    reference has not, or the other way round (an in-place module fed a copy makes a gradient
+    the original run merges), are no origin. ``free_result``: ``compare_dumps(reference, free,
+    ...)`` if already done. Where none is an origin, :func:`ops_suspects` says which modules'
+    own code to dump op by op.
 
     Raises :class:`~compare.errors.DumpError` where ``injected`` cannot give local errors: it
     was injected from another dump, none of its calls ran on the reference's values, or its
@@ -69,7 +72,7 @@ def localize(reference: PathLike | Dump, free: PathLike | Dump, injected: PathLi
         _check_replaced(ref, rerun, loc, acc)
     local = loc[judged_locally]
     _check_weights(ref, rerun, loc, local)
-    judged = local[KEY + ["seq", "injected"] + JUDGED].merge(
+    judged = local[KEY + ["seq", "call", "injected"] + JUDGED].merge(
         acc[KEY + JUDGED], on=KEY, how="left", suffixes=("_local", "_accumulated"))
     judged = judged.rename(columns={f"{c}_local": f"local_{c}" for c in JUDGED}
                            | {f"{c}_accumulated": f"accumulated_{c}" for c in JUDGED})
@@ -195,9 +198,44 @@ def _upstream_injected(loc: pd.DataFrame) -> pd.Series:
     return injected
 
 
-def describe_origins(frame: pd.DataFrame, shown: int = ORIGINS_SHOWN) -> str:
+def ops_suspects(frame: pd.DataFrame, shown: int = OPS_SUSPECTS) -> list[str]:
+    """Where :func:`localize`'s ``frame`` names no origin: ``ops=`` globs of the modules whose
+    own code (the functional code around their children: attention, rotary embedding, residual
+    adds) added the most to what arrived at a child, relative to what comparable code adds in
+    the re-run, at most ``shown``, the most first. That code has no record of its own, so it
+    is judged against the loose allowance of all such code together; dumped again with
+    ``ops=`` these and ``skip_ops=()`` (the views between ops recorded too, which links them),
+    it is judged op by op. A module whose ops both runs recorded already is none; [] where an
+    origin is named, or nothing that arrived carries added error."""
+    if (frame["verdict"] == st.ORIGIN).any():
+        return []
+    ratio = frame["local_added_ratio"].to_numpy(float)
+    arrived = frame[(frame["injected"] == 1) & (frame["local_status"] == st.CLOSE)
+                    & np.isfinite(ratio) & (ratio > 0)]
+    both = frame[~frame["local_status"].isin(st.ONE_SIDED)]  # the re-run's ops, A's too
+    recorded = {op[0] for op in map(fmt.split_op, both["module"]) if op is not None}
+    step = ["epoch", "step", "rank"]
+    modules = frame[[fmt.split_op(m) is None for m in frame["module"]]]
+    calls_of = dict(list(modules.assign(rank=modules["rank"].fillna(-1)).groupby(step)))
+    globs: list[tuple[float, str]] = []
+    for key, rows in arrived.assign(rank=arrived["rank"].fillna(-1)).groupby(step):
+        calls = calls_of[key].drop_duplicates("call")
+        parents = parent_calls(calls)
+        named = dict(zip(calls["call"], zip(calls["module"], calls["cls"])))
+        for call, ratio_of in zip(rows["call"], rows["local_added_ratio"]):
+            parent = parents.get(int(call))
+            if parent is not None and named[parent][0] not in recorded:
+                globs.append((ratio_of, named[parent][0] or named[parent][1]))
+    ordered = [glob for _, glob in sorted(globs, key=lambda g: -g[0])]
+    return list(dict.fromkeys(ordered))[:shown]
+
+
+def describe_origins(frame: pd.DataFrame, shown: int = ORIGINS_SHOWN,
+                     unexplained: bool = False) -> str:
     """Text: how many records are origins, inherit or are fine; the origins in execution order
-    (at most ``shown``), each with why (the local reason)."""
+    (at most ``shown``), each with why (the local reason). ``unexplained``: the free run
+    differs from A more than two dumps can explain (it fails, or they cannot tell); where no
+    origin is named then, which modules' own code to dump op by op (:func:`ops_suspects`)."""
     origins = frame[frame["verdict"] == st.ORIGIN]
     lines = [f"{len(frame)} records judged with the reference's values injected: "
              f"{len(origins)} origin, {int((frame['verdict'] == st.INHERITED).sum())} "
@@ -216,4 +254,10 @@ def describe_origins(frame: pd.DataFrame, shown: int = ORIGINS_SHOWN) -> str:
                      f"(accumulated {r.accumulated_rel_error:.3g})")
     if len(origins) > shown:
         lines.append(f"  ... {len(origins) - shown} more (compare.localize gives them all)")
+    suspects = ops_suspects(frame) if unexplained else []
+    if suspects:
+        lines.append(f"  no recorded call is an origin; the code around them is judged only "
+                     f"as a whole, loosely, and added the most in the own code of "
+                     f"{', '.join(suspects)}: to judge it op by op, dump A, B and the re-run "
+                     f"again with HookerAndDumper(..., ops={suspects!r}, skip_ops=())")
     return "\n".join(lines)

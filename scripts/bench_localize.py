@@ -25,14 +25,17 @@ runs' weights drifting apart in mixed precision) and dumps the last. A is dumped
 ``dumper.perturb`` in a random module (the root included; forward: its output scaled by 1 +
 plant; backward: the gradient arriving at its outputs scaled, an error between modules;
 backward-own, with ``--directions``: the gradients it sends back for its inputs scaled, its own
-backward wrong), each run free and re-run on A's values (``inject=A``).
+backward wrong), each run free and re-run on A's values (``inject=A``). Where the re-run names
+no origin and two dumps do not agree, the user's next step is taken: A, B and the re-run
+again with ``ops=`` the modules ``compare.ops_suspects`` names and ``skip_ops=()``.
 
 A plant is *invisible* when it changes its record (the planted module's output or gradient) by
 less than half its size (the record does not exist or is ~zero); *below the noise* when the
 change is not above the local error the precision itself leaves there (A against the healthy
 injected re-run at that record: no method can tell it from rounding); else *visible*. It is
 *localized* from two dumps when the first divergence names the planted module or one of its
-submodules (or a record of the same tensor), and by injection when the first origin does.
+submodules or ops (or a record of the same tensor), and by injection when the first origin
+does (of the re-run with op records where the first re-run names none: counted apart too).
 Printed per set, step, variant and direction: both counts side by side (every miss listed with
 what was named), the median failing rows per plant, and false alarms on the healthy pairs
 (two-dump failing rows; injected origins), and whether an identical rerun is all ``equal``.
@@ -59,7 +62,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import torch  # noqa: E402
 
 from architectures import ARCHITECTURES, HELD_OUT, build, cannot_run, run_step  # noqa: E402
-from compare import compare_dumps, localize, summarize  # noqa: E402
+from compare import compare_dumps, localize, ops_suspects, summarize  # noqa: E402
+from compare import format as fmt  # noqa: E402
 from compare.status import FAILING, ORIGIN  # noqa: E402
 
 
@@ -133,7 +137,7 @@ def _visibility(effect: float, noise: float, size: float) -> str:
 
 def _named(modules: list[str], planted: str) -> bool:
     """Whether one of ``modules`` is the planted module or inside it."""
-    return any(planted == "" or m == planted or m.startswith(planted + ".") for m in modules)
+    return any(planted == "" or m == planted or fmt.contains(planted, m) for m in modules)
 
 
 def _first_origin(table) -> list[str]:
@@ -167,9 +171,30 @@ def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: P
     a = root / "a"
     run_step(arch, v.a, a, dumper_options={"params": True}, **common)
     inject = {"dumper_options": {"inject": a}}
+    references: dict[tuple, Path] = {}  # A dumped again with ops=, by those modules
+
+    def with_ops(name: str, summary, table, **kwargs) -> Optional[list[str]]:
+        """Where the re-run ``table`` names no origin and two dumps do not agree: the origins of
+        the three runs again with ops= what it names (None where the user would stop)."""
+        suspects = ops_suspects(table)
+        if not suspects or (summary.ok and not summary.cannot_tell):
+            return None
+        options = {"ops": suspects, "skip_ops": ()}
+        if tuple(suspects) not in references:
+            references[tuple(suspects)] = root / f"a-ops-{len(references)}"
+            run_step(arch, v.a, references[tuple(suspects)],
+                     dumper_options={"params": True, **options}, **common)
+        reference = references[tuple(suspects)]
+        free = run_b(root / f"{name}-ops", dumper_options=options, **kwargs)
+        rerun = run_b(root / f"{name}-ops-inj", dumper_options={**options, "inject": reference},
+                      **kwargs)
+        found = localize(reference, free, rerun)
+        return list(found.loc[found["verdict"] == ORIGIN, "module"])
+
     healthy, healthy_inj = run_b(root / "b"), run_b(root / "b-inj", **inject)
     healthy_result = compare_dumps(a, healthy)
     healthy_local = localize(a, healthy, healthy_inj, free_result=healthy_result)
+    healthy_ops = with_ops("b", summarize(healthy_result), healthy_local) or []
     noise_result = compare_dumps(a, healthy_inj)
     hidden = healthy_result.groupby(["module", "kind"])["hidden_rel_error"].max()
     out = {"healthy": [dict(variant=variant, steps=steps, arch=arch, seed=seed,
@@ -178,7 +203,7 @@ def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: P
                             cannot_tell=summarize(healthy_result).cannot_tell,
                             failing=int(healthy_result["status"].isin(FAILING).sum()),
                             origins=sorted(set(healthy_local[healthy_local["verdict"] == ORIGIN]
-                                               ["module"])))],
+                                               ["module"]) | set(healthy_ops)))],
            "plants": [], "unsupported": []}
     modules = [p for p, _ in build(arch, v.b, seed)[0].named_modules()]
     for size in v.sizes:
@@ -195,6 +220,7 @@ def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: P
             named = [] if first is None else [first.row["module"],
                                               *first.aliases.get("module", [])]
             table = localize(a, free, injected, free_result=result)
+            ops_origins = with_ops(dump, summary, table, **plant)
             effect = _error_at(compare_dumps(healthy_inj, injected), module, where)
             out["plants"].append(dict(
                 variant=f"{variant} {size:g}", steps=steps, arch=arch, seed=seed, module=module,
@@ -209,8 +235,10 @@ def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: P
                 begins_earlier=summary.cannot_tell and first is not None,
                 suspected=module in set(summary.undecided.head(5)["module"]),
                 bound=float(hidden.get((module, where), float("nan"))), size=size,
-                injected=_named(_first_origin(table), module),
-                origins=sorted(set(table[table["verdict"] == ORIGIN]["module"]))[:4],
+                injected=_named(_first_origin(table) or (ops_origins or [])[:1], module),
+                with_ops=ops_origins is not None and _named(ops_origins[:1], module),
+                origins=sorted(set(table[table["verdict"] == ORIGIN]["module"])
+                               | set((ops_origins or [])[:1]))[:4],
                 failing=int(result["status"].isin(FAILING).sum())))
     if keep is not None:
         _keep(root, out, keep / root.name)
@@ -224,7 +252,8 @@ def _keep(root: Path, case: dict, keep: Path) -> None:
               if p["visibility"] == "visible" and not (p["two_dump"] and p["injected"])]
     if missed or any(not h["ok"] or h["origins"] for h in case["healthy"]):
         for name in ("a", "b", "b-inj", *missed, *(f"{m}-inj" for m in missed)):
-            shutil.copytree(root / name, keep / name, dirs_exist_ok=True)
+            for path in root.glob(f"{name}*"):  # with ops= too
+                shutil.copytree(path, keep / path.name, dirs_exist_ok=True)
 
 
 def rerun_equal(arch: str, steps: int, tmp: Path) -> bool:
@@ -279,7 +308,8 @@ def report(outcome: dict) -> None:
         if seen:
             missed = [p for p in seen if not p["two_dump"]]
             print(f"{set_}: two-dump {len(seen) - len(missed)}/{len(seen)}, injected "
-                  f"{sum(p['injected'] for p in seen)}/{len(seen)} visible plants localized; "
+                  f"{sum(p['injected'] for p in seen)}/{len(seen)} visible plants localized "
+                  f"({sum(p['with_ops'] for p in seen)} by the re-run with ops=); "
                   f"two-dump misses with a cannot-tell verdict "
                   f"{sum(p['cannot_tell'] for p in missed)}/{len(missed)} (where another "
                   f"record fails, saying it may begin earlier: "
