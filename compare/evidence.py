@@ -19,7 +19,7 @@ from .centering import normalizes
 from .precision import cast_rounding, lowest, rounding_of
 from .gains import bias_scales, linear_gains
 from .metrics import REORDERED_MARGIN
-from .formulas import ELEMENTWISE, near_zero_roundings
+from .formulas import BINARY, ELEMENTWISE, near_zero_roundings
 from .formulas import ALLOWANCE as RECOMPUTE_MARGIN
 from .formulas import allowed as recompute_allowance
 from .routing import moved_rows
@@ -215,7 +215,7 @@ class Evidence:
         # what a recomputation within rounding proves: all of an elementwise call (no
         # setting of its own that B could have otherwise) recomputed on every sample
         self.recomputed_whole = ((frame["recomputed_stride"].to_numpy(float) == 1)
-                                 & frame["cls"].isin(list(ELEMENTWISE)).to_numpy(bool))
+                                 & frame["cls"].isin([*ELEMENTWISE, *BINARY]).to_numpy(bool))
         self.miscomputed = self.recomputed > self.recomputed_floor  # NaN: not recomputed
         # what rounding gives, without the margin that keeps a recomputation from accusing
         # a call of rounding: where a call's error is excused as its own rounding, no more

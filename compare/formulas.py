@@ -19,6 +19,13 @@ the one that A's own records follow best.
 - ``Embedding`` (:data:`GATHERS`): ``y = W[x]``, the rows its integer input names (a copy:
   rounding explains one rounding of the result, no sum; its gradient goes to the weight only,
   none is sent back);
+- elementwise ops of two operands (:data:`BINARY`: op records of ``dumper.ops``, ``add``,
+  ``sub``, ``mul``, ``div`` and their in-place forms), the second a tensor broadcast against
+  the first or a number: ``y = f(x, z)``; backward, the gradient of operand ``i`` is
+  ``g ∂f/∂operand_i`` summed over the axes it was broadcast along (:attr:`Operands.operand`
+  says which); an add's terms are its operands (cancelling grows them), a product has one.
+  Only the result is rounded (the operands are used exactly, at the promoted dtype): the
+  record's own dtype explains it (:data:`ROUNDS_RESULT`);
 - adaptive average pools (:data:`POOLS`), at the sizes their records have: output ``i`` of a
   dimension of ``L`` inputs and ``n`` outputs is the mean of inputs ``floor(i L / n)`` to
   ``ceil((i + 1) L / n)``, PyTorch's bins; backward, each output's gradient shared equally
@@ -72,7 +79,9 @@ class Operands(NamedTuple):
     """A call's records by kind (``input``, ``output``, ``grad_output``, ``grad_input``) and
     its parameters, float64; ``eps`` a normalization's (NaN: not recorded), ``conv`` a
     convolution's geometry (None: not recorded); ``rows``: for a gathering call, which rows
-    of its weight ``weight`` holds, in increasing order (None: all of them)."""
+    of its weight ``weight`` holds, in increasing order (None: all of them); for an op of two
+    operands, ``other`` its second (a number as a 0-d array) and ``operand`` which of the
+    two the ``grad_input`` is the gradient of (0, 1)."""
 
     tensors: dict
     weight: Optional[np.ndarray]
@@ -80,6 +89,8 @@ class Operands(NamedTuple):
     eps: float
     conv: Optional[fmt.ConvGeometry] = None
     rows: Optional[np.ndarray] = None
+    other: Optional[np.ndarray] = None
+    operand: int = 0
 
 
 class Figures:
@@ -123,9 +134,21 @@ ELEMENTWISE: dict[str, tuple[Callable, Callable]] = {
     "Sigmoid": (_sigmoid, lambda x: _sigmoid(x) * (1.0 - _sigmoid(x))),
     "Tanh": (np.tanh, lambda x: 1.0 - np.tanh(x) ** 2),
 }
+# elementwise ops of two operands, by op name (dumper.ops): f(x, z) and its partial
+# derivatives by x and by z, in float64; whether its terms are its operands (an add), else
+# its result (a product)
+_BINARY: dict[str, tuple[Callable, Callable, Callable, bool]] = {
+    "add": (np.add, lambda x, z: 1.0, lambda x, z: 1.0, True),
+    "sub": (np.subtract, lambda x, z: 1.0, lambda x, z: -1.0, True),
+    "mul": (np.multiply, lambda x, z: z, lambda x, z: x, False),
+    "div": (np.divide, lambda x, z: 1.0 / z, lambda x, z: -x / np.square(z), False),
+}
+BINARY = {**_BINARY, **{f"{name}_": f for name, f in _BINARY.items()}}  # in place too
+# calls that round only their result: the operands are used exactly (promoted, never lowered)
+ROUNDS_RESULT = frozenset(BINARY)
 # adaptive average pools: their spatial dimensions
 POOLS = {"AdaptiveAvgPool1d": 1, "AdaptiveAvgPool2d": 2, "AdaptiveAvgPool3d": 3}
-UNWEIGHTED = frozenset((*ELEMENTWISE, *POOLS))  # formulas that take no weights
+UNWEIGHTED = frozenset((*ELEMENTWISE, *BINARY, *POOLS))  # formulas that take no weights
 # spatial dimensions; and those that compute what a convolution sends back
 CONVOLUTIONS = {"Conv1d": 1, "Conv2d": 2, "Conv3d": 3,
                 "ConvTranspose1d": 1, "ConvTranspose2d": 2, "ConvTranspose3d": 3}
@@ -151,6 +174,8 @@ def candidates(cls: str) -> list[Formula]:
     """The formulas class name ``cls`` may mean, the likelier first."""
     if cls in ELEMENTWISE:
         return [functools.partial(_elementwise, *ELEMENTWISE[cls])]
+    if cls in BINARY:
+        return [functools.partial(_binary, *BINARY[cls])]
     if cls in CONVOLUTIONS:
         formula = _transposed_convolution if cls in TRANSPOSED else _convolution
         return [functools.partial(formula, CONVOLUTIONS[cls])]
@@ -469,6 +494,34 @@ def _elementwise(f: Callable, grad: Callable, kind: str, ops: Operands) -> Optio
     if got.shape != want.shape:
         return None
     return Figures(got, want, float(np.square(want).sum()), 1)
+
+
+def _binary(f: Callable, by_x: Callable, by_z: Callable, summed: bool, kind: str,
+            ops: Operands) -> Optional[Figures]:
+    """An elementwise op of two operands (:data:`BINARY`), the second broadcast."""
+    t, x, z = ops.tensors, ops.tensors.get(fmt.INPUT), ops.other
+    if x is None or z is None:
+        return None
+    with np.errstate(all="ignore"):
+        if kind == fmt.OUTPUT:
+            got, want = t[fmt.OUTPUT], f(x, z)
+            if got.shape != want.shape:
+                return None
+            terms = np.square(x) + np.square(z) if summed else np.square(want)
+            return Figures(got, want, float(terms.sum()), 1)
+        g, got = t[fmt.GRAD_OUTPUT], t[fmt.GRAD_INPUT]
+        operand = (x, z)[ops.operand]
+        parts = g * (by_x, by_z)[ops.operand](x, z)
+        if g.shape != np.broadcast_shapes(x.shape, z.shape) or parts.shape != g.shape or \
+                got.shape != operand.shape:
+            return None
+        # summed over the axes the operand was broadcast along: leading ones, and those of size 1
+        lead = parts.ndim - operand.ndim
+        axes = (*range(lead), *(lead + i for i, n in enumerate(operand.shape)
+                                if n == 1 and parts.shape[lead + i] != 1))
+        want = parts.sum(axis=axes).reshape(operand.shape)
+        return Figures(got, want, float(np.square(parts).sum()),
+                       parts.size // max(operand.size, 1))
 
 
 def _grouping(grouping: str, x: np.ndarray, params: tuple) -> Optional[tuple]:

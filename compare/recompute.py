@@ -2,14 +2,15 @@
 
 Where a module's class says what it computes (:mod:`compare.formulas`: ``Linear``,
 convolutions, elementwise activations, normalizations, ``Embedding``, adaptive average
-pools), its output follows
+pools; among op records, elementwise ops of two tensors), its output follows
 from its input and weights, and the gradient it sends back from the gradient that arrives
 and its input.
 Recomputed in float64 from B's own records of the call, the difference is what B's
 computation of that call added, whatever error its operands carried: the error of a call's
 own forward or backward, measured exactly where the error figures of
 :mod:`compare.verdict` can only bound it (a gradient that already carries 10 % hides a 10 %
-error added to it). Per ``output[0]`` and ``grad_input[0]`` record of such a call:
+error added to it). Per ``output[0]`` and ``grad_input[0]`` record of such a call (and
+``grad_input[1]`` of an op of two operands):
 
 ``recomputed_rel_err``
     ``||b - f(b's operands)|| / ||f(b's operands)||``;
@@ -54,8 +55,9 @@ from .decoding import decode
 from .dump import StepReaders, one_side, reading
 from .pairing import from_shards
 from .attributes import NO_ATTRIBUTES, Attributes, Recorded
-from .formulas import (CONVOLUTIONS, ELEMENTWISE, GATHERS, POOLS, RECOMPUTE_FIGURES,
-                       UNWEIGHTED, WEIGHTED, Operands, allowed, candidates, near_zero_roundings)
+from .formulas import (BINARY, CONVOLUTIONS, ELEMENTWISE, GATHERS, POOLS, RECOMPUTE_FIGURES,
+                       ROUNDS_RESULT, UNWEIGHTED, WEIGHTED, Operands, allowed, candidates,
+                       near_zero_roundings)
 from .precision import lowest, rounded, rounding_of
 from .statistics import STATS_RESOLUTION
 
@@ -73,6 +75,8 @@ INDICES = ("int64", "int32")  # what a gathering call's input is (torch takes th
 # the records a check reads besides its own: forward from the input, backward from the
 # gradient that arrives (and the input, for an elementwise function)
 NEEDS = {fmt.OUTPUT: (fmt.INPUT,), fmt.GRAD_INPUT: (fmt.GRAD_OUTPUT, fmt.INPUT)}
+# the paths of an op's two operands (BINARY), as ``dumper.ops`` records a call's arguments
+OPERAND_PATHS = ("args[0]", "args[1]")
 
 
 class _Sampling(NamedTuple):
@@ -87,12 +91,14 @@ class _Sampling(NamedTuple):
 
 def recomputable(pairs: pd.DataFrame) -> pd.DataFrame:
     """The rows of calls whose class :func:`compare.formulas.candidates` knows, on both sides,
-    the same class in both, first occurrences, tensor index 0 (and the calls' weights); none
-    put together from shards."""
+    the same class in both, first occurrences, tensor index 0 (and the calls' weights; an op
+    of two operands, both and their gradients); none put together from shards."""
     classes = pairs["cls_a"].dropna().unique()  # NaN: recorded in B only
     known = pairs["cls_a"].isin([c for c in classes if candidates(str(c))]) & (
         pairs["cls_a"] == pairs["cls_b"])
-    data = (pairs["index"] == 0) & (pairs["occurrence"] == 0) & pairs["kind"].isin(
+    operands = pairs["cls_a"].isin(list(BINARY)) & pairs["kind"].isin(
+        [fmt.INPUT, fmt.GRAD_INPUT]) & pairs["path_a"].isin(OPERAND_PATHS)
+    data = ((pairs["index"] == 0) | operands) & (pairs["occurrence"] == 0) & pairs["kind"].isin(
         [fmt.INPUT, fmt.OUTPUT, fmt.GRAD_OUTPUT, fmt.GRAD_INPUT])
     weights = (pairs["kind"] == fmt.PARAM) & pairs["path_a"].isin(["weight", "bias"])
     return pairs[known & (pairs["side"] == "both") & (data | weights) & ~from_shards(pairs)]
@@ -164,10 +170,10 @@ def _measure_part(task: tuple) -> dict[int, dict]:
     with StepReaders(locations_a) as readers_a, StepReaders(locations_b) as readers_b:
         for w in work:
             recomputed = _Call(w.rows, {"a": readers_a, "b": readers_b}, w.figures, w.recorded)
-            for kind in (fmt.OUTPUT, fmt.GRAD_INPUT):
+            for kind, operand in ((fmt.OUTPUT, 0), (fmt.GRAD_INPUT, 0), (fmt.GRAD_INPUT, 1)):
                 with reading(" or ".join(str(f[w.step].path) for f in (locations_a,
                                                                         locations_b))):
-                    label, figures = recomputed.check(kind)
+                    label, figures = recomputed.check(kind, operand)
                 if figures is not None:
                     out[label] = figures
     return out
@@ -193,13 +199,20 @@ class _Call:
         self.metrics, self.readers, self.recorded = metrics, readers, recorded
         self.by_kind: dict[str, dict] = {}  # the call's records, and its parameters by name
         self.params: dict[str, dict] = {}
+        # an op of two operands: its second one and that one's gradient (the first's are
+        # by_kind's), by kind
+        self.second: dict[str, dict] = {}
+        cls = next(iter(rows.values()))["cls_a"]
         for label, row in rows.items():
             row = {**row, "label": label}
             if row["kind"] == fmt.PARAM:
                 self.params.setdefault(row["path_a"], row)
+            elif cls in BINARY and row["kind"] in (fmt.INPUT, fmt.GRAD_INPUT):
+                if row["path_a"] in OPERAND_PATHS:  # else given by name: not recomputed
+                    at = OPERAND_PATHS.index(row["path_a"])
+                    (self.by_kind, self.second)[at].setdefault(row["kind"], row)
             else:
                 self.by_kind.setdefault(row["kind"], row)
-        cls = next(iter(rows.values()))["cls_a"]
         self.formulas, self.takes_weights = candidates(cls), cls not in UNWEIGHTED
         self.gathers = cls in GATHERS  # its weight is read at the rows its input names
         self.sampling = self._sampling(cls)
@@ -212,9 +225,12 @@ class _Call:
         Linear's rows or an activation's elements), or, for a BatchNorm, every k-th channel;
         None where not even one fits, or the records' samples do not line up (shapes that
         differ between the sides: the comparison did not read those values)."""
-        rows = [*self.by_kind.values(), *self.params.values()]
+        rows = [*self.by_kind.values(), *self.second.values(), *self.params.values()]
         if any(_shape(r, "a") != _shape(r, "b") for r in rows):
             return None
+        if cls in BINARY:  # operands broadcast against each other: whole, where they fit
+            fits = max(math.prod(_shape(r, "a")) for r in rows) <= SAMPLE_ELEMENTS
+            return _Sampling(0, False, 1) if fits else None
         shapes = [_shape(row, "a") for row in self.by_kind.values()]
         # the axes samples may lie along: a gathering call's output has a row per index
         leading = [s[:-1] if self.gathers and kind != fmt.INPUT else s
@@ -262,19 +278,26 @@ class _Call:
             return ndim - len(span)
         return max(0, min(1, ndim - 1))
 
-    def check(self, kind: str) -> tuple[Optional[int], Optional[dict]]:
-        """The row label of the call's ``kind`` record and B's figures, recomputed by the
-        formula A's records follow best within A's rounding; None, None where none does."""
-        if self.sampling is None or kind not in self.by_kind or (
-                kind == fmt.GRAD_INPUT and fmt.GRAD_OUTPUT not in self.by_kind):
+    def check(self, kind: str, operand: int = 0) -> tuple[Optional[int], Optional[dict]]:
+        """The row label of the call's ``kind`` record (of an op of two operands, the
+        gradient of ``operand``) and B's figures, recomputed by the formula A's records follow
+        best within A's rounding; None, None where none does."""
+        records = self.by_kind if operand == 0 else {**self.by_kind, kind: self.second.get(
+            kind)}
+        if self.sampling is None or records.get(kind) is None or (
+                kind == fmt.GRAD_INPUT and fmt.GRAD_OUTPUT not in records):
             return None, None
-        row = self.by_kind[kind]
-        needed = [k for k in (kind, *NEEDS[kind]) if k in self.by_kind]
-        operands = {side: self._operands(kind, needed, side) for side in ("a", "b")}
+        row = records[kind]
+        needed = [k for k in (kind, *NEEDS[kind]) if k in records]
+        operands = {side: self._operands(kind, {k: records[k] for k in needed}, side, operand)
+                    for side in ("a", "b")}
         if any(o is None for o in operands.values()):
             return None, None
-        dtype = {side: lowest([self.by_kind[k][f"dtype_{side}"] for k in needed] + [
-            r[f"dtype_{side}"] for r in self.params.values()]) for side in ("a", "b")}
+        # a call rounds through the lowest dtype it is given, or, rounding only its result,
+        # through the result's
+        dtype = {side: row[f"dtype_{side}"] if row["cls_a"] in ROUNDS_RESULT else lowest(
+            [records[k][f"dtype_{side}"] for k in needed]
+            + [r[f"dtype_{side}"] for r in self.params.values()]) for side in ("a", "b")}
         rounding = rounding_of(dtype["a"])
         scale = self.metrics.get(row["label"], {}).get("rms_a", math.nan)
         fits = []  # (how far within A's rounding, formula) of the formulas A's records follow
@@ -295,19 +318,24 @@ class _Call:
         return row["label"], {**b, "recomputed_stride": float(self.sampling.stride),
                               "recomputed_dtype": dtype["b"]}
 
-    def _operands(self, kind: str, needed: list[str], side: str) -> Optional[Operands]:
-        """The call's records ``needed`` and parameters on ``side`` (None where one of them
-        is not known)."""
-        tensors = {k: self._operand(self.by_kind[k], side) if k != kind else
-                   self._tensor(self.by_kind[k], side) for k in needed}
+    def _operands(self, kind: str, needed: dict[str, dict], side: str, operand: int
+                  ) -> Optional[Operands]:
+        """The call's records ``needed`` (by kind) and parameters on ``side``, and an op's
+        second operand (None where one of them is not known)."""
+        tensors = {k: self._operand(row, side) if k != kind else self._tensor(row, side)
+                   for k, row in needed.items()}
         params = {p: self._weight(p, side) for p in ("weight", "bias") if p in self.params}
-        if any(v is None for v in (*tensors.values(), *params.values())):
+        other = self.second.get(fmt.INPUT)
+        other = None if other is None else self._operand(other, side)
+        if any(v is None for v in (*tensors.values(), *params.values())) or (
+                self.second and other is None):
             return None
-        if not params and self.takes_weights and self.by_kind[kind]["call_idx"] > 0:
+        if not params and self.takes_weights and needed[kind]["call_idx"] > 0:
             return None  # its weights are recorded at the module's first call only
         recorded = self.recorded[side]
         return Operands(tensors, params.get("weight"), params.get("bias"), eps=recorded.eps,
-                        conv=recorded.conv, rows=self._rows() if self.gathers else None)
+                        conv=recorded.conv, rows=self._rows() if self.gathers else None,
+                        other=other, operand=operand)
 
     def _rows(self) -> Optional[np.ndarray]:
         """A gathering call's weight rows its input names on either side, in increasing
