@@ -45,6 +45,25 @@ def _tokens(vocab: int = 96, batch: int = 2, length: int = 12):
     return batch_of
 
 
+def _masked_tokens(vocab: int = 96, batch: int = 2, length: int = 12, masked: int = 4,
+                   mask_id: int = 3):
+    """A masked-language-model batch: ``masked`` positions per row (drawn with replacement)
+    replaced by ``mask_id``, the loss on those only."""
+    def batch_of(gen: torch.Generator) -> dict:
+        ids = torch.randint(0, vocab, (batch, length), generator=gen)
+        at = torch.zeros_like(ids, dtype=torch.bool).scatter_(
+            1, torch.randint(0, length, (batch, masked), generator=gen), True)
+        return {"input_ids": ids.masked_fill(at, mask_id),
+                "labels": ids.masked_fill(~at, -100)}
+    return batch_of
+
+
+def _audio_batch(gen: torch.Generator) -> dict:
+    """Log-mel-like features for a tiny Whisper (8 bins, 32 frames) and target tokens."""
+    return {"input_features": torch.randn(2, 8, 32, generator=gen),
+            "labels": torch.randint(0, 96, (2, 12), generator=gen)}
+
+
 def _hf_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     return model(**batch).loss
 
@@ -230,6 +249,25 @@ HELD_OUT: dict[str, Arch] = {
                        num_hidden_layers=2, num_attention_heads=4, multi_query=True,
                        parallel_attn=True, new_decoder_architecture=False, alibi=False,
                        hidden_dropout=0.0, attention_dropout=0.0), _tokens(), _hf_loss),
+    # added 2026-11-29 (twentieth session), chosen and built before any result of theirs was
+    # looked at: a Whisper (a convolutional audio front end, an encoder-decoder with cross
+    # attention), an RWKV (a recurrence over time with exponential decay, token shift) and a
+    # Funnel Transformer (the sequence pooled between blocks and upsampled back, relative
+    # attention; a masked-language-model loss)
+    "whisper": Arch(_hf("WhisperConfig", "WhisperForConditionalGeneration", vocab_size=96,
+                        num_mel_bins=8, encoder_layers=2, decoder_layers=2,
+                        encoder_attention_heads=4, decoder_attention_heads=4, d_model=48,
+                        encoder_ffn_dim=96, decoder_ffn_dim=96, max_source_positions=16,
+                        max_target_positions=32, dropout=0.0, attention_dropout=0.0,
+                        activation_dropout=0.0, decoder_start_token_id=0, pad_token_id=1,
+                        bos_token_id=0, eos_token_id=2), _audio_batch, _hf_loss),
+    "rwkv": Arch(_hf("RwkvConfig", "RwkvForCausalLM", vocab_size=96, hidden_size=48,
+                     num_hidden_layers=2, attention_hidden_size=48, intermediate_size=96,
+                     context_length=32), _tokens(), _hf_loss),
+    "funnel": Arch(_hf("FunnelConfig", "FunnelForMaskedLM", vocab_size=96, block_sizes=[1, 1],
+                       d_model=48, n_head=4, d_head=12, d_inner=96, hidden_dropout=0.0,
+                       attention_dropout=0.0, activation_dropout=0.0, num_decoder_layers=1),
+                   _masked_tokens(), _hf_loss),
 }
 ARCHITECTURES.update(HELD_OUT)
 
