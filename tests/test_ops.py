@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
-from compare import compare_dumps, localize, ops_suspects, summarize
+from compare import compare_dumps, describe_origins, localize, ops_suspects, summarize
 from compare.cli import main
 from compare.dump import load_dump
 from compare.status import ORIGIN
@@ -527,6 +527,7 @@ def test_a_rerun_that_names_no_origin_names_the_code_to_dump_op_by_op(tmp_path):
     assert not (table["verdict"] == ORIGIN).any(), table[table["verdict"] == ORIGIN]
     suspects = ops_suspects(table)
     assert suspects[0] == attention, suspects
+    assert "op by op" not in describe_origins(table)  # unless told the runs do not agree
     result = _h5cmp(a, b, "--injected", c)
     assert result.exit_code == 0, result.output
     assert (f"no recorded call is an origin; the code around them is judged only as a whole, "
