@@ -25,7 +25,7 @@ from .flatten import call_leaves, leaves, map_tensors
 from .grads import GradInputCollector, current_sequence_nr, gradient_edge
 from . import ops
 from .injection import StepReference, restore_parameters
-from .ops import OpMode
+from .ops import OpMode, written
 from .param_grads import ParamGrads
 from .record import CallInfo, Record, RecordMaker, leaf_record
 from .selection import Selection
@@ -304,9 +304,11 @@ class StepCapture:
             self._inject.leave_call(call.info.module, call.info.call_idx)
 
     def _open(self, info: CallInfo, inject: Optional[StepReference], args: tuple,
-              kwargs: dict, sink: Optional[Sink] = None) -> _OpenCall:
+              kwargs: dict, sink: Optional[Sink] = None, kept: frozenset[int] = frozenset()
+              ) -> _OpenCall:
         """Record a call's inputs as it starts (a module call, or an op: :meth:`_run_op`) into
-        ``sink`` (default: the step's) and prepare for the gradients they will get."""
+        ``sink`` (default: the step's) and prepare for the gradients they will get; ``kept``:
+        the ids of inputs a localizing re-run leaves in place (what an op writes into)."""
         sink = sink or self._sink
         seq = self._next_seq()
         seq_lo = current_sequence_nr()  # the call's autograd nodes, the injection's included
@@ -327,8 +329,8 @@ class StepCapture:
                     record.producer = producer
                     if summed:
                         record.addends = self._flow.addends_of(leaf)
-                    record.injected = fmt.INPUT in injects and inject.injects(
-                        (info.module, info.call_idx, fmt.INPUT, index), leaf)
+                    record.injected = fmt.INPUT in injects and id(leaf) not in kept and \
+                        inject.injects((info.module, info.call_idx, fmt.INPUT, index), leaf)
                     sink(record)
                 if want_grad and leaf.requires_grad:
                     node, nr = gradient_edge(leaf)
@@ -358,9 +360,10 @@ class StepCapture:
         inputs = [(t, t._version) for t in tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and not t.is_inference()]
         opened: list[Record] = []
-        call = self._open(info, inject, args, kwargs, opened.append)
+        kept = written(name, args, kwargs)  # the code goes on with these very tensors
+        call = self._open(info, inject, args, kwargs, opened.append, kept)
         if inject is not None and fmt.INPUT in inject.kinds:
-            args, kwargs = self._inject_inputs(inject, call, args, kwargs) or (args, kwargs)
+            args, kwargs = self._inject_inputs(inject, call, args, kwargs, kept) or (args, kwargs)
         try:
             output = func(*args, **kwargs)
         except BaseException:  # its records go nowhere: their buffers go back
@@ -382,9 +385,11 @@ class StepCapture:
         return output
 
     def _inject_inputs(self, inject: StepReference, call: _OpenCall, args: tuple,
-                       kwargs: dict) -> Optional[tuple[tuple, dict]]:
+                       kwargs: dict, kept: frozenset[int] = frozenset()
+                       ) -> Optional[tuple[tuple, dict]]:
         made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        replace = inject.leaf_replacer(call.info.module, call.info.call_idx, fmt.INPUT, made)
+        replace = inject.leaf_replacer(call.info.module, call.info.call_idx, fmt.INPUT, made,
+                                       kept)
         args, kwargs = map_tensors(args, replace), map_tensors(kwargs, replace)
         inject.forget_ready()
         for index, (arrived, put) in made.items():

@@ -20,6 +20,11 @@ flags and got the same tensors (:mod:`compare.call_order`; a rotary embedding ca
 once per attention type, in an order that changes with the hash seed), the one given the same
 ones (none where none was), and the calls inside it the ones at their place inside that call.
 
+An op record's input that the op writes into (an in-place method's own tensor, an ``out=``:
+:func:`dumper.ops.written`) is left in place, not injected: the code goes on with that very
+tensor (a mixture of experts sums its experts' rows into one with ``index_add_``), which a
+copy of the reference's value would leave behind.
+
 A value that arrived as the reference's rows in another order (code that orders rows
 otherwise, e.g. tokens grouped by expert with an unstable sort) is left as it is, in every
 kind but ``param``: the reference's would land in the wrong places
@@ -272,10 +277,11 @@ class StepReference:
         return made if type(made) is type(like) else made.as_subclass(type(like))
 
     def leaf_replacer(self, path: str, call_idx: int, kind: str,
-                      made: Optional[dict] = None) -> Callable:
+                      made: Optional[dict] = None, kept: frozenset[int] = frozenset()
+                      ) -> Callable:
         """``fn(leaf)`` for :func:`~dumper.flatten.map_tensors`: the n-th tensor leaf replaced by
         the reference's ``kind`` n of that call, where it has one (``made[n]``: the leaf and
-        what was put in its place)."""
+        what was put in its place), but for the tensors whose ids are ``kept``."""
         counter = itertools.count()
         once: dict[int, torch.Tensor] = {}  # one tensor passed several times stays one
 
@@ -283,6 +289,8 @@ class StepReference:
             if not isinstance(leaf, torch.Tensor):
                 return leaf
             index = next(counter)
+            if id(leaf) in kept:
+                return leaf
             if id(leaf) in once:
                 return once[id(leaf)]
             ref = self.tensor((path, call_idx, kind, index), leaf)

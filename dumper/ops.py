@@ -70,6 +70,16 @@ def op_name(func: Callable) -> str:
 OnOp = Callable[[Any, str, Callable, tuple, dict], Any]
 
 
+def written(name: str, args: tuple, kwargs: dict) -> frozenset[int]:
+    """The ids of the tensors op ``name`` writes into: an in-place method's own tensor (its
+    name ends in ``_``: ``index_add_``, ``x += y`` as ``add_``) and an ``out=`` tensor. Code
+    goes on with those very tensors (a loop of ``out.index_add_(...)`` returns nothing to
+    use), so a localizing re-run must not put a copy in their place."""
+    targets = [args[0]] if name.endswith("_") and args else []
+    targets += tree_leaves(kwargs.get("out"))
+    return frozenset(id(t) for t in targets if isinstance(t, torch.Tensor))
+
+
 def quietly(fn: Callable) -> Callable:
     """``fn`` run quietly: what it does is the dumper's own work (its hooks run inside the
     forward of a module that records ops), never recorded as the model's ops. Its torch calls

@@ -544,3 +544,40 @@ def test_a_rerun_that_names_no_origin_names_the_code_to_dump_op_by_op(tmp_path):
     assert result.exit_code == 1, result.output
     assert f"origin: step 0:3 backward {attention}.k_proj.Linear#0 grad_output[0]" in \
         result.output, result.output
+
+
+class _Routed(torch.nn.Module):
+    """Rows routed to experts and summed back in place, as a mixture of experts does: the
+    code goes on with the tensor ``index_add_`` writes into, not with what it returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows = torch.arange(i, len(x), len(self.experts))
+            out.index_add_(0, rows, expert(x[rows]))
+        return out
+
+
+def test_a_rerun_leaves_in_place_what_an_op_writes_into(tmp_path):
+    """A localizing re-run with op records: an in-place op is given the very tensor it writes
+    into, not a copy of A's, so every expert's rows land in the sum; a healthy pair (B as A)
+    then has no origin, and the re-run computes what the free run does."""
+    losses = {}
+    for name, options in (("a", {"params": True}), ("b", {}), ("c", {"inject": tmp_path / "a"})):
+        torch.manual_seed(0)
+        model = _Routed()
+        with HookerAndDumper(tmp_path / name, ops="*", skip_ops=(), **options).hooks(model, 0, 0):
+            loss = loss_of(model(torch.randn(6, 8, generator=torch.Generator().manual_seed(1))))
+            loss.backward()
+        losses[name] = loss.item()
+    assert losses["c"] == losses["b"] == losses["a"]
+    written = load_dump(tmp_path / "c").index
+    written = written[(written["cls"] == "index_add_") & (written["kind"] == "input")
+                      & (written["index"] == 0)]
+    assert len(written) == 3 and (written["injected"] == 0).all()  # left in place
+    table = localize(tmp_path / "a", tmp_path / "b", tmp_path / "c")
+    assert not (table["verdict"] == ORIGIN).any(), table[table["verdict"] == ORIGIN]
