@@ -360,7 +360,8 @@ class StepCapture:
         inputs = [(t, t._version) for t in tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and not t.is_inference()]
         opened: list[Record] = []
-        kept = written(name, args, kwargs)  # the code goes on with these very tensors
+        # a re-run leaves in place what the op writes into: the code goes on with it
+        kept = written(name, args, kwargs) if inject is not None else frozenset()
         call = self._open(info, inject, args, kwargs, opened.append, kept)
         if inject is not None and fmt.INPUT in inject.kinds:
             args, kwargs = self._inject_inputs(inject, call, args, kwargs, kept) or (args, kwargs)
