@@ -20,10 +20,11 @@ flags and got the same tensors (:mod:`compare.call_order`; a rotary embedding ca
 once per attention type, in an order that changes with the hash seed), the one given the same
 ones (none where none was), and the calls inside it the ones at their place inside that call.
 
-An op record's input that the op writes into (an in-place method's own tensor, an ``out=``:
-:func:`dumper.ops.written`) is left in place, not injected: the code goes on with that very
-tensor (a mixture of experts sums its experts' rows into one with ``index_add_``), which a
-copy of the reference's value would leave behind.
+An op record's input that the op writes into (an in-place method's own tensor, an indexed
+assignment's, an ``out=``: :func:`dumper.ops.written`) is left in place, not injected: the
+code goes on with that very tensor (a mixture of experts sums its experts' rows into one with
+``index_add_``, RWKV writes its recurrence's output row by row), which a copy of the
+reference's value would leave behind.
 
 A value that arrived as the reference's rows in another order (code that orders rows
 otherwise, e.g. tokens grouped by expert with an unstable sort) is left as it is, in every

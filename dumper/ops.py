@@ -72,10 +72,12 @@ OnOp = Callable[[Any, str, Callable, tuple, dict], Any]
 
 def written(name: str, args: tuple, kwargs: dict) -> frozenset[int]:
     """The ids of the tensors op ``name`` writes into: an in-place method's own tensor (its
-    name ends in ``_``: ``index_add_``, ``x += y`` as ``add_``) and an ``out=`` tensor. Code
-    goes on with those very tensors (a loop of ``out.index_add_(...)`` returns nothing to
-    use), so a localizing re-run must not put a copy in their place."""
-    targets = [args[0]] if name.endswith("_") and args else []
+    name ends in ``_``: ``index_add_``, ``x += y`` as ``add_``), an indexed assignment's
+    (``out[:, t] = y``), a function's given ``inplace=True``, and an ``out=`` tensor. Code
+    goes on with those very tensors (a loop of ``out.index_add_(...)`` or of ``out[:, t] =``
+    returns nothing to use), so a localizing re-run must not put a copy in their place."""
+    in_place = name.endswith("_") or name == "setitem" or kwargs.get("inplace") is True
+    targets = [args[0]] if in_place and args else []
     targets += tree_leaves(kwargs.get("out"))
     return frozenset(id(t) for t in targets if isinstance(t, torch.Tensor))
 

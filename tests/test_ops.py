@@ -547,8 +547,9 @@ def test_a_rerun_that_names_no_origin_names_the_code_to_dump_op_by_op(tmp_path):
 
 
 class _Routed(torch.nn.Module):
-    """Rows routed to experts and summed back in place, as a mixture of experts does: the
-    code goes on with the tensor ``index_add_`` writes into, not with what it returns."""
+    """Rows routed to experts and summed back in place, as a mixture of experts does, then a
+    scan over them written row by row, as RWKV's recurrence does: the code goes on with the
+    tensors ``index_add_`` and ``out[t] =`` write into, not with what they return."""
 
     def __init__(self):
         super().__init__()
@@ -559,7 +560,10 @@ class _Routed(torch.nn.Module):
         for i, expert in enumerate(self.experts):
             rows = torch.arange(i, len(x), len(self.experts))
             out.index_add_(0, rows, expert(x[rows]))
-        return out
+        scanned = torch.zeros_like(out)
+        for t in range(len(out)):
+            scanned[t] = out[t] + 0.5 * scanned[t - 1] if t else out[t]
+        return scanned
 
 
 def test_a_rerun_leaves_in_place_what_an_op_writes_into(tmp_path):
@@ -576,8 +580,8 @@ def test_a_rerun_leaves_in_place_what_an_op_writes_into(tmp_path):
         losses[name] = loss.item()
     assert losses["c"] == losses["b"] == losses["a"]
     written = load_dump(tmp_path / "c").index
-    written = written[(written["cls"] == "index_add_") & (written["kind"] == "input")
-                      & (written["index"] == 0)]
-    assert len(written) == 3 and (written["injected"] == 0).all()  # left in place
+    written = written[written["cls"].isin(["index_add_", "setitem"])
+                      & (written["kind"] == "input") & (written["index"] == 0)]
+    assert len(written) == 3 + 6 and (written["injected"] == 0).all()  # left in place
     table = localize(tmp_path / "a", tmp_path / "b", tmp_path / "c")
     assert not (table["verdict"] == ORIGIN).any(), table[table["verdict"] == ORIGIN]
