@@ -212,8 +212,9 @@ class Evidence:
                 unit, frame["recomputed_spread"].to_numpy(float), terms, underflow,
                 frame["rms_a"].to_numpy(float),
                 near_zero_roundings(frame["cls"].fillna("").to_numpy(object), terms))
-        # what a recomputation within rounding proves: all of an elementwise call (no
-        # setting of its own that B could have otherwise) recomputed on every sample
+        # what a recomputation within rounding proves: all of an elementwise call, of one
+        # operand or two (no setting of its own that B could have otherwise), recomputed on
+        # every sample
         self.recomputed_whole = ((frame["recomputed_stride"].to_numpy(float) == 1)
                                  & frame["cls"].isin([*ELEMENTWISE, *BINARY]).to_numpy(bool))
         self.miscomputed = self.recomputed > self.recomputed_floor  # NaN: not recomputed

@@ -19,9 +19,9 @@ the one that A's own records follow best.
 - ``Embedding`` (:data:`GATHERS`): ``y = W[x]``, the rows its integer input names (a copy:
   rounding explains one rounding of the result, no sum; its gradient goes to the weight only,
   none is sent back);
-- elementwise ops of two operands (:data:`BINARY`: op records of ``dumper.ops``, ``add``,
-  ``sub``, ``mul``, ``div`` and their in-place forms), the second a tensor broadcast against
-  the first or a number: ``y = f(x, z)``; backward, the gradient of operand ``i`` is
+- elementwise ops of two tensors (:data:`BINARY`: op records of ``dumper.ops``, ``add``,
+  ``sub``, ``mul``, ``div`` and their in-place forms), either broadcast against the other:
+  ``y = f(x, z)``; backward, the gradient of operand ``i`` is
   ``g ∂f/∂operand_i`` summed over the axes it was broadcast along (:attr:`Operands.operand`
   says which); an add's terms are its operands (cancelling grows them), a product has one.
   Only the result is rounded (the operands are used exactly, at the promoted dtype): the
@@ -80,8 +80,8 @@ class Operands(NamedTuple):
     its parameters, float64; ``eps`` a normalization's (NaN: not recorded), ``conv`` a
     convolution's geometry (None: not recorded); ``rows``: for a gathering call, which rows
     of its weight ``weight`` holds, in increasing order (None: all of them); for an op of two
-    operands, ``other`` its second (a number as a 0-d array) and ``operand`` which of the
-    two the ``grad_input`` is the gradient of (0, 1)."""
+    tensors, ``other`` its second and ``operand`` which of the two the ``grad_input`` is the
+    gradient of (0, 1)."""
 
     tensors: dict
     weight: Optional[np.ndarray]
@@ -134,16 +134,24 @@ ELEMENTWISE: dict[str, tuple[Callable, Callable]] = {
     "Sigmoid": (_sigmoid, lambda x: _sigmoid(x) * (1.0 - _sigmoid(x))),
     "Tanh": (np.tanh, lambda x: 1.0 - np.tanh(x) ** 2),
 }
-# elementwise ops of two operands, by op name (dumper.ops): f(x, z) and its partial
-# derivatives by x and by z, in float64; whether its terms are its operands (an add), else
-# its result (a product)
-_BINARY: dict[str, tuple[Callable, Callable, Callable, bool]] = {
-    "add": (np.add, lambda x, z: 1.0, lambda x, z: 1.0, True),
-    "sub": (np.subtract, lambda x, z: 1.0, lambda x, z: -1.0, True),
-    "mul": (np.multiply, lambda x, z: z, lambda x, z: x, False),
-    "div": (np.divide, lambda x, z: 1.0 / z, lambda x, z: -x / np.square(z), False),
+class BinaryOp(NamedTuple):
+    """An elementwise op of two operands, in float64: ``f(x, z)``, its partial derivatives
+    by each operand, and whether the terms its elements sum are its operands (an add: they
+    may cancel), else its result (a product)."""
+
+    f: Callable[[np.ndarray, np.ndarray], np.ndarray]
+    partials: tuple[Callable, Callable]
+    terms_are_operands: bool
+
+
+_BINARY = {
+    "add": BinaryOp(np.add, (lambda x, z: 1.0, lambda x, z: 1.0), True),
+    "sub": BinaryOp(np.subtract, (lambda x, z: 1.0, lambda x, z: -1.0), True),
+    "mul": BinaryOp(np.multiply, (lambda x, z: z, lambda x, z: x), False),
+    "div": BinaryOp(np.divide, (lambda x, z: 1.0 / z, lambda x, z: -x / np.square(z)), False),
 }
-BINARY = {**_BINARY, **{f"{name}_": f for name, f in _BINARY.items()}}  # in place too
+# by op name (dumper.ops), in place too
+BINARY: dict[str, BinaryOp] = {**_BINARY, **{f"{name}_": op for name, op in _BINARY.items()}}
 # calls that round only their result: the operands are used exactly (promoted, never lowered)
 ROUNDS_RESULT = frozenset(BINARY)
 # adaptive average pools: their spatial dimensions
@@ -175,7 +183,7 @@ def candidates(cls: str) -> list[Formula]:
     if cls in ELEMENTWISE:
         return [functools.partial(_elementwise, *ELEMENTWISE[cls])]
     if cls in BINARY:
-        return [functools.partial(_binary, *BINARY[cls])]
+        return [functools.partial(_binary, BINARY[cls])]
     if cls in CONVOLUTIONS:
         formula = _transposed_convolution if cls in TRANSPOSED else _convolution
         return [functools.partial(formula, CONVOLUTIONS[cls])]
@@ -496,22 +504,21 @@ def _elementwise(f: Callable, grad: Callable, kind: str, ops: Operands) -> Optio
     return Figures(got, want, float(np.square(want).sum()), 1)
 
 
-def _binary(f: Callable, by_x: Callable, by_z: Callable, summed: bool, kind: str,
-            ops: Operands) -> Optional[Figures]:
-    """An elementwise op of two operands (:data:`BINARY`), the second broadcast."""
+def _binary(op: BinaryOp, kind: str, ops: Operands) -> Optional[Figures]:
+    """An elementwise op of two tensors (:data:`BINARY`), either broadcast."""
     t, x, z = ops.tensors, ops.tensors.get(fmt.INPUT), ops.other
     if x is None or z is None:
         return None
     with np.errstate(all="ignore"):
         if kind == fmt.OUTPUT:
-            got, want = t[fmt.OUTPUT], f(x, z)
+            got, want = t[fmt.OUTPUT], op.f(x, z)
             if got.shape != want.shape:
                 return None
-            terms = np.square(x) + np.square(z) if summed else np.square(want)
+            terms = np.square(x) + np.square(z) if op.terms_are_operands else np.square(want)
             return Figures(got, want, float(terms.sum()), 1)
         g, got = t[fmt.GRAD_OUTPUT], t[fmt.GRAD_INPUT]
-        operand = (x, z)[ops.operand]
-        parts = g * (by_x, by_z)[ops.operand](x, z)
+        operand = z if ops.operand else x
+        parts = g * op.partials[ops.operand](x, z)
         if g.shape != np.broadcast_shapes(x.shape, z.shape) or parts.shape != g.shape or \
                 got.shape != operand.shape:
             return None

@@ -215,17 +215,18 @@ def ops_suspects(frame: pd.DataFrame, shown: int = OPS_SUSPECTS) -> list[str]:
     both = frame[~frame["local_status"].isin(st.ONE_SIDED)]  # the re-run's ops, A's too
     recorded = {op[0] for op in map(fmt.split_op, both["module"]) if op is not None}
     step = ["epoch", "step", "rank"]
-    modules = frame[[fmt.split_op(m) is None for m in frame["module"]]]
+    modules = frame[frame["module"].map(fmt.split_op).isna()]  # module calls, not ops
     calls_of = dict(list(modules.assign(rank=modules["rank"].fillna(-1)).groupby(step)))
-    globs: list[tuple[float, str]] = []
+    globs: list[tuple[float, str]] = []  # (added ratio, the enclosing module's ops= glob)
     for key, rows in arrived.assign(rank=arrived["rank"].fillna(-1)).groupby(step):
-        calls = calls_of[key].drop_duplicates("call")
-        parents = parent_calls(calls)
-        named = dict(zip(calls["call"], zip(calls["module"], calls["cls"])))
+        calls = calls_of.get(key, modules.iloc[:0]).drop_duplicates("call")
+        parents = parent_calls(calls)  # of the calls in the table (not those filtered out)
+        module_of_call = dict(zip(calls["call"], zip(calls["module"], calls["cls"])))
         for call, ratio_of in zip(rows["call"], rows["local_added_ratio"]):
             parent = parents.get(int(call))
-            if parent is not None and named[parent][0] not in recorded:
-                globs.append((ratio_of, named[parent][0] or named[parent][1]))
+            if parent is not None and module_of_call[parent][0] not in recorded:
+                path, cls = module_of_call[parent]
+                globs.append((ratio_of, path or cls))  # the root by its class
     ordered = [glob for _, glob in sorted(globs, key=lambda g: -g[0])]
     return list(dict.fromkeys(ordered))[:shown]
 

@@ -75,7 +75,7 @@ INDICES = ("int64", "int32")  # what a gathering call's input is (torch takes th
 # the records a check reads besides its own: forward from the input, backward from the
 # gradient that arrives (and the input, for an elementwise function)
 NEEDS = {fmt.OUTPUT: (fmt.INPUT,), fmt.GRAD_INPUT: (fmt.GRAD_OUTPUT, fmt.INPUT)}
-# the paths of an op's two operands (BINARY), as ``dumper.ops`` records a call's arguments
+# the paths of an op's two operands (BINARY) given by position (docs/format.md, ``path``)
 OPERAND_PATHS = ("args[0]", "args[1]")
 
 
@@ -170,7 +170,7 @@ def _measure_part(task: tuple) -> dict[int, dict]:
     with StepReaders(locations_a) as readers_a, StepReaders(locations_b) as readers_b:
         for w in work:
             recomputed = _Call(w.rows, {"a": readers_a, "b": readers_b}, w.figures, w.recorded)
-            for kind, operand in ((fmt.OUTPUT, 0), (fmt.GRAD_INPUT, 0), (fmt.GRAD_INPUT, 1)):
+            for kind, operand in recomputed.records():
                 with reading(" or ".join(str(f[w.step].path) for f in (locations_a,
                                                                         locations_b))):
                     label, figures = recomputed.check(kind, operand)
@@ -199,18 +199,19 @@ class _Call:
         self.metrics, self.readers, self.recorded = metrics, readers, recorded
         self.by_kind: dict[str, dict] = {}  # the call's records, and its parameters by name
         self.params: dict[str, dict] = {}
-        # an op of two operands: its second one and that one's gradient (the first's are
-        # by_kind's), by kind
-        self.second: dict[str, dict] = {}
+        # an op of two tensors: its second operand's record and that one's gradient (the
+        # first's are by_kind's), by kind
+        self.second_operand: dict[str, dict] = {}
         cls = next(iter(rows.values()))["cls_a"]
         for label, row in rows.items():
             row = {**row, "label": label}
             if row["kind"] == fmt.PARAM:
                 self.params.setdefault(row["path_a"], row)
             elif cls in BINARY and row["kind"] in (fmt.INPUT, fmt.GRAD_INPUT):
-                if row["path_a"] in OPERAND_PATHS:  # else given by name: not recomputed
-                    at = OPERAND_PATHS.index(row["path_a"])
-                    (self.by_kind, self.second)[at].setdefault(row["kind"], row)
+                if row["path_a"] == OPERAND_PATHS[0]:  # else given by name: not recomputed
+                    self.by_kind.setdefault(row["kind"], row)
+                elif row["path_a"] == OPERAND_PATHS[1]:
+                    self.second_operand.setdefault(row["kind"], row)
             else:
                 self.by_kind.setdefault(row["kind"], row)
         self.formulas, self.takes_weights = candidates(cls), cls not in UNWEIGHTED
@@ -225,11 +226,11 @@ class _Call:
         Linear's rows or an activation's elements), or, for a BatchNorm, every k-th channel;
         None where not even one fits, or the records' samples do not line up (shapes that
         differ between the sides: the comparison did not read those values)."""
-        rows = [*self.by_kind.values(), *self.second.values(), *self.params.values()]
+        rows = [*self.by_kind.values(), *self.second_operand.values(), *self.params.values()]
         if any(_shape(r, "a") != _shape(r, "b") for r in rows):
             return None
         if cls in BINARY:  # operands broadcast against each other: whole, where they fit
-            fits = max(math.prod(_shape(r, "a")) for r in rows) <= SAMPLE_ELEMENTS
+            fits = max((math.prod(_shape(r, "a")) for r in rows), default=0) <= SAMPLE_ELEMENTS
             return _Sampling(0, False, 1) if fits else None
         shapes = [_shape(row, "a") for row in self.by_kind.values()]
         # the axes samples may lie along: a gathering call's output has a row per index
@@ -278,12 +279,18 @@ class _Call:
             return ndim - len(span)
         return max(0, min(1, ndim - 1))
 
+    def records(self) -> list[tuple[str, int]]:
+        """``(kind, operand)`` of the records :meth:`check` recomputes: the output and the
+        gradient sent back, of an op of two tensors for each operand."""
+        return [(fmt.OUTPUT, 0), (fmt.GRAD_INPUT, 0)] + (
+            [(fmt.GRAD_INPUT, 1)] if self.second_operand else [])
+
     def check(self, kind: str, operand: int = 0) -> tuple[Optional[int], Optional[dict]]:
         """The row label of the call's ``kind`` record (of an op of two operands, the
         gradient of ``operand``) and B's figures, recomputed by the formula A's records follow
         best within A's rounding; None, None where none does."""
-        records = self.by_kind if operand == 0 else {**self.by_kind, kind: self.second.get(
-            kind)}
+        records = self.by_kind if operand == 0 else {
+            **self.by_kind, kind: self.second_operand.get(kind)}
         if self.sampling is None or records.get(kind) is None or (
                 kind == fmt.GRAD_INPUT and fmt.GRAD_OUTPUT not in records):
             return None, None
@@ -325,10 +332,10 @@ class _Call:
         tensors = {k: self._operand(row, side) if k != kind else self._tensor(row, side)
                    for k, row in needed.items()}
         params = {p: self._weight(p, side) for p in ("weight", "bias") if p in self.params}
-        other = self.second.get(fmt.INPUT)
+        other = self.second_operand.get(fmt.INPUT)
         other = None if other is None else self._operand(other, side)
         if any(v is None for v in (*tensors.values(), *params.values())) or (
-                self.second and other is None):
+                self.second_operand and other is None):
             return None
         if not params and self.takes_weights and needed[kind]["call_idx"] > 0:
             return None  # its weights are recorded at the module's first call only

@@ -361,7 +361,7 @@ class StepCapture:
                   if isinstance(t, torch.Tensor) and not t.is_inference()]
         opened: list[Record] = []
         # a re-run leaves in place what the op writes into: the code goes on with it
-        kept = written(name, args, kwargs) if inject is not None else frozenset()
+        kept = written(name, func, args, kwargs) if inject is not None else frozenset()
         call = self._open(info, inject, args, kwargs, opened.append, kept)
         if inject is not None and fmt.INPUT in inject.kinds:
             args, kwargs = self._inject_inputs(inject, call, args, kwargs, kept) or (args, kwargs)
@@ -388,6 +388,8 @@ class StepCapture:
     def _inject_inputs(self, inject: StepReference, call: _OpenCall, args: tuple,
                        kwargs: dict, kept: frozenset[int] = frozenset()
                        ) -> Optional[tuple[tuple, dict]]:
+        """``call``'s arguments with the reference's values in place of its tensors, but those
+        whose ids are ``kept``; None where none was replaced."""
         made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         replace = inject.leaf_replacer(call.info.module, call.info.call_idx, fmt.INPUT, made,
                                        kept)

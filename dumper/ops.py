@@ -17,6 +17,8 @@ casts and backend-specific decompositions, which pair badly between runs.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
 from typing import Any, Callable, Optional
 
@@ -70,16 +72,33 @@ def op_name(func: Callable) -> str:
 OnOp = Callable[[Any, str, Callable, tuple, dict], Any]
 
 
-def written(name: str, args: tuple, kwargs: dict) -> frozenset[int]:
-    """The ids of the tensors op ``name`` writes into: an in-place method's own tensor (its
-    name ends in ``_``: ``index_add_``, ``x += y`` as ``add_``), an indexed assignment's
-    (``out[:, t] = y``), a function's given ``inplace=True``, and an ``out=`` tensor. Code
-    goes on with those very tensors (a loop of ``out.index_add_(...)`` or of ``out[:, t] =``
-    returns nothing to use), so a localizing re-run must not put a copy in their place."""
-    in_place = name.endswith("_") or name == "setitem" or kwargs.get("inplace") is True
-    targets = [args[0]] if in_place and args else []
+def written(name: str, func: Callable, args: tuple, kwargs: dict) -> frozenset[int]:
+    """The ids of the tensors op ``name`` (running ``func``) writes into: an in-place method's
+    own tensors (its name ends in ``_``: ``index_add_``, ``x += y`` as ``add_``, a
+    ``_foreach_mul_``'s list), an indexed assignment's (``out[:, t] = y``), those of a
+    function given ``inplace=True`` (by name or at its place: ``F.relu(x, True)``), and an
+    ``out=`` tensor. Code goes on with those very tensors (a loop of ``out.index_add_(...)`` or
+    of ``out[:, t] =`` returns nothing to use), so a localizing re-run must not put a copy in
+    their place."""
+    try:
+        at = _inplace_position(func)
+    except TypeError:  # a callable that cannot be a cache key
+        at = None
+    given = kwargs.get("inplace", args[at] if at is not None and at < len(args) else False)
+    in_place = name.endswith("_") or name == "setitem" or given is True
+    targets = tree_leaves(args[0]) if in_place and args else []
     targets += tree_leaves(kwargs.get("out"))
     return frozenset(id(t) for t in targets if isinstance(t, torch.Tensor))
+
+
+@functools.lru_cache(maxsize=None)
+def _inplace_position(func: Callable) -> Optional[int]:
+    """Where ``func`` takes ``inplace`` by position (``F.relu(input, inplace)``), if it does."""
+    try:
+        names = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):  # a builtin without a Python signature
+        return None
+    return names.index("inplace") if "inplace" in names else None
 
 
 def quietly(fn: Callable) -> Callable:

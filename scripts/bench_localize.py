@@ -251,9 +251,10 @@ def _keep(root: Path, case: dict, keep: Path) -> None:
     missed = [p["dump"] for p in case["plants"]
               if p["visibility"] == "visible" and not (p["two_dump"] and p["injected"])]
     if missed or any(not h["ok"] or h["origins"] for h in case["healthy"]):
-        for name in ("a", "b", "b-inj", *missed, *(f"{m}-inj" for m in missed)):
-            for path in root.glob(f"{name}*"):  # with ops= too
-                shutil.copytree(path, keep / path.name, dirs_exist_ok=True)
+        for name in ("a", "b", *missed):  # each with its re-run, and those with ops=
+            for path in (root / name, root / f"{name}-inj", *root.glob(f"{name}-ops*")):
+                if path.exists():
+                    shutil.copytree(path, keep / path.name, dirs_exist_ok=True)
 
 
 def rerun_equal(arch: str, steps: int, tmp: Path) -> bool:

@@ -2,6 +2,7 @@
 named ``{module}/{op}#{n}``, equal to a hand-run of the same ops, and compared like modules."""
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,7 @@ from compare.cli import main
 from compare.dump import load_dump
 from compare.status import ORIGIN
 from dumper import HookerAndDumper
+from dumper.ops import written
 
 import architectures
 from helpers import read_tensors
@@ -528,6 +530,7 @@ def test_a_rerun_that_names_no_origin_names_the_code_to_dump_op_by_op(tmp_path):
     suspects = ops_suspects(table)
     assert suspects[0] == attention, suspects
     assert "op by op" not in describe_origins(table)  # unless told the runs do not agree
+    assert f"ops={suspects!r}, skip_ops=()" in describe_origins(table, unexplained=True)
     result = _h5cmp(a, b, "--injected", c)
     assert result.exit_code == 0, result.output
     assert (f"no recorded call is an origin; the code around them is judged only as a whole, "
@@ -585,3 +588,31 @@ def test_a_rerun_leaves_in_place_what_an_op_writes_into(tmp_path):
     assert len(written) == 3 + 6 and (written["injected"] == 0).all()  # left in place
     table = localize(tmp_path / "a", tmp_path / "b", tmp_path / "c")
     assert not (table["verdict"] == ORIGIN).any(), table[table["verdict"] == ORIGIN]
+
+
+def test_no_table_names_no_module_to_look_inside():
+    """A localize table left empty (``--module`` matching no judged record) names none."""
+    columns = ["epoch", "step", "rank", "module", "cls", "call_idx", "kind", "index",
+               "occurrence", "seq", "call", "injected", "local_status", "local_rel_error",
+               "local_added_ratio", "local_reason", "verdict"]
+    assert ops_suspects(pd.DataFrame(columns=columns)) == []
+
+
+_X, _Y = torch.ones(3), torch.ones(3)
+
+
+@pytest.mark.parametrize("name, func, args, kwargs, targets", [
+    ("index_add_", torch.Tensor.index_add_, (_X, 0, torch.tensor([0]), _Y), {}, {id(_X)}),
+    ("add_", torch.Tensor.add_, (_X, _Y), {}, {id(_X)}),
+    ("setitem", torch.Tensor.__setitem__, (_X, 0, 1.0), {}, {id(_X)}),
+    ("relu", F.relu, (_X, True), {}, {id(_X)}),
+    ("relu", F.relu, (_X,), {"inplace": True}, {id(_X)}),
+    ("relu", F.relu, (_X,), {}, set()),
+    ("dropout", F.dropout, (_X, 0.5, True, False), {}, set()),
+    ("_foreach_mul_", torch._foreach_mul_, ([_X, _Y], 2.0), {}, {id(_X), id(_Y)}),
+    ("add", torch.add, (_X, _Y), {"out": _Y}, {id(_Y)}),
+    ("add", torch.add, (_X, _Y), {}, set()),
+    ("getitem", torch.Tensor.__getitem__, (_X, 0), {}, set()),
+])
+def test_what_an_op_writes_into(name, func, args, kwargs, targets):
+    assert written(name, func, args, kwargs) == targets

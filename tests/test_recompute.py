@@ -21,6 +21,7 @@ from compare import format as fmt
 from compare import status as st
 from compare.dump import load_dump
 from compare.cli import main
+from compare import formulas
 from compare.formulas import allowed
 from compare.verdict import MISCOMPUTED
 from dumper import HookerAndDumper, perturb
@@ -710,3 +711,26 @@ def test_products_and_sums_of_two_tensors_are_recomputed_and_their_errors_found(
             "/mul#0", where, index), first.row
         assert first.row["recomputed_rel_err"] == pytest.approx(1e-3, rel=0.05)
         assert MISCOMPUTED in first.row["reason"] and "(mul: recomputed" in first.row["reason"]
+
+
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "div"])
+@pytest.mark.parametrize("shape_x, shape_z", [((4, 1, 16), (8, 1)), ((16,), (4, 8, 16)),
+                                              ((4, 8, 16), (4, 8, 16)), ((2, 3), ())])
+def test_ops_of_two_tensors_follow_autograd_where_broadcast(op, shape_x, shape_z):
+    """The formula of an op of two tensors gives what torch's own forward and backward give,
+    in float64, for operands broadcast along leading, middle and all axes."""
+    gen = torch.Generator().manual_seed(0)
+    x, z = (torch.rand(s, generator=gen, dtype=torch.float64).add_(0.5).requires_grad_()
+            for s in (shape_x, shape_z))
+    y = getattr(torch, op)(x, z)
+    g = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+    y.backward(g)
+    tensors = {fmt.INPUT: x.detach().numpy(), fmt.OUTPUT: y.detach().numpy(),
+               fmt.GRAD_OUTPUT: g.numpy()}
+    [formula] = formulas.candidates(op)
+    for kind, operand, got in ((fmt.OUTPUT, 0, y), (fmt.GRAD_INPUT, 0, x.grad),
+                               (fmt.GRAD_INPUT, 1, z.grad)):
+        records = {**tensors, fmt.GRAD_INPUT: got.detach().numpy()}
+        figures = formula(kind, formulas.Operands(records, None, None, math.nan,
+                                                  other=z.detach().numpy(), operand=operand))
+        assert figures.columns()["recomputed_rel_err"] < 1e-15, (kind, operand)
