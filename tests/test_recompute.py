@@ -27,7 +27,7 @@ from compare.verdict import MISCOMPUTED
 from dumper import HookerAndDumper, perturb
 
 from architectures import cannot_run, run_step
-from helpers import dump_embedded, read_tensors
+from helpers import ScaleGrad, dump_embedded, read_tensors
 
 COLUMNS = ["recomputed_rel_err", "recomputed_spread", "recomputed_terms"]
 
@@ -645,17 +645,6 @@ class _GatedBlock(nn.Module):
         return x + self.scale * self.down(nn.functional.silu(self.gate(x)) * self.up(x))
 
 
-class _ScaledGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * ctx.scale, None
-
-
 class _WrongProduct(torch.overrides.TorchFunctionMode):
     """B's kernel for the first product of two tensors is off by ``scale``: its result, or
     (``where="grad_input"``) the gradient it sends back for its second operand."""
@@ -672,7 +661,7 @@ class _WrongProduct(torch.overrides.TorchFunctionMode):
             x, z = args
             if self.where == "output":
                 return func(x, z, **kwargs) * self.scale
-            return func(x, _ScaledGradient.apply(z, self.scale), **kwargs)
+            return func(x, ScaleGrad.apply(z, self.scale), **kwargs)
         return func(*args, **kwargs)
 
 
