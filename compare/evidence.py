@@ -19,7 +19,7 @@ from .centering import normalizes
 from .precision import cast_rounding, lowest, rounding_of
 from .gains import bias_scales, linear_gains
 from .metrics import REORDERED_MARGIN
-from .formulas import BINARY, ELEMENTWISE, near_zero_roundings
+from .formulas import ELEMENTWISE, TWO_TENSORS, near_zero_roundings
 from .formulas import ALLOWANCE as RECOMPUTE_MARGIN
 from .formulas import allowed as recompute_allowance
 from .routing import moved_rows
@@ -212,15 +212,22 @@ class Evidence:
                 unit, frame["recomputed_spread"].to_numpy(float), terms, underflow,
                 frame["rms_a"].to_numpy(float),
                 near_zero_roundings(frame["cls"].fillna("").to_numpy(object), terms))
-        # what a recomputation within rounding proves: all of an elementwise call, of one
-        # operand or two (no setting of its own that B could have otherwise), recomputed on
+        # what a recomputation within rounding proves: all of an elementwise call or an op
+        # of two tensors (no setting of its own that B could have otherwise), recomputed on
         # every sample
         self.recomputed_whole = ((frame["recomputed_stride"].to_numpy(float) == 1)
-                                 & frame["cls"].isin([*ELEMENTWISE, *BINARY]).to_numpy(bool))
+                                 & frame["cls"].isin([*ELEMENTWISE, *TWO_TENSORS]).to_numpy(bool))
         self.miscomputed = self.recomputed > self.recomputed_floor  # NaN: not recomputed
         # what rounding gives, without the margin that keeps a recomputation from accusing
         # a call of rounding: where a call's error is excused as its own rounding, no more
         self.recomputed_rounding = self.recomputed_floor / RECOMPUTE_MARGIN
+        # what a call B computed within rounding makes of its operands' relative errors: its
+        # result sums terms that are products of them, so errors proportional to the
+        # elements (rounding, a cast) reach it as the terms' root sum of squares against the
+        # result, the spread, and a random error about so (1 where no term cancels; 27 for a
+        # product of centred rows with a near-constant vector)
+        self.cancelling = np.where(self.recomputed <= self.recomputed_floor,
+                                   frame["recomputed_spread"].to_numpy(float), np.nan)
 
     def _merged_sources(self, frame: pd.DataFrame) -> list[np.ndarray]:
         sources = [s[self.compared[s]] for s in self._through_one_sided()]

@@ -26,6 +26,9 @@ the one that A's own records follow best.
   says which); an add's terms are its operands (cancelling grows them), a product has one.
   Only the result is rounded (the operands are used exactly, at the promoted dtype): the
   record's own dtype explains it (:data:`ROUNDS_RESULT`);
+- matrix products of two tensors (:data:`PRODUCTS`, op records: ``matmul``, ``mm``,
+  ``bmm``), at torch.matmul's shapes: ``y = x z``, ``gx = g zᵀ``, ``gz = xᵀ g``, summed
+  over the batch axes an operand was broadcast along;
 - adaptive average pools (:data:`POOLS`), at the sizes their records have: output ``i`` of a
   dimension of ``L`` inputs and ``n`` outputs is the mean of inputs ``floor(i L / n)`` to
   ``ceil((i + 1) L / n)``, PyTorch's bins; backward, each output's gradient shared equally
@@ -154,9 +157,13 @@ _BINARY = {
 BINARY: dict[str, BinaryOp] = {**_BINARY, **{f"{name}_": op for name, op in _BINARY.items()}}
 # calls that round only their result: the operands are used exactly (promoted, never lowered)
 ROUNDS_RESULT = frozenset(BINARY)
+# matrix products of two tensors (op records; ``a @ b`` is ``matmul``), torch.matmul's shapes
+PRODUCTS = ("matmul", "mm", "bmm")
+# ops of two tensors: the second operand is ``Operands.other``
+TWO_TENSORS = frozenset((*BINARY, *PRODUCTS))
 # adaptive average pools: their spatial dimensions
 POOLS = {"AdaptiveAvgPool1d": 1, "AdaptiveAvgPool2d": 2, "AdaptiveAvgPool3d": 3}
-UNWEIGHTED = frozenset((*ELEMENTWISE, *BINARY, *POOLS))  # formulas that take no weights
+UNWEIGHTED = frozenset((*ELEMENTWISE, *TWO_TENSORS, *POOLS))  # formulas that take no weights
 # spatial dimensions; and those that compute what a convolution sends back
 CONVOLUTIONS = {"Conv1d": 1, "Conv2d": 2, "Conv3d": 3,
                 "ConvTranspose1d": 1, "ConvTranspose2d": 2, "ConvTranspose3d": 3}
@@ -184,6 +191,8 @@ def candidates(cls: str) -> list[Formula]:
         return [functools.partial(_elementwise, *ELEMENTWISE[cls])]
     if cls in BINARY:
         return [functools.partial(_binary, BINARY[cls])]
+    if cls in PRODUCTS:
+        return [_product]
     if cls in CONVOLUTIONS:
         formula = _transposed_convolution if cls in TRANSPOSED else _convolution
         return [functools.partial(formula, CONVOLUTIONS[cls])]
@@ -522,13 +531,59 @@ def _binary(op: BinaryOp, kind: str, ops: Operands) -> Optional[Figures]:
         if g.shape != np.broadcast_shapes(x.shape, z.shape) or parts.shape != g.shape or \
                 got.shape != operand.shape:
             return None
-        # summed over the axes the operand was broadcast along: leading ones, and those of size 1
-        lead = parts.ndim - operand.ndim
-        axes = (*range(lead), *(lead + i for i, n in enumerate(operand.shape)
-                                if n == 1 and parts.shape[lead + i] != 1))
-        want = parts.sum(axis=axes).reshape(operand.shape)
-        return Figures(got, want, float(np.square(parts).sum()),
+        return Figures(got, _unbroadcast(parts, operand.shape), float(np.square(parts).sum()),
                        parts.size // max(operand.size, 1))
+
+
+def _unbroadcast(values: np.ndarray, shape: tuple) -> np.ndarray:
+    """``values`` summed over the axes an operand of ``shape`` was broadcast along to reach
+    them (leading ones, and those where it has size 1): the gradient it gets."""
+    lead = values.ndim - len(shape)
+    axes = (*range(lead), *(lead + i for i, n in enumerate(shape)
+                            if n == 1 and values.shape[lead + i] != 1))
+    return values.sum(axis=axes).reshape(shape)
+
+
+def _product(kind: str, ops: Operands) -> Optional[Figures]:
+    """A matrix product of two tensors (:data:`PRODUCTS`), torch.matmul's: a vector operand
+    taken as a matrix of one row (first) or column (second), the batch axes broadcast;
+    ``y = x z``, ``gx = g zᵀ`` and ``gz = xᵀ g``, summed over the batch axes the operand
+    was broadcast along. Each element sums ``K`` products forward (``x``'s last axis);
+    backward, those of the other operand's free axis times the batches summed."""
+    t, x, z = ops.tensors, ops.tensors.get(fmt.INPUT), ops.other
+    if x is None or z is None or x.ndim == 0 or z.ndim == 0:
+        return None
+    matrix_x = x[np.newaxis] if x.ndim == 1 else x
+    matrix_z = z[:, np.newaxis] if z.ndim == 1 else z
+    if matrix_x.shape[-1] != matrix_z.shape[-2]:
+        return None
+    try:
+        batch = np.broadcast_shapes(matrix_x.shape[:-2], matrix_z.shape[:-2])
+    except ValueError:
+        return None
+    matrix_shape = (*batch, matrix_x.shape[-2], matrix_z.shape[-1])
+    products = math.prod(matrix_shape) * matrix_x.shape[-1]
+    if kind == fmt.OUTPUT:
+        y = t[fmt.OUTPUT]
+        want = np.matmul(x, z)
+        if y.shape != want.shape:
+            return None
+        return Figures(y, want, float(np.matmul(np.square(x), np.square(z)).sum()),
+                       matrix_x.shape[-1])
+    g, got = t[fmt.GRAD_OUTPUT], t[fmt.GRAD_INPUT]
+    operand = matrix_z if ops.operand else matrix_x
+    if g.size != math.prod(matrix_shape) or got.size != operand.size or \
+            got.shape != (z if ops.operand else x).shape:
+        return None
+    g = g.reshape(matrix_shape)
+    if ops.operand:
+        parts = np.matmul(np.swapaxes(matrix_x, -1, -2), g)
+        squared = np.matmul(np.swapaxes(np.square(matrix_x), -1, -2), np.square(g))
+    else:
+        parts = np.matmul(g, np.swapaxes(matrix_z, -1, -2))
+        squared = np.matmul(np.square(g), np.swapaxes(np.square(matrix_z), -1, -2))
+    return Figures(got, _unbroadcast(parts, operand.shape).reshape(got.shape),
+                   float(squared.sum()), products // max(operand.size, 1))
 
 
 def _grouping(grouping: str, x: np.ndarray, params: tuple) -> Optional[tuple]:

@@ -2,9 +2,9 @@
 
 Where a module's class says what it computes (:mod:`compare.formulas`: ``Linear``,
 convolutions, elementwise activations, normalizations, ``Embedding``, adaptive average
-pools; among op records, elementwise ops of two tensors), its output follows
-from its input and weights, and the gradient it sends back from the gradient that arrives
-and its input.
+pools; among op records, elementwise ops and matrix products of two tensors), its output
+follows from its input and weights, and the gradient it sends back from the gradient that
+arrives and its input.
 Recomputed in float64 from B's own records of the call, the difference is what B's
 computation of that call added, whatever error its operands carried: the error of a call's
 own forward or backward, measured exactly where the error figures of
@@ -55,9 +55,9 @@ from .decoding import decode
 from .dump import StepReaders, one_side, reading
 from .pairing import from_shards
 from .attributes import NO_ATTRIBUTES, Attributes, Recorded
-from .formulas import (BINARY, CONVOLUTIONS, ELEMENTWISE, GATHERS, POOLS, RECOMPUTE_FIGURES,
-                       ROUNDS_RESULT, UNWEIGHTED, WEIGHTED, Operands, allowed, candidates,
-                       near_zero_roundings)
+from .formulas import (CONVOLUTIONS, ELEMENTWISE, GATHERS, POOLS, PRODUCTS, RECOMPUTE_FIGURES,
+                       ROUNDS_RESULT, TWO_TENSORS, UNWEIGHTED, WEIGHTED, Operands, allowed,
+                       candidates, near_zero_roundings)
 from .precision import lowest, rounded, rounding_of
 from .statistics import STATS_RESOLUTION
 
@@ -75,7 +75,7 @@ INDICES = ("int64", "int32")  # what a gathering call's input is (torch takes th
 # the records a check reads besides its own: forward from the input, backward from the
 # gradient that arrives (and the input, for an elementwise function)
 NEEDS = {fmt.OUTPUT: (fmt.INPUT,), fmt.GRAD_INPUT: (fmt.GRAD_OUTPUT, fmt.INPUT)}
-# the paths of an op's two operands (BINARY) given by position (docs/format.md, ``path``)
+# the paths of an op's two operands (TWO_TENSORS) given by position (docs/format.md, ``path``)
 OPERAND_PATHS = ("args[0]", "args[1]")
 
 
@@ -96,7 +96,7 @@ def recomputable(pairs: pd.DataFrame) -> pd.DataFrame:
     classes = pairs["cls_a"].dropna().unique()  # NaN: recorded in B only
     known = pairs["cls_a"].isin([c for c in classes if candidates(str(c))]) & (
         pairs["cls_a"] == pairs["cls_b"])
-    operands = pairs["cls_a"].isin(list(BINARY)) & pairs["kind"].isin(
+    operands = pairs["cls_a"].isin(list(TWO_TENSORS)) & pairs["kind"].isin(
         [fmt.INPUT, fmt.GRAD_INPUT]) & pairs["path_a"].isin(OPERAND_PATHS)
     data = ((pairs["index"] == 0) | operands) & (pairs["occurrence"] == 0) & pairs["kind"].isin(
         [fmt.INPUT, fmt.OUTPUT, fmt.GRAD_OUTPUT, fmt.GRAD_INPUT])
@@ -207,7 +207,7 @@ class _Call:
             row = {**row, "label": label}
             if row["kind"] == fmt.PARAM:
                 self.params.setdefault(row["path_a"], row)
-            elif cls in BINARY and row["kind"] in (fmt.INPUT, fmt.GRAD_INPUT):
+            elif cls in TWO_TENSORS and row["kind"] in (fmt.INPUT, fmt.GRAD_INPUT):
                 if row["path_a"] == OPERAND_PATHS[0]:  # else given by name: not recomputed
                     self.by_kind.setdefault(row["kind"], row)
                 elif row["path_a"] == OPERAND_PATHS[1]:
@@ -229,8 +229,13 @@ class _Call:
         rows = [*self.by_kind.values(), *self.second_operand.values(), *self.params.values()]
         if any(_shape(r, "a") != _shape(r, "b") for r in rows):
             return None
-        if cls in BINARY:  # operands broadcast against each other: whole, where they fit
+        if cls in TWO_TENSORS:  # operands broadcast against each other: whole, where they fit
             fits = max((math.prod(_shape(r, "a")) for r in rows), default=0) <= SAMPLE_ELEMENTS
+            if cls in PRODUCTS:  # each element of the result sums the first operand's last axis
+                result = self.by_kind.get(fmt.OUTPUT) or self.by_kind.get(fmt.GRAD_OUTPUT)
+                first = self.by_kind.get(fmt.INPUT)
+                fits = fits and result is not None and first is not None and math.prod(
+                    _shape(result, "a")) * math.prod(_shape(first, "a")[-1:]) <= SAMPLE_PRODUCTS
             return _Sampling(0, False, 1) if fits else None
         shapes = [_shape(row, "a") for row in self.by_kind.values()]
         # the axes samples may lie along: a gathering call's output has a row per index
@@ -300,11 +305,12 @@ class _Call:
                     for side in ("a", "b")}
         if any(o is None for o in operands.values()):
             return None, None
-        # a call rounds through the lowest dtype it is given, or, rounding only its result,
-        # through the result's
+        # a call rounds through the lowest dtype it is given (an op's second operand too),
+        # or, rounding only its result, through the result's
+        given = [*(records[k] for k in needed), *self.params.values(),
+                 *([self.second_operand[fmt.INPUT]] if fmt.INPUT in self.second_operand else [])]
         dtype = {side: row[f"dtype_{side}"] if row["cls_a"] in ROUNDS_RESULT else lowest(
-            [records[k][f"dtype_{side}"] for k in needed]
-            + [r[f"dtype_{side}"] for r in self.params.values()]) for side in ("a", "b")}
+            [r[f"dtype_{side}"] for r in given]) for side in ("a", "b")}
         rounding = rounding_of(dtype["a"])
         scale = self.metrics.get(row["label"], {}).get("rms_a", math.nan)
         fits = []  # (how far within A's rounding, formula) of the formulas A's records follow

@@ -32,7 +32,9 @@ A record is
 - ``DIFF`` when ``rel_error > sqrt((gain * input_error)² + (SPREAD * expected)²)``: more than
   its inputs' error, amplified as comparable records amplify theirs (``gain``: calibrated
   between ``GAIN`` and ``MAX_GAIN``, or what the call's weight matrix or its own forward pass
-  shows, :mod:`compare.gains`, if more; at least ``EXACT_GAIN`` where no added error is
+  shows, :mod:`compare.gains`, or, of a call B computed within rounding, the spread of the
+  terms it sums (how far cancelling terms amplify errors of its operands' elements), if
+  more; at least ``EXACT_GAIN`` where no added error is
   expected, and downstream of a failing record, whose consequences are only news when they
   more than double; ``STATS_GAIN`` times more for records judged from statistics; with room
   for errors spread over few elements, ``SAMPLING_SPREADS``);
@@ -40,7 +42,7 @@ A record is
   rounding through B's lowest precision may (:mod:`compare.transit`: an error between
   modules, found exactly); and where B's own computation of a call, recomputed from its
   records (:mod:`compare.recompute`: a ``Linear``, a convolution, an elementwise
-  activation, a normalization, an ``Embedding``), is off by more than rounding in the dtype it computed in
+  activation, a normalization, an ``Embedding``, an op of two tensors), is off by more than rounding in the dtype it computed in
   explains (a bound, not a typical figure: a call recomputed within it is still judged by the
   rule above, what could hide in it is at most that bound, and, where it passes, what it
   adds at most its recomputed error, measured; where that error is within what rounding
@@ -314,12 +316,15 @@ class _Judgement:
     def gain(self, i: int) -> float:
         """The calibrated gain, or what the module's weight matrix gives a random error, with
         ``LINEAR_MARGIN``, or what its forward pass shows its backward gives one, with a
-        calibrated gain's margin (:mod:`compare.gains`), if either is more; with the room
-        for an error spread over few elements (``Evidence._sampling``)."""
+        calibrated gain's margin (:mod:`compare.gains`), or, of a call B computed within
+        rounding, the spread of the terms it sums (``Evidence.cancelling``), if any is more;
+        with the room for an error spread over few elements (``Evidence._sampling``)."""
         linear, adjoint = self.r.linear_gain[i], self.adjoint_gain[i]
+        cancelling = self.r.cancelling[i]
         return self.r.sampling[i] * max(self.expected.gain[i],
                                         LINEAR_MARGIN * linear if math.isfinite(linear) else 0.0,
-                                        GAIN * adjoint if math.isfinite(adjoint) else 0.0)
+                                        GAIN * adjoint if math.isfinite(adjoint) else 0.0,
+                                        cancelling if math.isfinite(cancelling) else 0.0)
 
     def _unbounded(self, i: int, level: float) -> str:
         """Why no bound holds what it adds ("" where one does; the module docstring): what
