@@ -31,7 +31,7 @@ from .comparison import compare_dumps
 from .dump import Dump, PathLike, load_dump
 from .errors import DumpError
 from .precision import cast_rounding, rounding_of
-from .sources import parent_calls
+from .sources import STEP_KEY, enclosing_modules
 
 ORIGINS_SHOWN = 10  # origins listed by describe_origins
 OPS_SUSPECTS = 3  # modules whose own code ops_suspects names at most
@@ -214,18 +214,14 @@ def ops_suspects(frame: pd.DataFrame, shown: int = OPS_SUSPECTS) -> list[str]:
                     & np.isfinite(ratio) & (ratio > 0)]
     both = frame[~frame["local_status"].isin(st.ONE_SIDED)]  # the re-run's ops, A's too
     recorded = {op[0] for op in map(fmt.split_op, both["module"]) if op is not None}
-    step = ["epoch", "step", "rank"]
-    modules = frame[frame["module"].map(fmt.split_op).isna()]  # module calls, not ops
-    calls_of = dict(list(modules.assign(rank=modules["rank"].fillna(-1)).groupby(step)))
+    steps = dict(list(frame.assign(rank=frame["rank"].fillna(-1)).groupby(STEP_KEY)))
     globs: list[tuple[float, str]] = []  # (added ratio, the enclosing module's ops= glob)
-    for key, rows in arrived.assign(rank=arrived["rank"].fillna(-1)).groupby(step):
-        calls = calls_of.get(key, modules.iloc[:0]).drop_duplicates("call")
-        parents = parent_calls(calls)  # of the calls in the table (not those filtered out)
-        module_of_call = dict(zip(calls["call"], zip(calls["module"], calls["cls"])))
+    for key, rows in arrived.assign(rank=arrived["rank"].fillna(-1)).groupby(STEP_KEY):
+        # (of the calls in the table, not those filtered out)
+        enclosing = enclosing_modules(steps[key])
         for call, ratio_of in zip(rows["call"], rows["local_added_ratio"]):
-            parent = parents.get(int(call))
-            if parent is not None and module_of_call[parent][0] not in recorded:
-                path, cls = module_of_call[parent]
+            path, cls = enclosing.get(int(call), (None, None))
+            if path is not None and path not in recorded:
                 globs.append((ratio_of, path or cls))  # the root by its class
     ordered = [glob for _, glob in sorted(globs, key=lambda g: -g[0])]
     return list(dict.fromkeys(ordered))[:shown]

@@ -62,6 +62,16 @@ def parent_calls(calls: pd.DataFrame) -> dict[int, Optional[int]]:
     return parents
 
 
+def enclosing_modules(step: pd.DataFrame) -> dict[int, tuple[str, str]]:
+    """``call -> (module, class)`` of the module call that ran each module call of one
+    step's records (the enclosing call that ran, not the path's prefix: a ``ModuleList``
+    never runs); the model's own call has none."""
+    modules = step[step["module"].map(fmt.split_op).isna()].drop_duplicates("call")
+    named = dict(zip(modules["call"], zip(modules["module"], modules["cls"])))
+    return {call: named[parent] for call, parent in parent_calls(modules).items()
+            if parent is not None}
+
+
 CallKey = tuple  # (epoch, step, rank, call), rank -1 when not distributed
 
 

@@ -14,7 +14,7 @@ from . import status as st
 from .arguments import COLUMNS as ARGUMENT_COLUMNS
 from .arguments import describe as describe_argument
 from .comparison import ARGUMENTS, INCOMPLETE_STEPS
-from .sources import earlier_sources, parent_calls
+from .sources import earlier_sources, enclosing_modules
 from .precision import precision_of, rounding_of
 from .verdict import IN_TRANSIT, USER_TOLERANCE
 
@@ -449,18 +449,6 @@ def _before(result: pd.DataFrame, row: pd.Series) -> pd.Series:
     return before
 
 
-def _enclosing(same_step: pd.DataFrame, row: pd.Series) -> Optional[tuple[str, str]]:
-    """(module, class) of the call that ran ``row``'s call (the enclosing call that ran, not
-    the path's prefix: a ``ModuleList`` never runs), None for the model's own call."""
-    modules = same_step[[fmt.split_op(m) is None for m in same_step["module"]]]
-    calls = modules.drop_duplicates("call")
-    parent = parent_calls(calls).get(int(row["call"]))
-    if parent is None:
-        return None
-    enclosing = calls[calls["call"] == parent].iloc[0]
-    return enclosing["module"], enclosing["cls"]
-
-
 def _diagnose(result: pd.DataFrame, row: pd.Series) -> Divergence:
     same_step = result[(result["epoch"] == row["epoch"]) & (result["step"] == row["step"])
                        & (result["rank"].fillna(-1) == (-1 if pd.isna(row["rank"]) else row["rank"]))]
@@ -474,7 +462,7 @@ def _diagnose(result: pd.DataFrame, row: pd.Series) -> Divergence:
         if row["kind"] == fmt.INPUT and row["producer"] >= 0:
             producer = same_step[(same_step["call"] == row["producer"])
                                  & (same_step["kind"] == fmt.OUTPUT)]
-        enclosing = _enclosing(same_step, row)
+        enclosing = enclosing_modules(same_step).get(int(row["call"]))
         ops_recorded = enclosing is not None and bool(
             same_step["module"].str.startswith(enclosing[0] + fmt.OP_SEPARATOR).any())
         return Divergence(row, st.BETWEEN_MODULES, upstream, producer, aliases, enclosing,
