@@ -9,8 +9,8 @@ removed), which the dump's values give exactly, without running the module; or, 
 the root mean square of each group's own: every group is divided by its own spread, so one
 of little spread passes on its error as much as any other.
 
-Which elements form a group follows from the module's parameter length ``C`` and its input's
-shape: over the last dimension when it is ``C`` (LayerNorm, RMSNorm, which does not center
+Which elements form a group follows from the module's parameter length ``C`` (an op record of
+a functional normalization: its weight's) and its input's shape: over the last dimension when it is ``C`` (LayerNorm, RMSNorm, which does not center
 and is then judged a little more loosely), and, when dimension 1 is ``C`` (channels first),
 per channel over the batch and positions (BatchNorm) and per position over the channels
 (a channels-first LayerNorm); a BatchNorm (by its class name) per channel only. The largest
@@ -51,8 +51,11 @@ LAST, CHANNEL, POSITION = "last", "channel", "position"
 # less in the whole.
 NORMALIZATION_EPS = (0.0, 1e-6, 1e-5, 1e-4, 1e-3)
 # class names of normalizations that divide by the root mean square only (T5's and its
-# descendants' LayerNorm is one: no mean removed, no bias)
-UNCENTERED = ("RMSNorm", "RmsNorm", "T5LayerNorm")
+# descendants' LayerNorm is one: no mean removed, no bias), and the op of one (dumper.ops)
+UNCENTERED = ("RMSNorm", "RmsNorm", "T5LayerNorm", "rms_norm")
+# op records (dumper.ops) of functional normalizations over the trailing dimensions: their
+# weight and bias are tensor inputs after the first, not parameter rows
+NORMALIZATION_OPS = ("layer_norm", "rms_norm")
 
 
 def normalized_sizes(pairs: pd.DataFrame) -> np.ndarray:
@@ -64,8 +67,11 @@ def normalized_sizes(pairs: pd.DataFrame) -> np.ndarray:
     incoming gradient is not centered). A
     normalization is a module whose parameters (one row each in the dump) are all of one
     dimension and one length: LayerNorm, RMSNorm, BatchNorm, GroupNorm (not a Linear: its
-    weight has two)."""
-    params = pairs[pairs["kind"] == fmt.PARAM]
+    weight has two); or an op of :data:`NORMALIZATION_OPS` given a weight, whose tensor
+    inputs after the first are so."""
+    ops = pairs["cls_a"].isin(NORMALIZATION_OPS) & (pairs["kind"] == fmt.INPUT) & (
+        pairs["index"] > 0)
+    params = pairs[(pairs["kind"] == fmt.PARAM) | ops]
     sizes = {}
     for module, shapes in params.groupby("module")["shape_a"]:
         known = [s for s in shapes if isinstance(s, tuple)]

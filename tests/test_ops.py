@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from compare import compare_dumps, describe_origins, localize, ops_suspects, summarize
 from compare.cli import main
 from compare.dump import load_dump
-from compare.status import ORIGIN
+from compare.status import DIFF, ORIGIN
 from dumper import HookerAndDumper
 from dumper.ops import written
 
@@ -616,3 +616,23 @@ _X, _Y = torch.ones(3), torch.ones(3)
 ])
 def test_what_an_op_writes_into(name, func, args, kwargs, targets):
     assert written(name, func, args, kwargs) == targets
+
+
+def test_a_functional_normalization_is_judged_as_its_module_would_be(tmp_path):
+    """ConvNeXt, float32 against float16 autocast, op by op: its channels-first LayerNorms
+    call ``F.layer_norm`` on permuted inputs, in float32. The weight's gradient (a sum over
+    every position of the incoming gradient times the normalized input) carries both their
+    errors, the input's after centering, as a LayerNorm module's does: the healthy pair has no
+    failing record (it failed at ``layer_norm#0 grad_input[1]``, 2x the incoming gradient's
+    error, judged against that alone)."""
+    require = architectures.cannot_run("convnext", "float16")
+    if require:
+        pytest.skip(f"torch cannot run convnext at float16 on this machine: {require}")
+    a, b = tmp_path / "a", tmp_path / "b"
+    for directory, precision in ((a, "float32"), (b, "float16")):
+        architectures.run_step("convnext", precision, directory, seed=3, dropout=False,
+                               dumper_options={"ops": "*"})
+    result = compare_dumps(a, b)
+    norms = result[(result["cls"] == "layer_norm") & (result["kind"] == "grad_input")]
+    assert len(norms) and set(norms["index"]) == {0, 1, 2}
+    assert not (result["status"] == DIFF).any(), summarize(result).verdict()
