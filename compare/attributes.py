@@ -2,7 +2,10 @@
 normalization's eps (``fmt.EPS_PATH``) and a convolution's geometry (``fmt.CONV_PATH``), per
 ``(epoch, step, rank, module)`` (rank -1 where not distributed): per step, as a module may
 normalize by its batch's statistics in one step and not in another (a BatchNorm in training,
-then in eval)."""
+then in eval); and the numbers a call was given (non-tensor ``input`` rows of an ``int`` or
+``float``, their ``repr`` exact), per ``(epoch, step, rank, call)`` and path (``x * 0.5``'s
+``args[1]``): by the call's own number in its run, which pairing maps between the runs
+(ops aligned by name, calls made in another order)."""
 from __future__ import annotations
 
 import math
@@ -42,29 +45,51 @@ def recorded_conv(index: pd.DataFrame) -> dict[tuple, fmt.ConvGeometry]:
     return {key: geometry for key, geometry in parsed.items() if geometry is not None}
 
 
+def recorded_numbers(index: pd.DataFrame) -> dict[tuple, dict[str, float]]:
+    """``(epoch, step, rank, call) -> {path: value}`` of the numbers each call in a dump's
+    index was given."""
+    rows = index[(index["kind"] == fmt.INPUT) & (index["index"] < 0)
+                 & index["dtype"].isin(["int", "float"])]
+    out: dict[tuple, dict[str, float]] = {}
+    for key, path, value in zip(zip(rows["epoch"], rows["step"], rows["rank"].fillna(-1),
+                                    rows["call"]),
+                                rows["path"], rows["value"]):
+        try:
+            out.setdefault(key, {}).setdefault(path, float(value))
+        except ValueError:
+            continue
+    return out
+
+
 class Recorded(NamedTuple):
     """One module's recorded attributes in one step: its eps (NaN: none) and convolution
-    geometry (None: none)."""
+    geometry (None: none); and one call's numbers, by path."""
 
     eps: float
     conv: Optional[fmt.ConvGeometry]
+    numbers: dict = {}
 
 
 class Attributes(NamedTuple):
-    """One side's recorded attributes, by ``(epoch, step, rank, module)``."""
+    """One side's recorded attributes, by ``(epoch, step, rank, module)`` (numbers: ``call``
+    for ``module``)."""
 
     eps: dict[tuple, float]
     conv: dict[tuple, fmt.ConvGeometry]
+    numbers: dict[tuple, dict[str, float]] = {}
 
     @classmethod
     def of(cls, index: pd.DataFrame) -> "Attributes":
         """The attributes in a dump's index."""
-        return cls(recorded_eps(index), recorded_conv(index))
+        return cls(recorded_eps(index), recorded_conv(index), recorded_numbers(index))
 
-    def at(self, key: tuple, default: "Attributes") -> Recorded:
-        """The module's attributes at ``key``, ``default``'s where not recorded here."""
+    def at(self, key: tuple, default: "Attributes", call: Optional[int] = None) -> Recorded:
+        """The module's attributes at ``key``, ``default``'s where not recorded here, and
+        the numbers its call ``call`` of this run was given (recorded here only: a number is
+        the call's own)."""
         return Recorded(self.eps.get(key, default.eps.get(key, math.nan)),
-                        self.conv.get(key, default.conv.get(key)))
+                        self.conv.get(key, default.conv.get(key)),
+                        self.numbers.get((*key[:3], call), {}))
 
 
 NO_ATTRIBUTES = Attributes({}, {})  # where a side's module names are not A's (a name mapping)

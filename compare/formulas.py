@@ -20,7 +20,8 @@ the one that A's own records follow best.
   rounding explains one rounding of the result, no sum; its gradient goes to the weight only,
   none is sent back);
 - elementwise ops of two tensors (:data:`BINARY`: op records of ``dumper.ops``, ``add``,
-  ``sub``, ``mul``, ``div`` and their in-place forms), either broadcast against the other:
+  ``sub``, ``mul``, ``div`` and their in-place forms), either broadcast against the other
+  (the second may be a number, a 0-d array):
   ``y = f(x, z)``; backward, the gradient of operand ``i`` is
   ``g ∂f/∂operand_i`` summed over the axes it was broadcast along (:attr:`Operands.operand`
   says which); an add's terms are its operands (cancelling grows them), a product has one.
@@ -83,8 +84,8 @@ class Operands(NamedTuple):
     its parameters, float64; ``eps`` a normalization's (NaN: not recorded), ``conv`` a
     convolution's geometry (None: not recorded); ``rows``: for a gathering call, which rows
     of its weight ``weight`` holds, in increasing order (None: all of them); for an op of two
-    tensors, ``other`` its second and ``operand`` which of the two the ``grad_input`` is the
-    gradient of (0, 1)."""
+    operands, ``other`` its second (a tensor's values, or a number as a 0-d array) and
+    ``operand`` which of the two the ``grad_input`` is the gradient of (0, 1)."""
 
     tensors: dict
     weight: Optional[np.ndarray]

@@ -133,9 +133,10 @@ def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, metrics: dict[int
     work = []
     for key, labels in rows.groupby(["epoch", "step", "rank", "call_a"], sort=False).groups.items():
         call = {label: records[label] for label in labels}
-        at = (*key[:3], call[labels[0]]["module"])
-        a = attributes["a"].at(at, NO_ATTRIBUTES)
-        b = attributes["b"].at(at, attributes["a"])
+        first = call[labels[0]]
+        at = (*key[:3], first["module"])
+        a = attributes["a"].at(at, NO_ATTRIBUTES, int(first["call_a"]))
+        b = attributes["b"].at(at, attributes["a"], int(first["call_b"]))
         # B at its own eps (torch's RMSNorm without one takes its dtype's), at A's geometry:
         # a convolution that slides otherwise than A's computes something else
         recorded = {"a": a, "b": b._replace(conv=a.conv or b.conv)}
@@ -215,6 +216,7 @@ class _Call:
             else:
                 self.by_kind.setdefault(row["kind"], row)
         self.formulas, self.takes_weights = candidates(cls), cls not in UNWEIGHTED
+        self.two_operands = cls in TWO_TENSORS
         self.gathers = cls in GATHERS  # its weight is read at the rows its input names
         self.sampling = self._sampling(cls)
         self.cache: dict[tuple, Optional[np.ndarray]] = {}
@@ -338,10 +340,9 @@ class _Call:
         tensors = {k: self._operand(row, side) if k != kind else self._tensor(row, side)
                    for k, row in needed.items()}
         params = {p: self._weight(p, side) for p in ("weight", "bias") if p in self.params}
-        other = self.second_operand.get(fmt.INPUT)
-        other = None if other is None else self._operand(other, side)
+        other = self._other(side)
         if any(v is None for v in (*tensors.values(), *params.values())) or (
-                self.second_operand and other is None):
+                self.two_operands and other is None):
             return None
         if not params and self.takes_weights and needed[kind]["call_idx"] > 0:
             return None  # its weights are recorded at the module's first call only
@@ -349,6 +350,16 @@ class _Call:
         return Operands(tensors, params.get("weight"), params.get("bias"), eps=recorded.eps,
                         conv=recorded.conv, rows=self._rows() if self.gathers else None,
                         other=other, operand=operand)
+
+    def _other(self, side: str) -> Optional[np.ndarray]:
+        """An op of two operands' second on ``side``: its tensor, or the number it was given
+        at ``OPERAND_PATHS[1]`` (``x * 0.5``; a 0-d array, which broadcasts), None where
+        neither is known or the call takes none."""
+        row = self.second_operand.get(fmt.INPUT)
+        if row is not None:
+            return self._operand(row, side)
+        number = self.recorded[side].numbers.get(OPERAND_PATHS[1])
+        return None if number is None or not self.two_operands else np.array(number)
 
     def _rows(self) -> Optional[np.ndarray]:
         """A gathering call's weight rows its input names on either side, in increasing

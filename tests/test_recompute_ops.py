@@ -36,8 +36,9 @@ class _GatedBlock(nn.Module):
 
 
 class _WrongProduct(torch.overrides.TorchFunctionMode):
-    """B's kernel for the first ``op`` of two tensors is off by ``scale``: its result, or
-    (``where="grad_input"``) the gradient it sends back for its second operand."""
+    """B's kernel for the first ``op`` of a tensor and another operand is off by ``scale``:
+    its result, or (``where="grad_input"``, a tensor) the gradient it sends back for its
+    second operand."""
 
     def __init__(self, where: str, scale: float, op: str = "mul"):
         super().__init__()
@@ -45,8 +46,8 @@ class _WrongProduct(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") in (self.op, f"__{self.op}__") and not self.done and all(
-                isinstance(a, torch.Tensor) for a in args):
+        if getattr(func, "__name__", "") in (self.op, f"__{self.op}__") and not self.done and \
+                len(args) == 2 and isinstance(args[0], torch.Tensor):
             self.done = True
             x, z = args
             if self.where == "output":
@@ -197,3 +198,49 @@ def test_a_product_whose_terms_cancel_amplifies_rounding_and_is_no_origin(tmp_pa
         assert first.row["recomputed_rel_err"] == pytest.approx(1e-3, rel=0.05)
         assert MISCOMPUTED in first.row["reason"] and "(matmul: recomputed" in \
             first.row["reason"]
+
+
+class _Scaled(nn.Module):
+    """Numbers as second operands, as attention's scaling and a residual's factor are."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x):
+        h = self.proj(x) * 0.5
+        h = h / 3.0 + 1.0
+        return h - 0.25 * h * h
+
+
+def _scaled(directory, precision: str, wrong: dict = None):
+    torch.manual_seed(0)
+    model = _Scaled()
+    batch = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16")
+    with _WrongProduct(**wrong) if wrong else contextlib.nullcontext(), \
+            HookerAndDumper(directory, ops="*").hooks(model, 0, 0):
+        with autocast:
+            loss = model(batch).float().pow(2).mean()
+        loss.backward()
+    return directory
+
+
+def test_ops_of_a_tensor_and_a_number_are_recomputed_from_the_recorded_number(tmp_path):
+    """``x * 0.5``, ``x / 3.0``, ``x + 1.0``, ``0.25 * x``: the number is an argument row
+    (its repr exact), read back as the second operand; the output and the tensor's gradient
+    are recomputed within rounding in a healthy float32 / bfloat16 pair, and a product 1e-3
+    off is the first divergence of a float32 B, by 1e-3 recomputed."""
+    a = _scaled(tmp_path / "a", "float32")
+    result = compare_dumps(a, _scaled(tmp_path / "b", "bfloat16"))
+    with_numbers = {"/mul#0", "/div#0", "/add#0", "/mul#1"}
+    rows = result[result["module"].isin(with_numbers)
+                  & result["kind"].isin(["output", "grad_input"])]
+    assert len(rows) == 8 and rows["recomputed_rel_err"].notna().all(), rows
+    assert (rows["status"] != st.DIFF).all()
+    assert summarize(result).ok, summarize(result).verdict()
+    first = summarize(compare_dumps(a, _scaled(tmp_path / "wrong", "float32", wrong={
+        "where": "output", "scale": 1.001}))).first
+    assert (first.row["module"], first.row["kind"]) == ("/mul#0", "output"), first.row
+    assert first.row["recomputed_rel_err"] == pytest.approx(1e-3, rel=0.05)
+    assert MISCOMPUTED in first.row["reason"]
