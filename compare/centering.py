@@ -10,8 +10,9 @@ the root mean square of each group's own: every group is divided by its own spre
 of little spread passes on its error as much as any other.
 
 Which elements form a group follows from the module's parameter length ``C`` (an op record of
-a functional normalization: its weight's) and its input's shape: over the last dimension when it is ``C`` (LayerNorm, RMSNorm, which does not center
-and is then judged a little more loosely), and, when dimension 1 is ``C`` (channels first),
+a functional normalization: its weight's) and its input's shape: over the last dimension
+when it is ``C`` (LayerNorm, RMSNorm, which does not center and is then judged a little more
+loosely), and, when dimension 1 is ``C`` (channels first),
 per channel over the batch and positions (BatchNorm) and per position over the channels
 (a channels-first LayerNorm); a BatchNorm (by its class name) per channel only. The largest
 of these errors is taken: the looser judgement.

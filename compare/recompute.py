@@ -355,11 +355,13 @@ class _Call:
         """An op of two operands' second on ``side``: its tensor, or the number it was given
         at ``OPERAND_PATHS[1]`` (``x * 0.5``; a 0-d array, which broadcasts), None where
         neither is known or the call takes none."""
+        if not self.two_operands:
+            return None
         row = self.second_operand.get(fmt.INPUT)
         if row is not None:
             return self._operand(row, side)
         number = self.recorded[side].numbers.get(OPERAND_PATHS[1])
-        return None if number is None or not self.two_operands else np.array(number)
+        return None if number is None else np.array(number)
 
     def _rows(self) -> Optional[np.ndarray]:
         """A gathering call's weight rows its input names on either side, in increasing

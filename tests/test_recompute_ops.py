@@ -56,9 +56,12 @@ class _WrongProduct(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _gated(directory, precision: str, wrong: dict = None, **options):
+def _dumped(directory, block: type, precision: str, wrong: dict = None, **options):
+    """One step of ``block`` (built at seed 0, width 16) on a fixed batch, float32 or under
+    bfloat16 autocast (``precision``), every op recorded; ``wrong``: a :class:`_WrongProduct`
+    in B's kernels."""
     torch.manual_seed(0)
-    model = _GatedBlock()
+    model = block()
     batch = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16")
     with _WrongProduct(**wrong) if wrong else contextlib.nullcontext(), \
@@ -74,8 +77,8 @@ def test_products_and_sums_of_two_tensors_are_recomputed_and_their_errors_found(
     B: output and both operands' gradients recomputed within rounding, the pair passes; a
     product B computes 1e-3 off, or whose gradient for its second operand is, is the first
     divergence of a float32 B, by 1e-3 recomputed."""
-    a = _gated(tmp_path / "a", "float32")
-    result = compare_dumps(a, _gated(tmp_path / "b", "bfloat16"))
+    a = _dumped(tmp_path / "a", _GatedBlock, "float32")
+    result = compare_dumps(a, _dumped(tmp_path / "b", _GatedBlock, "bfloat16"))
     ops = result[result["cls"].isin(["mul", "add"])]
     recomputed = ops[ops["recomputed_rel_err"].notna()]
     assert set(zip(recomputed["module"], recomputed["kind"], recomputed["index"])) == {
@@ -85,7 +88,8 @@ def test_products_and_sums_of_two_tensors_are_recomputed_and_their_errors_found(
     assert (recomputed["status"] != st.DIFF).all()
     assert summarize(result).ok, summarize(result).verdict()
     for where, index in (("output", 0), ("grad_input", 1)):
-        planted = _gated(tmp_path / where, "float32", wrong={"where": where, "scale": 1.001})
+        planted = _dumped(tmp_path / where, _GatedBlock, "float32",
+                          wrong={"where": where, "scale": 1.001})
         first = summarize(compare_dumps(a, planted)).first
         assert (first.row["module"], first.row["kind"], first.row["index"]) == (
             "/mul#0", where, index), first.row
@@ -160,28 +164,15 @@ class _Cancelling(nn.Module):
         return (h - h.mean(-1, keepdim=True)) @ self.direction
 
 
-def _cancelling(directory, precision: str, wrong: dict = None, **options):
-    torch.manual_seed(0)
-    model = _Cancelling()
-    batch = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16")
-    with _WrongProduct(op="matmul", **wrong) if wrong else contextlib.nullcontext(), \
-            HookerAndDumper(directory, ops="*", **options).hooks(model, 0, 0):
-        with autocast:
-            loss = model(batch).float().pow(2).mean()
-        loss.backward()
-    return directory
-
-
 def test_a_product_whose_terms_cancel_amplifies_rounding_and_is_no_origin(tmp_path):
     """float32 A against bfloat16 autocast B, and B re-run on A's values: the product's
     inputs are A's cast to bfloat16, whose rounding the cancelling terms amplify 27-fold
     (15x a rounding of its result). Recomputed from its records, B computed the product
     within rounding: not an origin. A float32 B whose product is 1e-3 off is found there,
     by 1e-3 recomputed, in both directions."""
-    a = _cancelling(tmp_path / "a", "float32", params=True)
-    b = _cancelling(tmp_path / "b", "bfloat16")
-    c = _cancelling(tmp_path / "c", "bfloat16", inject=a)
+    a = _dumped(tmp_path / "a", _Cancelling, "float32", params=True)
+    b = _dumped(tmp_path / "b", _Cancelling, "bfloat16")
+    c = _dumped(tmp_path / "c", _Cancelling, "bfloat16", inject=a)
     injected = compare_dumps(a, c)
     product = injected[(injected["module"] == "/matmul#0") & (injected["kind"] == "output")]
     assert product["recomputed_spread"].item() > 20
@@ -190,8 +181,8 @@ def test_a_product_whose_terms_cancel_amplifies_rounding_and_is_no_origin(tmp_pa
     table = localize(a, b, c)
     assert not (table["verdict"] == ORIGIN).any(), table[table["verdict"] == ORIGIN]
     for where, index in (("output", 0), ("grad_input", 1)):
-        planted = _cancelling(tmp_path / where, "float32",
-                              wrong={"where": where, "scale": 1.001})
+        planted = _dumped(tmp_path / where, _Cancelling, "float32",
+                          wrong={"where": where, "scale": 1.001, "op": "matmul"})
         first = summarize(compare_dumps(a, planted)).first
         assert (first.row["module"], first.row["kind"], first.row["index"]) == (
             "/matmul#0", where, index), first.row
@@ -213,33 +204,20 @@ class _Scaled(nn.Module):
         return h - 0.25 * h * h
 
 
-def _scaled(directory, precision: str, wrong: dict = None):
-    torch.manual_seed(0)
-    model = _Scaled()
-    batch = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16")
-    with _WrongProduct(**wrong) if wrong else contextlib.nullcontext(), \
-            HookerAndDumper(directory, ops="*").hooks(model, 0, 0):
-        with autocast:
-            loss = model(batch).float().pow(2).mean()
-        loss.backward()
-    return directory
-
-
 def test_ops_of_a_tensor_and_a_number_are_recomputed_from_the_recorded_number(tmp_path):
     """``x * 0.5``, ``x / 3.0``, ``x + 1.0``, ``0.25 * x``: the number is an argument row
     (its repr exact), read back as the second operand; the output and the tensor's gradient
     are recomputed within rounding in a healthy float32 / bfloat16 pair, and a product 1e-3
     off is the first divergence of a float32 B, by 1e-3 recomputed."""
-    a = _scaled(tmp_path / "a", "float32")
-    result = compare_dumps(a, _scaled(tmp_path / "b", "bfloat16"))
+    a = _dumped(tmp_path / "a", _Scaled, "float32")
+    result = compare_dumps(a, _dumped(tmp_path / "b", _Scaled, "bfloat16"))
     with_numbers = {"/mul#0", "/div#0", "/add#0", "/mul#1"}
     rows = result[result["module"].isin(with_numbers)
                   & result["kind"].isin(["output", "grad_input"])]
     assert len(rows) == 8 and rows["recomputed_rel_err"].notna().all(), rows
     assert (rows["status"] != st.DIFF).all()
     assert summarize(result).ok, summarize(result).verdict()
-    first = summarize(compare_dumps(a, _scaled(tmp_path / "wrong", "float32", wrong={
+    first = summarize(compare_dumps(a, _dumped(tmp_path / "wrong", _Scaled, "float32", wrong={
         "where": "output", "scale": 1.001}))).first
     assert (first.row["module"], first.row["kind"]) == ("/mul#0", "output"), first.row
     assert first.row["recomputed_rel_err"] == pytest.approx(1e-3, rel=0.05)
