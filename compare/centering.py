@@ -87,7 +87,7 @@ def normalized_sizes(pairs: pd.DataFrame) -> np.ndarray:
 # Class names of the normalizations whose groups :func:`groupings` holds (not GroupNorm's or
 # InstanceNorm's, per sample; not SyncBatchNorm's, over every rank's batch; not a gated norm's,
 # which normalizes its input times a gate): there the error of the normalized values is what
-# passes on.
+# passes on. These are also the classes :mod:`compare.formulas` recomputes as normalizations.
 BATCH_NORM = "BatchNorm"
 NORMALIZATIONS = (BATCH_NORM, "LayerNorm", "RMSNorm")
 NOT_NORMALIZATIONS = ("SyncBatchNorm", "Gated")

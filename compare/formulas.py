@@ -52,6 +52,7 @@ from typing import Callable, NamedTuple, Optional, Union
 import numpy as np
 
 from . import format as fmt
+from .centering import BATCH_NORM, NORMALIZATIONS, NOT_NORMALIZATIONS, UNCENTERED
 from .precision import ROUNDING
 
 # the columns of Figures.columns
@@ -171,8 +172,6 @@ CONVOLUTIONS = {"Conv1d": 1, "Conv2d": 2, "Conv3d": 3,
 TRANSPOSED = frozenset(c for c in CONVOLUTIONS if c.startswith("ConvTranspose"))
 WEIGHTED = ("Linear", "Conv1D", *CONVOLUTIONS)  # Conv1D: Hugging Face's transposed Linear
 GATHERS = ("Embedding",)  # rows of its weight, by its integer input
-NORMALIZATIONS = ("LayerNorm", "RMSNorm", "BatchNorm")
-NOT_NORMALIZATIONS = ("SyncBatchNorm", "Gated")
 
 
 def near_zero_roundings(cls: Union[str, np.ndarray], terms: Union[float, np.ndarray]
@@ -205,9 +204,10 @@ def candidates(cls: str) -> list[Formula]:
         return [functools.partial(_pooled, POOLS[cls])]
     if not any(n in cls for n in NORMALIZATIONS) or any(n in cls for n in NOT_NORMALIZATIONS):
         return []
-    if "BatchNorm" in cls:
+    if BATCH_NORM in cls:
         return [functools.partial(_normalized, "batch", True)]
-    centered = [False] if "RMSNorm" in cls else [True, False]  # T5's LayerNorm is an RMSNorm
+    # a class named LayerNorm may divide by the root mean square only, as T5's does
+    centered = [False] if any(u in cls for u in UNCENTERED) else [True, False]
     return [functools.partial(_normalized, grouping, c) for grouping in ("last", "position")
             for c in centered]
 

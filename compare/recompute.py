@@ -55,6 +55,7 @@ from .decoding import decode
 from .dump import StepReaders, one_side, reading
 from .pairing import from_shards
 from .attributes import NO_ATTRIBUTES, Attributes, Recorded
+from .centering import BATCH_NORM
 from .formulas import (CONVOLUTIONS, ELEMENTWISE, GATHERS, POOLS, PRODUCTS, RECOMPUTE_FIGURES,
                        ROUNDS_RESULT, TWO_TENSORS, UNWEIGHTED, WEIGHTED, Operands, allowed,
                        candidates, near_zero_roundings)
@@ -247,7 +248,7 @@ class _Call:
         if len(ndims) != 1:  # parameters only (nothing to recompute), or records that differ
             return None
         ndim = ndims.pop()
-        channels = "BatchNorm" in cls and ndim >= 2
+        channels = BATCH_NORM in cls and ndim >= 2
         finest = 0 if channels else self._sample_axes(cls, ndim, leading)
         weight = self.params.get("weight")
         # multiply-adds per element of a sample: a weighted call's smaller weight dimension
@@ -270,7 +271,7 @@ class _Call:
     def _sample_axes(self, cls: str, ndim: int, shapes: list[tuple]) -> int:
         """How many leading axes of the call's records hold samples its formula treats apart
         (0: it needs them whole)."""
-        if "BatchNorm" in cls:
+        if BATCH_NORM in cls:
             return 0
         if cls in ELEMENTWISE or self.gathers:
             return ndim
