@@ -15,21 +15,26 @@ the one that A's own records follow best.
   product of the shifted input (backward: of the gradient, added back where it came from),
   padded by its padding mode (backward: zeros only); ``ConvTranspose1d``/``2d``/``3d``, the
   same two the other way round;
-- the elementwise activations of :data:`ELEMENTWISE`: ``y = f(x)``, ``gx = g f'(x)``;
+- the elementwise activations of :data:`ELEMENTWISE` (modules and op records): ``y = f(x)``,
+  ``gx = g f'(x)``;
 - ``Embedding`` (:data:`GATHERS`): ``y = W[x]``, the rows its integer input names (a copy:
   rounding explains one rounding of the result, no sum; its gradient goes to the weight only,
   none is sent back);
 - elementwise ops of two tensors (:data:`BINARY`: op records of ``dumper.ops``, ``add``,
-  ``sub``, ``mul``, ``div`` and their in-place forms), either broadcast against the other
+  ``sub``, ``mul``, ``div``, ``pow`` and their in-place forms), either broadcast against the other
   (the second may be a number, a 0-d array):
   ``y = f(x, z)``; backward, the gradient of operand ``i`` is
   ``g ∂f/∂operand_i`` summed over the axes it was broadcast along (:attr:`Operands.operand`
-  says which); an add's terms are its operands (cancelling grows them), a product has one.
+  says which); an add's terms are its operands (cancelling grows them), a product or a
+  power has one.
   Only the result is rounded (the operands are used exactly, at the promoted dtype): the
   record's own dtype explains it (:data:`ROUNDS_RESULT`);
 - matrix products of two tensors (:data:`PRODUCTS`, op records: ``matmul``, ``mm``,
   ``bmm``), at torch.matmul's shapes: ``y = x z``, ``gx = g zᵀ``, ``gz = xᵀ g``, summed
   over the batch axes an operand was broadcast along;
+- softmaxes (:data:`SOFTMAXES`, op records: ``softmax``, ``log_softmax``) over the dim they
+  were given (A's: B reducing over another computes something else), of the input less its
+  maximum; only their result is rounded;
 - adaptive average pools (:data:`POOLS`), at the sizes their records have: output ``i`` of a
   dimension of ``L`` inputs and ``n`` outputs is the mean of inputs ``floor(i L / n)`` to
   ``ceil((i + 1) L / n)``, PyTorch's bins; backward, each output's gradient shared equally
@@ -86,7 +91,8 @@ class Operands(NamedTuple):
     convolution's geometry (None: not recorded); ``rows``: for a gathering call, which rows
     of its weight ``weight`` holds, in increasing order (None: all of them); for an op of two
     operands, ``other`` its second (a tensor's values, or a number as a 0-d array) and
-    ``operand`` which of the two the ``grad_input`` is the gradient of (0, 1)."""
+    ``operand`` which of the two the ``grad_input`` is the gradient of (0, 1); ``dim``: the
+    dimension an op reduces over (a softmax's; None: not given)."""
 
     tensors: dict
     weight: Optional[np.ndarray]
@@ -96,6 +102,7 @@ class Operands(NamedTuple):
     rows: Optional[np.ndarray] = None
     other: Optional[np.ndarray] = None
     operand: int = 0
+    dim: Optional[int] = None
 
 
 class Figures:
@@ -109,8 +116,9 @@ class Figures:
 
     def columns(self) -> Optional[dict]:
         """``recomputed_rel_err``, ``recomputed_spread``, ``recomputed_terms`` (None where the
-        result is zero or not finite)."""
-        if not (self.norm > 0 and math.isfinite(self.norm) and math.isfinite(self.diff)):
+        result is zero, or it or its terms not finite)."""
+        if not (self.norm > 0 and math.isfinite(self.norm) and math.isfinite(self.diff)
+                and math.isfinite(self.terms_squared)):
             return None
         return {"recomputed_rel_err": math.sqrt(self.diff / self.norm),
                 "recomputed_spread": math.sqrt(self.terms_squared / self.norm),
@@ -130,15 +138,58 @@ def _silu_grad(x: np.ndarray) -> np.ndarray:
     return s * (1.0 + x * (1.0 - s))
 
 
-# class name: (f, f') in float64
-ELEMENTWISE: dict[str, tuple[Callable, Callable]] = {
-    "ReLU": (lambda x: np.maximum(x, 0.0), lambda x: (x > 0).astype(np.float64)),
-    "ReLU6": (lambda x: np.clip(x, 0.0, 6.0), lambda x: ((x > 0) & (x < 6)).astype(np.float64)),
-    "SiLU": (lambda x: x * _sigmoid(x), _silu_grad),
-    "SiLUActivation": (lambda x: x * _sigmoid(x), _silu_grad),
-    "Sigmoid": (_sigmoid, lambda x: _sigmoid(x) * (1.0 - _sigmoid(x))),
-    "Tanh": (np.tanh, lambda x: 1.0 - np.tanh(x) ** 2),
+_erf = np.frompyfunc(math.erf, 1, 1)  # numpy has none; math's is the C library's
+
+
+def _normal_cdf(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + _erf(x / math.sqrt(2.0)).astype(np.float64))
+
+
+_TANH_GELU = math.sqrt(2.0 / math.pi), 0.044715  # torch's approximate="tanh"
+
+
+def _tanh_gelu(x: np.ndarray) -> np.ndarray:
+    c, k = _TANH_GELU
+    return 0.5 * x * (1.0 + np.tanh(c * (x + k * x ** 3)))
+
+
+def _tanh_gelu_grad(x: np.ndarray) -> np.ndarray:
+    c, k = _TANH_GELU
+    t = np.tanh(c * (x + k * x ** 3))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * k * x * x)
+
+
+class Activation(NamedTuple):
+    """An elementwise function in float64 and its derivative."""
+
+    f: Callable[[np.ndarray], np.ndarray]
+    grad: Callable[[np.ndarray], np.ndarray]
+
+
+_RELU = Activation(lambda x: np.maximum(x, 0.0), lambda x: (x > 0).astype(np.float64))
+_RELU6 = Activation(lambda x: np.clip(x, 0.0, 6.0),
+                    lambda x: ((x > 0) & (x < 6)).astype(np.float64))
+_SILU = Activation(lambda x: x * _sigmoid(x), _silu_grad)
+_SIGMOID = Activation(_sigmoid, lambda x: _sigmoid(x) * (1.0 - _sigmoid(x)))
+_TANH = Activation(np.tanh, lambda x: 1.0 - np.tanh(x) ** 2)
+_GELU = Activation(lambda x: x * _normal_cdf(x),
+                   lambda x: _normal_cdf(x) + x * np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi))
+_GELU_TANH = Activation(_tanh_gelu, _tanh_gelu_grad)
+_EXP = Activation(np.exp, np.exp)
+_RSQRT = Activation(lambda x: 1.0 / np.sqrt(x), lambda x: -0.5 / (x * np.sqrt(x)))
+# Module class names and op names (dumper.ops) of elementwise functions torch computes in one
+# kernel (one rounding of the result): the functions each may mean, the likelier first (a
+# GELU's ``approximate`` is not recorded). Hugging Face's activations written as several
+# ops (NewGELUActivation, QuickGELUActivation) round each op's result: not these.
+ELEMENTWISE: dict[str, tuple[Activation, ...]] = {
+    "ReLU": (_RELU,), "relu": (_RELU,), "ReLU6": (_RELU6,),
+    "SiLU": (_SILU,), "SiLUActivation": (_SILU,), "silu": (_SILU,),
+    "Sigmoid": (_SIGMOID,), "sigmoid": (_SIGMOID,), "Tanh": (_TANH,), "tanh": (_TANH,),
+    "GELU": (_GELU, _GELU_TANH), "gelu": (_GELU, _GELU_TANH), "GELUActivation": (_GELU,),
+    "GELUTanh": (_GELU_TANH,), "exp": (_EXP,), "rsqrt": (_RSQRT,),
 }
+
+
 class BinaryOp(NamedTuple):
     """An elementwise op of two operands, in float64: ``f(x, z)``, its partial derivatives
     by each operand, and whether the terms its elements sum are its operands (an add: they
@@ -154,18 +205,24 @@ _BINARY = {
     "sub": BinaryOp(np.subtract, (lambda x, z: 1.0, lambda x, z: -1.0), True),
     "mul": BinaryOp(np.multiply, (lambda x, z: z, lambda x, z: x), False),
     "div": BinaryOp(np.divide, (lambda x, z: 1.0 / z, lambda x, z: -x / np.square(z)), False),
+    "pow": BinaryOp(np.power, (lambda x, z: z * np.power(x, z - 1.0),
+                               lambda x, z: np.power(x, z) * np.log(x)), False),
 }
 # by op name (dumper.ops), in place too
 BINARY: dict[str, BinaryOp] = {**_BINARY, **{f"{name}_": op for name, op in _BINARY.items()}}
+# softmaxes over the dim they are given (op records; ``Operands.dim``), computed in float32
+# or finer whatever they are given
+SOFTMAXES = ("softmax", "log_softmax")
 # calls that round only their result: the operands are used exactly (promoted, never lowered)
-ROUNDS_RESULT = frozenset(BINARY)
+ROUNDS_RESULT = frozenset((*BINARY, *SOFTMAXES))
 # matrix products of two tensors (op records; ``a @ b`` is ``matmul``), torch.matmul's shapes
 PRODUCTS = ("matmul", "mm", "bmm")
 # ops of two tensors: the second operand is ``Operands.other``
 TWO_TENSORS = frozenset((*BINARY, *PRODUCTS))
 # adaptive average pools: their spatial dimensions
 POOLS = {"AdaptiveAvgPool1d": 1, "AdaptiveAvgPool2d": 2, "AdaptiveAvgPool3d": 3}
-UNWEIGHTED = frozenset((*ELEMENTWISE, *TWO_TENSORS, *POOLS))  # formulas that take no weights
+# formulas that take no weights
+UNWEIGHTED = frozenset((*ELEMENTWISE, *TWO_TENSORS, *SOFTMAXES, *POOLS))
 # spatial dimensions; and those that compute what a convolution sends back
 CONVOLUTIONS = {"Conv1d": 1, "Conv2d": 2, "Conv3d": 3,
                 "ConvTranspose1d": 1, "ConvTranspose2d": 2, "ConvTranspose3d": 3}
@@ -188,11 +245,13 @@ def near_zero_roundings(cls: Union[str, np.ndarray], terms: Union[float, np.ndar
 def candidates(cls: str) -> list[Formula]:
     """The formulas class name ``cls`` may mean, the likelier first."""
     if cls in ELEMENTWISE:
-        return [functools.partial(_elementwise, *ELEMENTWISE[cls])]
+        return [functools.partial(_elementwise, activation) for activation in ELEMENTWISE[cls]]
     if cls in BINARY:
         return [functools.partial(_binary, BINARY[cls])]
     if cls in PRODUCTS:
         return [_product]
+    if cls in SOFTMAXES:
+        return [functools.partial(_softmax, cls == "log_softmax")]
     if cls in CONVOLUTIONS:
         formula = _transposed_convolution if cls in TRANSPOSED else _convolution
         return [functools.partial(formula, CONVOLUTIONS[cls])]
@@ -498,17 +557,17 @@ def _pooled(dims: int, kind: str, ops: Operands) -> Optional[Figures]:
                    math.prod(int((m > 0).sum(axis=1).max()) for m in matrices))
 
 
-def _elementwise(f: Callable, grad: Callable, kind: str, ops: Operands) -> Optional[Figures]:
+def _elementwise(activation: Activation, kind: str, ops: Operands) -> Optional[Figures]:
     t = ops.tensors
     x = t.get(fmt.INPUT)
     if x is None:
         return None
     if kind == fmt.OUTPUT:
-        got, want = t[fmt.OUTPUT], f(x)
+        got, want = t[fmt.OUTPUT], activation.f(x)
     else:
         if t[fmt.GRAD_OUTPUT].shape != x.shape:
             return None
-        got, want = t[fmt.GRAD_INPUT], t[fmt.GRAD_OUTPUT] * grad(x)
+        got, want = t[fmt.GRAD_INPUT], t[fmt.GRAD_OUTPUT] * activation.grad(x)
     if got.shape != want.shape:
         return None
     return Figures(got, want, float(np.square(want).sum()), 1)
@@ -534,6 +593,51 @@ def _binary(op: BinaryOp, kind: str, ops: Operands) -> Optional[Figures]:
             return None
         return Figures(got, _unbroadcast(parts, operand.shape), float(np.square(parts).sum()),
                        parts.size // max(operand.size, 1))
+
+
+def _softmax(log: bool, kind: str, ops: Operands) -> Optional[Figures]:
+    """A softmax over ``ops.dim`` of ``n`` elements (``log``: a log-softmax), from the input
+    less its maximum, ``d``, whose exponentials sum to ``S``: ``p = exp(d) / S``; backward,
+    ``gx = p (g - sum(g p))``, of a log-softmax ``d - log S`` and ``g - p sum(g)``. Terms
+    forward: a probability's times ``1 + |d|`` (the rounding of ``d`` moves it by as much,
+    relative), a log-probability's ``d``, ``log S`` and 1 (``S``'s rounding, absolute in its
+    log), each with the ``n`` of ``S``'s sum; backward, the products each element sums (a
+    log-softmax's ``p`` times ``1 + |log p|``: torch's kernel exponentiates the rounded
+    result)."""
+    t, x, dim = ops.tensors, ops.tensors.get(fmt.INPUT), ops.dim
+    if x is None or dim is None or not -x.ndim <= dim < x.ndim:
+        return None
+    with np.errstate(all="ignore"):  # inputs near float64's limits: terms not finite
+        return _softmax_figures(log, kind, t, x, dim)
+
+
+def _softmax_figures(log: bool, kind: str, t: dict, x: np.ndarray, dim: int
+                     ) -> Optional[Figures]:
+    """:func:`_softmax`'s figures, of records ``t`` (by kind)."""
+    d = x - x.max(axis=dim, keepdims=True)
+    total = np.exp(d).sum(axis=dim, keepdims=True)
+    p, n = np.exp(d) / total, x.shape[dim]
+    if kind == fmt.OUTPUT:
+        if log:
+            want, terms = d - np.log(total), np.square(d) + np.square(np.log(total)) + 1.0
+        else:
+            want, terms = p, np.square(p) * (1.0 + np.square(d))
+        got = t[fmt.OUTPUT]
+    else:
+        g, got = t[fmt.GRAD_OUTPUT], t[fmt.GRAD_INPUT]
+        if g.shape != x.shape:
+            return None
+        if log:  # from the rounded log-probabilities: their exponentials move by |y| as much
+            want = g - p * g.sum(axis=dim, keepdims=True)
+            terms = np.square(g) + np.square(p) * (1.0 + np.square(d - np.log(total))) * \
+                np.square(g).sum(axis=dim, keepdims=True)
+        else:
+            want = p * (g - (g * p).sum(axis=dim, keepdims=True))
+            terms = np.square(p) * (np.square(g) + np.square(g * p).sum(axis=dim, keepdims=True))
+        n += 1
+    if got.shape != want.shape:
+        return None
+    return Figures(got, want, float(terms.sum()), n)
 
 
 def _unbroadcast(values: np.ndarray, shape: tuple) -> np.ndarray:

@@ -57,8 +57,8 @@ from .pairing import from_shards
 from .attributes import NO_ATTRIBUTES, Attributes, Recorded
 from .centering import BATCH_NORM
 from .formulas import (CONVOLUTIONS, ELEMENTWISE, GATHERS, POOLS, PRODUCTS, RECOMPUTE_FIGURES,
-                       ROUNDS_RESULT, TWO_TENSORS, UNWEIGHTED, WEIGHTED, Operands, allowed,
-                       candidates, near_zero_roundings)
+                       ROUNDS_RESULT, SOFTMAXES, TWO_TENSORS, UNWEIGHTED, WEIGHTED, Operands,
+                       allowed, candidates, near_zero_roundings)
 from .precision import lowest, rounded, rounding_of
 from .statistics import STATS_RESOLUTION
 
@@ -78,6 +78,8 @@ INDICES = ("int64", "int32")  # what a gathering call's input is (torch takes th
 NEEDS = {fmt.OUTPUT: (fmt.INPUT,), fmt.GRAD_INPUT: (fmt.GRAD_OUTPUT, fmt.INPUT)}
 # the paths of an op's two operands (TWO_TENSORS) given by position (docs/format.md, ``path``)
 OPERAND_PATHS = ("args[0]", "args[1]")
+# where an op that reduces over a dimension (SOFTMAXES) is given it
+DIM_PATHS = ("args[1]", "kwargs['dim']")
 
 
 class _Sampling(NamedTuple):
@@ -138,9 +140,11 @@ def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, metrics: dict[int
         at = (*key[:3], first["module"])
         a = attributes["a"].at(at, NO_ATTRIBUTES, int(first["call_a"]))
         b = attributes["b"].at(at, attributes["a"], int(first["call_b"]))
-        # B at its own eps (torch's RMSNorm without one takes its dtype's), at A's geometry:
-        # a convolution that slides otherwise than A's computes something else
-        recorded = {"a": a, "b": b._replace(conv=a.conv or b.conv)}
+        # B at its own eps (torch's RMSNorm without one takes its dtype's), at A's geometry
+        # and numbers: a convolution that slides otherwise than A's, or an op given another
+        # number or dim, computes something else
+        recorded = {"a": a, "b": b._replace(conv=a.conv or b.conv,
+                                            numbers=a.numbers or b.numbers)}
         figures = {label: {k: v for k, v in metrics.get(label, {}).items() if k in FIGURES_READ}
                    for label in labels}
         work.append(_Work(key[:3], call, recorded, figures))
@@ -232,7 +236,8 @@ class _Call:
         rows = [*self.by_kind.values(), *self.second_operand.values(), *self.params.values()]
         if any(_shape(r, "a") != _shape(r, "b") for r in rows):
             return None
-        if cls in TWO_TENSORS:  # operands broadcast against each other: whole, where they fit
+        # operands broadcast against each other, or reduced over a dim: whole, where they fit
+        if cls in TWO_TENSORS or cls in SOFTMAXES:
             fits = max((math.prod(_shape(r, "a")) for r in rows), default=0) <= SAMPLE_ELEMENTS
             if cls in PRODUCTS:  # each element of the result sums the first operand's last axis
                 result = self.by_kind.get(fmt.OUTPUT) or self.by_kind.get(fmt.GRAD_OUTPUT)
@@ -350,12 +355,12 @@ class _Call:
         recorded = self.recorded[side]
         return Operands(tensors, params.get("weight"), params.get("bias"), eps=recorded.eps,
                         conv=recorded.conv, rows=self._rows() if self.gathers else None,
-                        other=other, operand=operand)
+                        other=other, operand=operand, dim=self._dim(side))
 
     def _other(self, side: str) -> Optional[np.ndarray]:
         """An op of two operands' second on ``side``: its tensor, or the number it was given
-        at ``OPERAND_PATHS[1]`` (``x * 0.5``; a 0-d array, which broadcasts), None where
-        neither is known or the call takes none."""
+        at ``OPERAND_PATHS[1]`` (``x * 0.5``; a 0-d array, which broadcasts; A's on both
+        sides, where A recorded it), None where neither is known or the call takes none."""
         if not self.two_operands:
             return None
         row = self.second_operand.get(fmt.INPUT)
@@ -363,6 +368,13 @@ class _Call:
             return self._operand(row, side)
         number = self.recorded[side].numbers.get(OPERAND_PATHS[1])
         return None if number is None else np.array(number)
+
+    def _dim(self, side: str) -> Optional[int]:
+        """The dimension the call was given to reduce over (``DIM_PATHS``; A's on both sides,
+        where A recorded it), None where it was given none."""
+        numbers = self.recorded[side].numbers
+        given = [numbers[path] for path in DIM_PATHS if path in numbers]
+        return int(given[0]) if given and float(given[0]).is_integer() else None
 
     def _rows(self) -> Optional[np.ndarray]:
         """A gathering call's weight rows its input names on either side, in increasing

@@ -1,12 +1,15 @@
-"""Op records of two tensors recomputed (compare.recompute): elementwise ops and matrix
-products, broadcast either way, as torch's autograd computes them; a wrong kernel found
-exactly, and no false alarm where rounding, amplified by terms that cancel, explains the
-error."""
+"""Op records recomputed (compare.recompute): elementwise ops and matrix products of two
+tensors, broadcast either way, activations and softmaxes, as torch's autograd computes them;
+a wrong kernel found exactly, and no false alarm where rounding, amplified by terms that
+cancel, explains the error."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -35,36 +38,37 @@ class _GatedBlock(nn.Module):
         return x + self.scale * self.down(nn.functional.silu(self.gate(x)) * self.up(x))
 
 
-class _WrongProduct(torch.overrides.TorchFunctionMode):
-    """B's kernel for the first ``op`` of a tensor and another operand is off by ``scale``:
-    its result, or (``where="grad_input"``, a tensor) the gradient it sends back for its
-    second operand."""
+class _WrongOp(torch.overrides.TorchFunctionMode):
+    """B's kernel for the first ``op`` of a tensor is off by ``scale``: its result, or
+    (``where="grad_input"``) the gradient it sends back for its operand ``operand`` (a
+    tensor)."""
 
-    def __init__(self, where: str, scale: float, op: str = "mul"):
+    def __init__(self, where: str, scale: float, op: str = "mul", operand: int = 1):
         super().__init__()
-        self.where, self.scale, self.op, self.done = where, scale, op, False
+        self.where, self.scale, self.op, self.operand = where, scale, op, operand
+        self.done = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") in (self.op, f"__{self.op}__") and not self.done and \
-                len(args) == 2 and isinstance(args[0], torch.Tensor):
+                len(args) > self.operand and isinstance(args[0], torch.Tensor):
             self.done = True
-            x, z = args
             if self.where == "output":
-                return func(x, z, **kwargs) * self.scale
-            return func(x, ScaleGrad.apply(z, self.scale), **kwargs)
+                return func(*args, **kwargs) * self.scale
+            args = list(args)
+            args[self.operand] = ScaleGrad.apply(args[self.operand], self.scale)
         return func(*args, **kwargs)
 
 
-def _dumped(directory, block: type, precision: str, wrong: dict = None, **options):
+def _dumped(directory, block: Callable, precision: str, wrong: dict = None, **options):
     """One step of ``block`` (built at seed 0, width 16) on a fixed batch, float32 or under
-    bfloat16 autocast (``precision``), every op recorded; ``wrong``: a :class:`_WrongProduct`
-    in B's kernels."""
+    bfloat16 autocast (``precision``), every op recorded; ``wrong``: a :class:`_WrongOp` in
+    B's kernels."""
     torch.manual_seed(0)
     model = block()
     batch = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16")
-    with _WrongProduct(**wrong) if wrong else contextlib.nullcontext(), \
+    with _WrongOp(**wrong) if wrong else contextlib.nullcontext(), \
             HookerAndDumper(directory, ops="*", **options).hooks(model, 0, 0):
         with autocast:
             loss = model(batch).float().pow(2).mean()
@@ -119,7 +123,7 @@ def _operands(shape_x: tuple, shape_z: tuple, low: float = 0.0) -> tuple:
                  for s in (shape_x, shape_z))
 
 
-@pytest.mark.parametrize("op", ["add", "sub", "mul", "div"])
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "pow"])
 @pytest.mark.parametrize("shape_x, shape_z", [((4, 1, 16), (8, 1)), ((16,), (4, 8, 16)),
                                               ((4, 8, 16), (4, 8, 16)), ((2, 3), ())])
 def test_ops_of_two_tensors_follow_autograd_where_broadcast(op, shape_x, shape_z):
@@ -194,12 +198,12 @@ def test_a_product_whose_terms_cancel_amplifies_rounding_and_is_no_origin(tmp_pa
 class _Scaled(nn.Module):
     """Numbers as second operands, as attention's scaling and a residual's factor are."""
 
-    def __init__(self, width: int = 16):
+    def __init__(self, width: int = 16, factor: float = 0.5):
         super().__init__()
-        self.proj = nn.Linear(width, width)
+        self.proj, self.factor = nn.Linear(width, width), factor
 
     def forward(self, x):
-        h = self.proj(x) * 0.5
+        h = self.proj(x) * self.factor
         h = h / 3.0 + 1.0
         return h - 0.25 * h * h
 
@@ -208,7 +212,8 @@ def test_ops_of_a_tensor_and_a_number_are_recomputed_from_the_recorded_number(tm
     """``x * 0.5``, ``x / 3.0``, ``x + 1.0``, ``0.25 * x``: the number is an argument row
     (its repr exact), read back as the second operand; the output and the tensor's gradient
     are recomputed within rounding in a healthy float32 / bfloat16 pair, and a product 1e-3
-    off is the first divergence of a float32 B, by 1e-3 recomputed."""
+    off is the first divergence of a float32 B, by 1e-3 recomputed; so is a B whose code
+    multiplies by another number (recomputed at A's, it computes something else)."""
     a = _dumped(tmp_path / "a", _Scaled, "float32")
     result = compare_dumps(a, _dumped(tmp_path / "b", _Scaled, "bfloat16"))
     with_numbers = {"/mul#0", "/div#0", "/add#0", "/mul#1"}
@@ -222,3 +227,87 @@ def test_ops_of_a_tensor_and_a_number_are_recomputed_from_the_recorded_number(tm
     assert (first.row["module"], first.row["kind"]) == ("/mul#0", "output"), first.row
     assert first.row["recomputed_rel_err"] == pytest.approx(1e-3, rel=0.05)
     assert MISCOMPUTED in first.row["reason"]
+    other = functools.partial(_Scaled, factor=0.505)  # B's code multiplies by another number
+    first = summarize(compare_dumps(a, _dumped(tmp_path / "other", other, "float32"))).first
+    assert (first.row["module"], first.row["kind"]) == ("/mul#0", "output"), first.row
+    assert first.row["recomputed_rel_err"] == pytest.approx(0.01, rel=0.05)
+    assert MISCOMPUTED in first.row["reason"]
+
+
+class _Attention(nn.Module):
+    """Eager attention as Hugging Face writes it (a softmax given its dim and float32), with
+    elementwise functions, a power and a log-softmax as op records."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-1, -2)
+        probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+        gate = torch.tanh(q).relu() * torch.sigmoid(k) * torch.exp(k * 0.5)
+        h = nn.functional.gelu(probs @ v) + gate * torch.rsqrt(v.pow(2) + 1.0)
+        return self.out(nn.functional.silu(h)).log_softmax(-1)
+
+
+ONE_TENSOR_OPS = ("/softmax#0", "/gelu#0", "/tanh#0", "/relu#0", "/sigmoid#0", "/exp#0",
+                  "/pow#0", "/rsqrt#0", "/silu#0", "/log_softmax#0")
+
+
+def test_activations_and_softmaxes_are_recomputed_at_the_dim_they_were_given(tmp_path):
+    """Op records of one tensor (and a power of a number), in a healthy float32 A against
+    bfloat16 B: output and gradient recomputed within rounding (the softmax over the dim it
+    was given by name, the log-softmax positionally), the pair passes; a softmax whose result
+    or gradient B computes 1e-3 off is the first divergence of a float32 B, by 1e-3
+    recomputed."""
+    a = _dumped(tmp_path / "a", _Attention, "float32")
+    result = compare_dumps(a, _dumped(tmp_path / "b", _Attention, "bfloat16"))
+    rows = result[result["module"].isin(ONE_TENSOR_OPS)
+                  & result["kind"].isin(["output", "grad_input"]) & (result["index"] == 0)]
+    assert len(rows) == 2 * len(ONE_TENSOR_OPS), rows[["module", "kind"]]
+    assert rows["recomputed_rel_err"].notna().all(), rows[rows["recomputed_rel_err"].isna()]
+    assert (rows["status"] != st.DIFF).all()
+    assert summarize(result).ok, summarize(result).verdict()
+    for where in ("output", "grad_input"):
+        planted = _dumped(tmp_path / where, _Attention, "float32",
+                          wrong={"where": where, "scale": 1.001, "op": "softmax", "operand": 0})
+        first = summarize(compare_dumps(a, planted)).first
+        assert (first.row["module"], first.row["kind"]) == ("/softmax#0", where), first.row
+        assert first.row["recomputed_rel_err"] == pytest.approx(1e-3, rel=0.05)
+        assert MISCOMPUTED in first.row["reason"]
+
+
+@pytest.mark.parametrize("name, dim", [("softmax", -1), ("softmax", 0), ("log_softmax", 1)])
+def test_softmaxes_follow_autograd(name, dim):
+    """A softmax's formula gives torch's forward and backward in float64 over any dim, each
+    element's terms those of the sum over it (backward, one more)."""
+    x = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0),
+                    dtype=torch.float64).mul_(3).requires_grad_()
+    y = getattr(torch, name)(x, dim)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    y.backward(g)
+    tensors = {fmt.INPUT: x.detach().numpy(), fmt.OUTPUT: y.detach().numpy(),
+               fmt.GRAD_OUTPUT: g.numpy(), fmt.GRAD_INPUT: x.grad.numpy()}
+    [formula] = formulas.candidates(name)
+    figures = [formula(kind, formulas.Operands(tensors, None, None, math.nan, dim=dim)).columns()
+               for kind in (fmt.OUTPUT, fmt.GRAD_INPUT)]
+    assert [f["recomputed_rel_err"] for f in figures] == pytest.approx([0, 0], abs=1e-15)
+    assert [f["recomputed_terms"] for f in figures] == [x.shape[dim], x.shape[dim] + 1]
+    assert formula(fmt.OUTPUT, formulas.Operands(tensors, None, None, math.nan)) is None
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_a_gelu_is_recomputed_by_the_formula_its_records_follow(approximate):
+    """A GELU's ``approximate`` is not recorded: of its two formulas, the one torch's float64
+    forward and backward follow fits to float64 rounding, the other not."""
+    x = torch.linspace(-4, 4, 101, dtype=torch.float64, requires_grad=True)
+    y = nn.functional.gelu(x, approximate=approximate)
+    y.backward(torch.ones_like(y))
+    tensors = {fmt.INPUT: x.detach().numpy(), fmt.OUTPUT: y.detach().numpy(),
+               fmt.GRAD_OUTPUT: np.ones(101), fmt.GRAD_INPUT: x.grad.numpy()}
+    errors = [[formula(kind, formulas.Operands(tensors, None, None, math.nan)).columns()[
+        "recomputed_rel_err"] for kind in (fmt.OUTPUT, fmt.GRAD_INPUT)]
+        for formula in formulas.candidates("GELU")]
+    fits = errors[approximate == "tanh"]
+    assert max(fits) < 1e-15 and min(errors[approximate != "tanh"]) > 1e-5, errors
