@@ -222,6 +222,7 @@ class _Call:
                 self.by_kind.setdefault(row["kind"], row)
         self.formulas, self.takes_weights = candidates(cls), cls not in UNWEIGHTED
         self.two_operands = cls in TWO_TENSORS
+        self.reduces = cls in SOFTMAXES  # over the dim it was given
         self.gathers = cls in GATHERS  # its weight is read at the rows its input names
         self.sampling = self._sampling(cls)
         self.cache: dict[tuple, Optional[np.ndarray]] = {}
@@ -371,7 +372,9 @@ class _Call:
 
     def _dim(self, side: str) -> Optional[int]:
         """The dimension the call was given to reduce over (``DIM_PATHS``; A's on both sides,
-        where A recorded it), None where it was given none."""
+        where A recorded it), None where it was given none or reduces over none."""
+        if not self.reduces:
+            return None
         numbers = self.recorded[side].numbers
         given = [numbers[path] for path in DIM_PATHS if path in numbers]
         return int(given[0]) if given and float(given[0]).is_integer() else None
