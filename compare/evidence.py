@@ -19,7 +19,7 @@ from .centering import normalizes
 from .precision import cast_rounding, lowest, rounding_of
 from .gains import bias_scales, linear_gains
 from .metrics import REORDERED_MARGIN
-from .formulas import ELEMENTWISE, SOFTMAXES, TWO_TENSORS, near_zero_roundings
+from .formulas import ELEMENTWISE, OVER_DIM, TWO_TENSORS, near_zero_roundings
 from .formulas import ALLOWANCE as RECOMPUTE_MARGIN
 from .formulas import allowed as recompute_allowance
 from .routing import moved_rows
@@ -213,10 +213,10 @@ class Evidence:
                 frame["rms_a"].to_numpy(float),
                 near_zero_roundings(frame["cls"].fillna("").to_numpy(object), terms))
         # what a recomputation within rounding proves: all of an elementwise call, an op of
-        # two tensors or a softmax (no setting of its own that B could have otherwise: its
-        # numbers and dim are A's), recomputed on every sample
+        # two tensors or one over a dim (no setting of its own that B could have otherwise:
+        # its numbers and dim are A's), recomputed on every sample
         self.recomputed_whole = ((frame["recomputed_stride"].to_numpy(float) == 1) & frame[
-            "cls"].isin([*ELEMENTWISE, *TWO_TENSORS, *SOFTMAXES]).to_numpy(bool))
+            "cls"].isin([*ELEMENTWISE, *TWO_TENSORS, *OVER_DIM]).to_numpy(bool))
         self.miscomputed = self.recomputed > self.recomputed_floor  # NaN: not recomputed
         # what rounding gives, without the margin that keeps a recomputation from accusing
         # a call of rounding: where a call's error is excused as its own rounding, no more

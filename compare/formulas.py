@@ -21,7 +21,8 @@ the one that A's own records follow best.
   rounding explains one rounding of the result, no sum; its gradient goes to the weight only,
   none is sent back);
 - elementwise ops of two tensors (:data:`BINARY`: op records of ``dumper.ops``, ``add``,
-  ``sub``, ``mul``, ``div``, ``pow`` and their in-place forms), either broadcast against the other
+  ``sub``, ``mul``, ``div``, ``pow``, ``maximum``, ``minimum`` and their in-place forms),
+  either broadcast against the other
   (the second may be a number, a 0-d array):
   ``y = f(x, z)``; backward, the gradient of operand ``i`` is
   ``g ∂f/∂operand_i`` summed over the axes it was broadcast along (:attr:`Operands.operand`
@@ -31,10 +32,12 @@ the one that A's own records follow best.
   record's own dtype explains it (:data:`ROUNDS_RESULT`);
 - matrix products of two tensors (:data:`PRODUCTS`, op records: ``matmul``, ``mm``,
   ``bmm``), at torch.matmul's shapes: ``y = x z``, ``gx = g zᵀ``, ``gz = xᵀ g``, summed
-  over the batch axes an operand was broadcast along;
+  over the batch axes an operand was broadcast along; and F.linear's ``x Wᵀ`` (``linear``,
+  no bias);
 - softmaxes (:data:`SOFTMAXES`, op records: ``softmax``, ``log_softmax``) over the dim they
   were given (A's: B reducing over another computes something else), of the input less its
-  maximum; only their result is rounded;
+  maximum, and sums and means (:data:`REDUCTIONS`) over it, or over every dim; only their
+  result is rounded;
 - adaptive average pools (:data:`POOLS`), at the sizes their records have: output ``i`` of a
   dimension of ``L`` inputs and ``n`` outputs is the mean of inputs ``floor(i L / n)`` to
   ``ceil((i + 1) L / n)``, PyTorch's bins; backward, each output's gradient shared equally
@@ -177,16 +180,28 @@ _GELU = Activation(lambda x: x * _normal_cdf(x),
 _GELU_TANH = Activation(_tanh_gelu, _tanh_gelu_grad)
 _EXP = Activation(np.exp, np.exp)
 _RSQRT = Activation(lambda x: 1.0 / np.sqrt(x), lambda x: -0.5 / (x * np.sqrt(x)))
+_SQRT = Activation(np.sqrt, lambda x: 0.5 / np.sqrt(x))
+_LOG = Activation(np.log, lambda x: 1.0 / x)
+_SIN = Activation(np.sin, np.cos)
+_COS = Activation(np.cos, lambda x: -np.sin(x))
+_NEG = Activation(np.negative, lambda x: np.full_like(x, -1.0))
+_ABS = Activation(np.abs, np.sign)
+_SQUARE = Activation(np.square, lambda x: 2.0 * x)
+_CAST = Activation(lambda x: x, np.ones_like)  # to another dtype: one rounding, or none
 # Module class names and op names (dumper.ops) of elementwise functions torch computes in one
-# kernel (one rounding of the result): the functions each may mean, the likelier first (a
-# GELU's ``approximate`` is not recorded). Hugging Face's activations written as several
-# ops (NewGELUActivation, QuickGELUActivation) round each op's result: not these.
+# kernel (one rounding of the result; a cast's, none where it widens): the functions each may
+# mean, the likelier first (a GELU's ``approximate`` is not recorded). Hugging Face's
+# activations written as several ops (NewGELUActivation, QuickGELUActivation) round each op's
+# result: not these.
 ELEMENTWISE: dict[str, tuple[Activation, ...]] = {
     "ReLU": (_RELU,), "relu": (_RELU,), "ReLU6": (_RELU6,),
     "SiLU": (_SILU,), "SiLUActivation": (_SILU,), "silu": (_SILU,),
     "Sigmoid": (_SIGMOID,), "sigmoid": (_SIGMOID,), "Tanh": (_TANH,), "tanh": (_TANH,),
     "GELU": (_GELU, _GELU_TANH), "gelu": (_GELU, _GELU_TANH), "GELUActivation": (_GELU,),
-    "GELUTanh": (_GELU_TANH,), "exp": (_EXP,), "rsqrt": (_RSQRT,),
+    "GELUTanh": (_GELU_TANH,), "exp": (_EXP,), "rsqrt": (_RSQRT,), "sqrt": (_SQRT,),
+    "log": (_LOG,), "sin": (_SIN,), "cos": (_COS,), "neg": (_NEG,), "abs": (_ABS,),
+    "square": (_SQUARE,), **{cast: (_CAST,) for cast in (
+        "to", "float", "double", "half", "bfloat16", "type_as")},
 }
 
 
@@ -207,22 +222,31 @@ _BINARY = {
     "div": BinaryOp(np.divide, (lambda x, z: 1.0 / z, lambda x, z: -x / np.square(z)), False),
     "pow": BinaryOp(np.power, (lambda x, z: z * np.power(x, z - 1.0),
                                lambda x, z: np.power(x, z) * np.log(x)), False),
+    # a tie sends half the gradient to each (torch's derivatives.yaml)
+    "maximum": BinaryOp(np.maximum, (lambda x, z: np.where(x == z, 0.5, x > z),
+                                     lambda x, z: np.where(x == z, 0.5, z > x)), False),
+    "minimum": BinaryOp(np.minimum, (lambda x, z: np.where(x == z, 0.5, x < z),
+                                     lambda x, z: np.where(x == z, 0.5, z < x)), False),
 }
 # by op name (dumper.ops), in place too
 BINARY: dict[str, BinaryOp] = {**_BINARY, **{f"{name}_": op for name, op in _BINARY.items()}}
-# softmaxes over the dim they are given (op records; ``Operands.dim``), computed in float32
-# or finer whatever they are given
+# softmaxes over the dim they are given, and sums and means over it (all dims where given
+# none), by whether they divide by the count (op records; ``Operands.dim``): computed in
+# float32 or finer whatever they are given
 SOFTMAXES = ("softmax", "log_softmax")
+REDUCTIONS = {"sum": False, "mean": True}
+OVER_DIM = frozenset((*SOFTMAXES, *REDUCTIONS))
 # calls that round only their result: the operands are used exactly (promoted, never lowered)
-ROUNDS_RESULT = frozenset((*BINARY, *SOFTMAXES))
-# matrix products of two tensors (op records; ``a @ b`` is ``matmul``), torch.matmul's shapes
-PRODUCTS = ("matmul", "mm", "bmm")
+ROUNDS_RESULT = frozenset((*BINARY, *OVER_DIM))
+# matrix products of two tensors (op records; ``a @ b`` is ``matmul``), torch.matmul's shapes;
+# and F.linear's ``x Wᵀ`` of a weight given as its second operand (no bias: none else fits)
+PRODUCTS = ("matmul", "mm", "bmm", "linear")
 # ops of two tensors: the second operand is ``Operands.other``
 TWO_TENSORS = frozenset((*BINARY, *PRODUCTS))
 # adaptive average pools: their spatial dimensions
 POOLS = {"AdaptiveAvgPool1d": 1, "AdaptiveAvgPool2d": 2, "AdaptiveAvgPool3d": 3}
 # formulas that take no weights
-UNWEIGHTED = frozenset((*ELEMENTWISE, *TWO_TENSORS, *SOFTMAXES, *POOLS))
+UNWEIGHTED = frozenset((*ELEMENTWISE, *TWO_TENSORS, *OVER_DIM, *POOLS))
 # spatial dimensions; and those that compute what a convolution sends back
 CONVOLUTIONS = {"Conv1d": 1, "Conv2d": 2, "Conv3d": 3,
                 "ConvTranspose1d": 1, "ConvTranspose2d": 2, "ConvTranspose3d": 3}
@@ -249,9 +273,11 @@ def candidates(cls: str) -> list[Formula]:
     if cls in BINARY:
         return [functools.partial(_binary, BINARY[cls])]
     if cls in PRODUCTS:
-        return [_product]
+        return [_linear_op if cls == "linear" else _product]
     if cls in SOFTMAXES:
         return [functools.partial(_softmax, cls == "log_softmax")]
+    if cls in REDUCTIONS:
+        return [functools.partial(_reduction, REDUCTIONS[cls])]
     if cls in CONVOLUTIONS:
         formula = _transposed_convolution if cls in TRANSPOSED else _convolution
         return [functools.partial(formula, CONVOLUTIONS[cls])]
@@ -640,6 +666,31 @@ def _softmax_figures(log: bool, kind: str, t: dict, x: np.ndarray, dim: int
     return Figures(got, want, float(terms.sum()), n)
 
 
+def _reduction(mean: bool, kind: str, ops: Operands) -> Optional[Figures]:
+    """A sum (``mean``: a mean) over ``ops.dim``, or over every dim where it was given none,
+    its result of either shape (its dim kept or not): each result element sums the ``n``
+    elements reduced (divided by ``n``); backward, ``gx`` the arriving gradient copied to them
+    (divided by ``n``), one term."""
+    t, x = ops.tensors, ops.tensors.get(fmt.INPUT)
+    if x is None or ops.dim is not None and not -x.ndim <= ops.dim < x.ndim:
+        return None
+    dims = tuple(range(x.ndim)) if ops.dim is None else (ops.dim % x.ndim,)
+    n = math.prod(x.shape[d] for d in dims)
+    kept = tuple(1 if d in dims else size for d, size in enumerate(x.shape))
+    divisor = float(n) if mean else 1.0
+    if kind == fmt.OUTPUT:
+        got = t[fmt.OUTPUT]
+        if n == 0 or got.size != math.prod(kept):
+            return None
+        want = x.sum(axis=dims).reshape(got.shape) / divisor
+        return Figures(got, want, float(np.square(x).sum()) / divisor ** 2, n)
+    g, got = t[fmt.GRAD_OUTPUT], t[fmt.GRAD_INPUT]
+    if got.shape != x.shape or g.size != math.prod(kept):
+        return None
+    want = np.broadcast_to(g.reshape(kept), x.shape) / divisor
+    return Figures(got, want, float(np.square(want).sum()), 1)
+
+
 def _unbroadcast(values: np.ndarray, shape: tuple) -> np.ndarray:
     """``values`` summed over the axes an operand of ``shape`` was broadcast along to reach
     them (leading ones, and those where it has size 1): the gradient it gets."""
@@ -689,6 +740,19 @@ def _product(kind: str, ops: Operands) -> Optional[Figures]:
         squared = np.matmul(np.square(g), np.swapaxes(np.square(matrix_z), -1, -2))
     return Figures(got, _unbroadcast(parts, operand.shape).reshape(got.shape),
                    float(squared.sum()), products // max(operand.size, 1))
+
+
+def _linear_op(kind: str, ops: Operands) -> Optional[Figures]:
+    """F.linear of a weight ``W`` and no bias, the matrix product ``x Wᵀ``: the weight's
+    gradient is that product's second operand's, transposed."""
+    t, weight = ops.tensors, ops.other
+    if weight is None or weight.ndim != 2:
+        return None
+    if kind == fmt.GRAD_INPUT and ops.operand == 1:
+        if t[fmt.GRAD_INPUT].shape != weight.shape:
+            return None
+        t = {**t, fmt.GRAD_INPUT: t[fmt.GRAD_INPUT].T}
+    return _product(kind, ops._replace(tensors=t, other=weight.T))
 
 
 def _grouping(grouping: str, x: np.ndarray, params: tuple) -> Optional[tuple]:

@@ -57,7 +57,7 @@ from .pairing import from_shards
 from .attributes import NO_ATTRIBUTES, Attributes, Recorded
 from .centering import BATCH_NORM
 from .formulas import (CONVOLUTIONS, ELEMENTWISE, GATHERS, POOLS, PRODUCTS, RECOMPUTE_FIGURES,
-                       ROUNDS_RESULT, SOFTMAXES, TWO_TENSORS, UNWEIGHTED, WEIGHTED, Operands,
+                       OVER_DIM, ROUNDS_RESULT, TWO_TENSORS, UNWEIGHTED, WEIGHTED, Operands,
                        allowed, candidates, near_zero_roundings)
 from .precision import lowest, rounded, rounding_of
 from .statistics import STATS_RESOLUTION
@@ -78,7 +78,7 @@ INDICES = ("int64", "int32")  # what a gathering call's input is (torch takes th
 NEEDS = {fmt.OUTPUT: (fmt.INPUT,), fmt.GRAD_INPUT: (fmt.GRAD_OUTPUT, fmt.INPUT)}
 # the paths of an op's two operands (TWO_TENSORS) given by position (docs/format.md, ``path``)
 OPERAND_PATHS = ("args[0]", "args[1]")
-# where an op that reduces over a dimension (SOFTMAXES) is given it
+# where an op over a dimension (OVER_DIM) is given it
 DIM_PATHS = ("args[1]", "kwargs['dim']")
 
 
@@ -222,7 +222,7 @@ class _Call:
                 self.by_kind.setdefault(row["kind"], row)
         self.formulas, self.takes_weights = candidates(cls), cls not in UNWEIGHTED
         self.two_operands = cls in TWO_TENSORS
-        self.reduces = cls in SOFTMAXES  # over the dim it was given
+        self.reduces = cls in OVER_DIM  # over the dim it was given
         self.gathers = cls in GATHERS  # its weight is read at the rows its input names
         self.sampling = self._sampling(cls)
         self.cache: dict[tuple, Optional[np.ndarray]] = {}
@@ -238,7 +238,7 @@ class _Call:
         if any(_shape(r, "a") != _shape(r, "b") for r in rows):
             return None
         # operands broadcast against each other, or reduced over a dim: whole, where they fit
-        if cls in TWO_TENSORS or cls in SOFTMAXES:
+        if cls in TWO_TENSORS or cls in OVER_DIM:
             fits = max((math.prod(_shape(r, "a")) for r in rows), default=0) <= SAMPLE_ELEMENTS
             if cls in PRODUCTS:  # each element of the result sums the first operand's last axis
                 result = self.by_kind.get(fmt.OUTPUT) or self.by_kind.get(fmt.GRAD_OUTPUT)

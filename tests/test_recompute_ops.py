@@ -104,7 +104,8 @@ def test_products_and_sums_of_two_tensors_are_recomputed_and_their_errors_found(
 def _autograd_figures(name: str, x: torch.Tensor, z: torch.Tensor) -> list:
     """The figures of op ``name``'s formula for ``x`` and ``z`` (float64, requiring grad)
     against torch's own forward and backward: output, and each operand's gradient."""
-    y = getattr(torch, name)(x, z)
+    y = getattr(torch, name, None)(x, z) if hasattr(torch, name) else getattr(
+        nn.functional, name)(x, z)
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     y.backward(g)
     tensors = {fmt.INPUT: x.detach().numpy(), fmt.OUTPUT: y.detach().numpy(),
@@ -123,13 +124,21 @@ def _operands(shape_x: tuple, shape_z: tuple, low: float = 0.0) -> tuple:
                  for s in (shape_x, shape_z))
 
 
-@pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "pow"])
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "pow", "maximum", "minimum"])
 @pytest.mark.parametrize("shape_x, shape_z", [((4, 1, 16), (8, 1)), ((16,), (4, 8, 16)),
                                               ((4, 8, 16), (4, 8, 16)), ((2, 3), ())])
 def test_ops_of_two_tensors_follow_autograd_where_broadcast(op, shape_x, shape_z):
     """The formula of an op of two tensors gives what torch's own forward and backward give,
-    in float64, for operands broadcast along leading, middle and all axes."""
-    for figures in _autograd_figures(op, *_operands(shape_x, shape_z, low=0.5)):
+    in float64, for operands broadcast along leading, middle and all axes (no figures for a
+    gradient that is all zeros: a maximum's to a number below every element)."""
+    x, z = _operands(shape_x, shape_z, low=0.5)
+    y = getattr(torch, op)(x, z)
+    y.backward(torch.ones_like(y))
+    for figures, result in zip(_autograd_figures(op, *_operands(shape_x, shape_z, low=0.5)),
+                               (y, x.grad, z.grad)):
+        assert (figures is None) == (not result.any()), (figures, result)
+        if figures is None:
+            continue
         assert figures["recomputed_rel_err"] < 1e-15, figures
         assert figures["recomputed_terms"] >= 1
 
@@ -143,6 +152,7 @@ def test_ops_of_two_tensors_follow_autograd_where_broadcast(op, shape_x, shape_z
     ("matmul", (2, 1, 3, 4), (5, 4, 2), (4, 10, 6)),  # batch axes broadcast both ways
     ("bmm", (2, 3, 4), (2, 4, 5), (4, 5, 3)),
     ("mm", (3, 4), (4, 5), (4, 5, 3)),
+    ("linear", (2, 3, 4), (5, 4), (4, 5, 6)),  # F.linear: x Wᵀ, its weight's gradient summed
 ])
 def test_matrix_products_follow_autograd(op, shape_x, shape_z, terms):
     """A matrix product's formula gives torch's forward and both gradients, in float64,
@@ -236,7 +246,7 @@ def test_ops_of_a_tensor_and_a_number_are_recomputed_from_the_recorded_number(tm
 
 class _Attention(nn.Module):
     """Eager attention as Hugging Face writes it (a softmax given its dim and float32), with
-    elementwise functions, a power and a log-softmax as op records."""
+    elementwise functions, an RMS and a log-softmax as op records."""
 
     def __init__(self, width: int = 16):
         super().__init__()
@@ -247,12 +257,12 @@ class _Attention(nn.Module):
         scores = q @ k.transpose(-1, -2)
         probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
         gate = torch.tanh(q).relu() * torch.sigmoid(k) * torch.exp(k * 0.5)
-        h = nn.functional.gelu(probs @ v) + gate * torch.rsqrt(v.pow(2) + 1.0)
+        h = nn.functional.gelu(probs @ v) + gate * torch.rsqrt(v.pow(2).mean(-1, True) + 1.0)
         return self.out(nn.functional.silu(h)).log_softmax(-1)
 
 
 ONE_TENSOR_OPS = ("/softmax#0", "/gelu#0", "/tanh#0", "/relu#0", "/sigmoid#0", "/exp#0",
-                  "/pow#0", "/rsqrt#0", "/silu#0", "/log_softmax#0")
+                  "/pow#0", "/mean#0", "/rsqrt#0", "/silu#0", "/log_softmax#0")
 
 
 def test_activations_and_softmaxes_are_recomputed_at_the_dim_they_were_given(tmp_path):
@@ -311,3 +321,42 @@ def test_a_gelu_is_recomputed_by_the_formula_its_records_follow(approximate):
         for formula in formulas.candidates("GELU")]
     fits = errors[approximate == "tanh"]
     assert max(fits) < 1e-15 and min(errors[approximate != "tanh"]) > 1e-5, errors
+
+
+FUNCTIONS = ("relu", "silu", "sigmoid", "tanh", "exp", "rsqrt", "sqrt", "log", "sin", "cos",
+             "neg", "abs", "square", "double")
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_elementwise_ops_follow_autograd(name):
+    """An elementwise op's formula gives torch's own float64 forward and backward (a cast to
+    the dtype it has: the identity)."""
+    x = torch.linspace(0.1, 4, 64, dtype=torch.float64, requires_grad=True)
+    y = (getattr(nn.functional, name, None) or getattr(torch.Tensor, name))(x)
+    g = torch.randn(64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    y.backward(g)
+    tensors = {fmt.INPUT: x.detach().numpy(), fmt.OUTPUT: y.detach().numpy(),
+               fmt.GRAD_OUTPUT: g.numpy(), fmt.GRAD_INPUT: x.grad.numpy()}
+    [formula] = formulas.candidates(name)
+    errors = [formula(kind, formulas.Operands(tensors, None, None, math.nan)).columns()[
+        "recomputed_rel_err"] for kind in (fmt.OUTPUT, fmt.GRAD_INPUT)]
+    assert errors == pytest.approx([0, 0], abs=1e-15)
+
+
+@pytest.mark.parametrize("name", ["sum", "mean"])
+@pytest.mark.parametrize("dim, keepdim", [(-1, True), (0, False), (None, False)])
+def test_sums_and_means_follow_autograd(name, dim, keepdim):
+    """A sum's or mean's formula gives torch's own float64 forward and backward over the dim
+    it was given, kept or not, or over all of them; each element sums the elements reduced."""
+    x = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64,
+                    requires_grad=True)
+    y = getattr(x, name)() if dim is None else getattr(x, name)(dim, keepdim=keepdim)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    y.backward(g)
+    tensors = {fmt.INPUT: x.detach().numpy(), fmt.OUTPUT: y.detach().numpy(),
+               fmt.GRAD_OUTPUT: g.numpy(), fmt.GRAD_INPUT: x.grad.numpy()}
+    [formula] = formulas.candidates(name)
+    figures = [formula(kind, formulas.Operands(tensors, None, None, math.nan, dim=dim)).columns()
+               for kind in (fmt.OUTPUT, fmt.GRAD_INPUT)]
+    assert [f["recomputed_rel_err"] for f in figures] == pytest.approx([0, 0], abs=1e-15)
+    assert [f["recomputed_terms"] for f in figures] == [60 if dim is None else x.shape[dim], 1]
