@@ -56,9 +56,10 @@ from .dump import StepReaders, one_side, reading
 from .pairing import from_shards
 from .attributes import NO_ATTRIBUTES, Attributes, Recorded
 from .centering import BATCH_NORM
-from .formulas import (CONVOLUTIONS, ELEMENTWISE, GATHERS, POOLS, PRODUCTS, RECOMPUTE_FIGURES,
-                       OVER_DIM, ROUNDS_RESULT, TWO_TENSORS, UNWEIGHTED, WEIGHTED, Operands,
-                       allowed, candidates, near_zero_roundings)
+from .formulas import (CONVOLUTIONS, ELEMENTWISE, GATHERS, OVER_DIM, POOLS, PRODUCTS,
+                       ROUNDS_RESULT, TWO_TENSORS, UNWEIGHTED, WEIGHTED, allowed, candidates,
+                       near_zero_roundings)
+from .operands import RECOMPUTE_FIGURES, Operands
 from .precision import lowest, rounded, rounding_of
 from .statistics import STATS_RESOLUTION
 

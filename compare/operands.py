@@ -1,0 +1,56 @@
+"""What a recomputation (:mod:`compare.formulas`) works on and gives back: a call's records
+as :class:`Operands`, and the sums of one recomputation as :class:`Figures`."""
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple, Optional
+
+import numpy as np
+
+from . import format as fmt
+
+# the columns of Figures.columns
+RECOMPUTE_FIGURES = ("recomputed_rel_err", "recomputed_spread", "recomputed_terms")
+
+
+class Operands(NamedTuple):
+    """A call's records by kind (``input``, ``output``, ``grad_output``, ``grad_input``) and
+    its parameters, float64; ``eps`` a normalization's (NaN: not recorded), ``conv`` a
+    convolution's geometry (None: not recorded); ``rows``: for a gathering call, which rows
+    of its weight ``weight`` holds, in increasing order (None: all of them); for an op of two
+    operands, ``other`` its second (a tensor's values, or a number as a 0-d array) and
+    ``operand`` which of the two the ``grad_input`` is the gradient of (0, 1); ``dim``: the
+    dimension an op reduces over (a softmax's; None: not given)."""
+
+    tensors: dict
+    weight: Optional[np.ndarray]
+    bias: Optional[np.ndarray]
+    eps: float
+    conv: Optional[fmt.ConvGeometry] = None
+    rows: Optional[np.ndarray] = None
+    other: Optional[np.ndarray] = None
+    operand: int = 0
+    dim: Optional[int] = None
+
+
+class Figures:
+    """Sums of one recomputation: squared difference, squared result, squared terms; and
+    the number of terms an element sums."""
+
+    def __init__(self, got: np.ndarray, want: np.ndarray, terms_squared: float, terms: int):
+        self.diff = float(np.square(got - want).sum())
+        self.norm = float(np.square(want).sum())
+        self.terms_squared, self.terms = terms_squared, terms
+
+    def columns(self) -> Optional[dict]:
+        """``recomputed_rel_err``, ``recomputed_spread``, ``recomputed_terms`` (None where the
+        result is zero, or it or its terms not finite)."""
+        if not (self.norm > 0 and math.isfinite(self.norm) and math.isfinite(self.diff)
+                and math.isfinite(self.terms_squared)):
+            return None
+        return {"recomputed_rel_err": math.sqrt(self.diff / self.norm),
+                "recomputed_spread": math.sqrt(self.terms_squared / self.norm),
+                "recomputed_terms": float(self.terms)}
+
+
+Formula = Callable[[str, Operands], Optional[Figures]]
