@@ -9,7 +9,6 @@ import functools
 import math
 from typing import Callable
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -288,36 +287,44 @@ def test_activations_and_softmaxes_are_recomputed_at_the_dim_they_were_given(tmp
         assert MISCOMPUTED in first.row["reason"]
 
 
-@pytest.mark.parametrize("name, dim", [("softmax", -1), ("softmax", 0), ("log_softmax", 1)])
-def test_softmaxes_follow_autograd(name, dim):
-    """A softmax's formula gives torch's forward and backward in float64 over any dim, each
-    element's terms those of the sum over it (backward, one more)."""
-    x = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0),
-                    dtype=torch.float64).mul_(3).requires_grad_()
-    y = getattr(torch, name)(x, dim)
+def _one_tensor_figures(formula, run: Callable, x: torch.Tensor, dim=None) -> list:
+    """The figures of ``formula`` for the output and the gradient of ``run(x)`` (``x``
+    float64, requiring grad) against torch's own forward and backward; None where it does
+    not fit."""
+    y = run(x)
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     y.backward(g)
     tensors = {fmt.INPUT: x.detach().numpy(), fmt.OUTPUT: y.detach().numpy(),
                fmt.GRAD_OUTPUT: g.numpy(), fmt.GRAD_INPUT: x.grad.numpy()}
-    [formula] = formulas.candidates(name)
-    figures = [formula(kind, formulas.Operands(tensors, None, None, math.nan, dim=dim)).columns()
+    figures = [formula(kind, formulas.Operands(tensors, None, None, math.nan, dim=dim))
                for kind in (fmt.OUTPUT, fmt.GRAD_INPUT)]
+    return [None if f is None else f.columns() for f in figures]
+
+
+def _leaf(values: torch.Tensor) -> torch.Tensor:
+    return values.to(torch.float64).requires_grad_()
+
+
+@pytest.mark.parametrize("name, dim", [("softmax", -1), ("softmax", 0), ("log_softmax", 1)])
+def test_softmaxes_follow_autograd(name, dim):
+    """A softmax's formula gives torch's forward and backward in float64 over any dim, each
+    element's terms those of the sum over it (backward, one more); given no dim, none."""
+    x = 3 * torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0))
+    [formula] = formulas.candidates(name)
+    softmax = getattr(torch, name)
+    figures = _one_tensor_figures(formula, lambda x: softmax(x, dim), _leaf(x), dim)
     assert [f["recomputed_rel_err"] for f in figures] == pytest.approx([0, 0], abs=1e-15)
     assert [f["recomputed_terms"] for f in figures] == [x.shape[dim], x.shape[dim] + 1]
-    assert formula(fmt.OUTPUT, formulas.Operands(tensors, None, None, math.nan)) is None
+    assert _one_tensor_figures(formula, lambda x: softmax(x, dim), _leaf(x)) == [None, None]
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_a_gelu_is_recomputed_by_the_formula_its_records_follow(approximate):
     """A GELU's ``approximate`` is not recorded: of its two formulas, the one torch's float64
     forward and backward follow fits to float64 rounding, the other not."""
-    x = torch.linspace(-4, 4, 101, dtype=torch.float64, requires_grad=True)
-    y = nn.functional.gelu(x, approximate=approximate)
-    y.backward(torch.ones_like(y))
-    tensors = {fmt.INPUT: x.detach().numpy(), fmt.OUTPUT: y.detach().numpy(),
-               fmt.GRAD_OUTPUT: np.ones(101), fmt.GRAD_INPUT: x.grad.numpy()}
-    errors = [[formula(kind, formulas.Operands(tensors, None, None, math.nan)).columns()[
-        "recomputed_rel_err"] for kind in (fmt.OUTPUT, fmt.GRAD_INPUT)]
+    x = torch.linspace(-4, 4, 101)
+    errors = [[f["recomputed_rel_err"] for f in _one_tensor_figures(
+        formula, lambda x: nn.functional.gelu(x, approximate=approximate), _leaf(x))]
         for formula in formulas.candidates("GELU")]
     fits = errors[approximate == "tanh"]
     assert max(fits) < 1e-15 and min(errors[approximate != "tanh"]) > 1e-5, errors
@@ -331,16 +338,10 @@ FUNCTIONS = ("relu", "silu", "sigmoid", "tanh", "exp", "rsqrt", "sqrt", "log", "
 def test_elementwise_ops_follow_autograd(name):
     """An elementwise op's formula gives torch's own float64 forward and backward (a cast to
     the dtype it has: the identity)."""
-    x = torch.linspace(0.1, 4, 64, dtype=torch.float64, requires_grad=True)
-    y = (getattr(nn.functional, name, None) or getattr(torch.Tensor, name))(x)
-    g = torch.randn(64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    y.backward(g)
-    tensors = {fmt.INPUT: x.detach().numpy(), fmt.OUTPUT: y.detach().numpy(),
-               fmt.GRAD_OUTPUT: g.numpy(), fmt.GRAD_INPUT: x.grad.numpy()}
     [formula] = formulas.candidates(name)
-    errors = [formula(kind, formulas.Operands(tensors, None, None, math.nan)).columns()[
-        "recomputed_rel_err"] for kind in (fmt.OUTPUT, fmt.GRAD_INPUT)]
-    assert errors == pytest.approx([0, 0], abs=1e-15)
+    function = getattr(nn.functional, name, None) or getattr(torch.Tensor, name)
+    figures = _one_tensor_figures(formula, function, _leaf(torch.linspace(0.1, 4, 64)))
+    assert [f["recomputed_rel_err"] for f in figures] == pytest.approx([0, 0], abs=1e-15)
 
 
 @pytest.mark.parametrize("name", ["sum", "mean"])
@@ -348,15 +349,10 @@ def test_elementwise_ops_follow_autograd(name):
 def test_sums_and_means_follow_autograd(name, dim, keepdim):
     """A sum's or mean's formula gives torch's own float64 forward and backward over the dim
     it was given, kept or not, or over all of them; each element sums the elements reduced."""
-    x = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64,
-                    requires_grad=True)
-    y = getattr(x, name)() if dim is None else getattr(x, name)(dim, keepdim=keepdim)
-    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    y.backward(g)
-    tensors = {fmt.INPUT: x.detach().numpy(), fmt.OUTPUT: y.detach().numpy(),
-               fmt.GRAD_OUTPUT: g.numpy(), fmt.GRAD_INPUT: x.grad.numpy()}
+    x = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0))
     [formula] = formulas.candidates(name)
-    figures = [formula(kind, formulas.Operands(tensors, None, None, math.nan, dim=dim)).columns()
-               for kind in (fmt.OUTPUT, fmt.GRAD_INPUT)]
+    reduce = getattr(torch.Tensor, name)
+    figures = _one_tensor_figures(formula, lambda x: reduce(x) if dim is None else reduce(
+        x, dim, keepdim=keepdim), _leaf(x), dim)
     assert [f["recomputed_rel_err"] for f in figures] == pytest.approx([0, 0], abs=1e-15)
     assert [f["recomputed_terms"] for f in figures] == [60 if dim is None else x.shape[dim], 1]
