@@ -84,7 +84,15 @@ def _same(a: str, type_a: str, b: str, type_b: str, unit: float) -> bool:
         return False
     if x == y:
         return True
-    if type_a != "float" or type_b != "float" or not (math.isfinite(x) and math.isfinite(y)):
+    return type_a == type_b == "float" and same_number(x, y, unit)
+
+
+def same_number(x: float, y: float, unit: float) -> bool:
+    """Whether two numbers given to a call are the same argument: equal, the same limit of
+    each run's floating dtype, or finite and within one rounding of ``unit``."""
+    if x == y:
+        return True
+    if not (math.isfinite(x) and math.isfinite(y)):
         return False
     limit = DTYPE_LIMITS.get(x)
     return (limit is not None and limit == DTYPE_LIMITS.get(y)) or \

@@ -21,8 +21,8 @@ the one that A's own records follow best.
   rounding explains one rounding of the result, no sum; its gradient goes to the weight only,
   none is sent back);
 - elementwise ops of two tensors (:data:`BINARY`: op records of ``dumper.ops``, ``add``,
-  ``sub``, ``mul``, ``div``, ``pow``, ``maximum``, ``minimum`` and their in-place forms),
-  either broadcast against the other
+  ``sub``, ``mul``, ``div``, ``pow``, ``maximum``, ``minimum``, ``clamp_min``,
+  ``clamp_max`` and their in-place forms), either broadcast against the other
   (the second may be a number, a 0-d array):
   ``y = f(x, z)``; backward, the gradient of operand ``i`` is
   ``g ∂f/∂operand_i`` summed over the axes it was broadcast along (:attr:`Operands.operand`
@@ -147,7 +147,8 @@ _SQUARE = Activation(np.square, lambda x: 2.0 * x)
 _CAST = Activation(lambda x: x, np.ones_like)  # to another dtype: one rounding, or none
 # Module class names and op names (dumper.ops) of elementwise functions torch computes in one
 # kernel (one rounding of the result; a cast's, none where it widens): the functions each may
-# mean, the likelier first (a GELU's ``approximate`` is not recorded). Hugging Face's
+# mean, the likelier first (a GELU module's ``approximate`` is not recorded, an op's is not
+# read: the form A's records follow is the one). Hugging Face's
 # activations written as several ops (NewGELUActivation, QuickGELUActivation) round each op's
 # result: not these.
 ELEMENTWISE: dict[str, tuple[Activation, ...]] = {
@@ -184,9 +185,13 @@ _BINARY = {
                                      lambda x, z: np.where(x == z, 0.5, z > x)), False),
     "minimum": BinaryOp(np.minimum, (lambda x, z: np.where(x == z, 0.5, x < z),
                                      lambda x, z: np.where(x == z, 0.5, z < x)), False),
+    # a bound the input reaches keeps the gradient for the input
+    "clamp_min": BinaryOp(np.maximum, (lambda x, z: x >= z, lambda x, z: x < z), False),
+    "clamp_max": BinaryOp(np.minimum, (lambda x, z: x <= z, lambda x, z: x > z), False),
 }
-# by op name (dumper.ops), in place too
-BINARY: dict[str, BinaryOp] = {**_BINARY, **{f"{name}_": op for name, op in _BINARY.items()}}
+# by op name (dumper.ops), in place too (torch has no maximum_ or minimum_)
+BINARY: dict[str, BinaryOp] = {**_BINARY, **{f"{name}_": _BINARY[name] for name in (
+    "add", "sub", "mul", "div", "pow", "clamp_min", "clamp_max")}}
 # softmaxes over the dim they are given, and sums and means over it (all dims where given
 # none), by whether they divide by the count (op records; ``Operands.dim``): computed in
 # float32 or finer whatever they are given
@@ -340,16 +345,19 @@ def _pooled(dims: int, kind: str, ops: Operands) -> Optional[Figures]:
 
 
 def _elementwise(activation: Activation, kind: str, ops: Operands) -> Optional[Figures]:
+    """An elementwise function (:data:`ELEMENTWISE`): ``y = f(x)``, ``gx = g f'(x)``, one term
+    (outside its domain, ``log`` of a negative, the result is not finite: no figures)."""
     t = ops.tensors
     x = t.get(fmt.INPUT)
     if x is None:
         return None
-    if kind == fmt.OUTPUT:
-        got, want = t[fmt.OUTPUT], activation.f(x)
-    else:
-        if t[fmt.GRAD_OUTPUT].shape != x.shape:
-            return None
-        got, want = t[fmt.GRAD_INPUT], t[fmt.GRAD_OUTPUT] * activation.grad(x)
+    with np.errstate(all="ignore"):
+        if kind == fmt.OUTPUT:
+            got, want = t[fmt.OUTPUT], activation.f(x)
+        else:
+            if t[fmt.GRAD_OUTPUT].shape != x.shape:
+                return None
+            got, want = t[fmt.GRAD_INPUT], t[fmt.GRAD_OUTPUT] * activation.grad(x)
     if got.shape != want.shape:
         return None
     return Figures(got, want, float(np.square(want).sum()), 1)
@@ -381,11 +389,11 @@ def _softmax(log: bool, kind: str, ops: Operands) -> Optional[Figures]:
     """A softmax over ``ops.dim`` of ``n`` elements (``log``: a log-softmax), from the input
     less its maximum, ``d``, whose exponentials sum to ``S``: ``p = exp(d) / S``; backward,
     ``gx = p (g - sum(g p))``, of a log-softmax ``d - log S`` and ``g - p sum(g)``. Terms
-    forward: a probability's times ``1 + |d|`` (the rounding of ``d`` moves it by as much,
-    relative), a log-probability's ``d``, ``log S`` and 1 (``S``'s rounding, absolute in its
-    log), each with the ``n`` of ``S``'s sum; backward, the products each element sums (a
-    log-softmax's ``p`` times ``1 + |log p|``: torch's kernel exponentiates the rounded
-    result)."""
+    forward: a probability times ``sqrt(1 + d²)`` (the rounding of ``d`` moves it by ``|d|``
+    times as much, relative), a log-probability's ``d``, ``log S`` and 1 (``S``'s rounding,
+    absolute in its log), each with the ``n`` of ``S``'s sum; backward, the products each
+    element sums (a log-softmax's ``p sum(g)`` times ``sqrt(1 + log² p)``: torch's kernel
+    exponentiates the rounded result)."""
     t, x, dim = ops.tensors, ops.tensors.get(fmt.INPUT), ops.dim
     if x is None or dim is None or not -x.ndim <= dim < x.ndim:
         return None
@@ -410,9 +418,9 @@ def _softmax_figures(log: bool, kind: str, t: dict, x: np.ndarray, dim: int
         if g.shape != x.shape:
             return None
         if log:  # from the rounded log-probabilities: their exponentials move by |y| as much
-            want = g - p * g.sum(axis=dim, keepdims=True)
-            terms = np.square(g) + np.square(p) * (1.0 + np.square(d - np.log(total))) * \
-                np.square(g).sum(axis=dim, keepdims=True)
+            total_g = g.sum(axis=dim, keepdims=True)
+            want = g - p * total_g
+            terms = np.square(g) + np.square(p * total_g) * (1.0 + np.square(d - np.log(total)))
         else:
             want = p * (g - (g * p).sum(axis=dim, keepdims=True))
             terms = np.square(p) * (np.square(g) + np.square(g * p).sum(axis=dim, keepdims=True))

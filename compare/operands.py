@@ -8,6 +8,7 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 
 from . import format as fmt
+from .metrics import FILLS, FILLS_FROM
 
 # the columns of Figures.columns
 RECOMPUTE_FIGURES = ("recomputed_rel_err", "recomputed_spread", "recomputed_terms")
@@ -20,7 +21,7 @@ class Operands(NamedTuple):
     of its weight ``weight`` holds, in increasing order (None: all of them); for an op of two
     operands, ``other`` its second (a tensor's values, or a number as a 0-d array) and
     ``operand`` which of the two the ``grad_input`` is the gradient of (0, 1); ``dim``: the
-    dimension an op reduces over (a softmax's; None: not given)."""
+    dimension an op works over (a softmax's, a sum's; None: not given)."""
 
     tensors: dict
     weight: Optional[np.ndarray]
@@ -41,12 +42,17 @@ class Figures:
         self.diff = float(np.square(got - want).sum())
         self.norm = float(np.square(want).sum())
         self.terms_squared, self.terms = terms_squared, terms
+        # a mask's fill (finfo(dtype).min) would be all of the norm: the other elements'
+        # error would vanish against it
+        self.filled = self.norm >= FILLS_FROM and bool(
+            (np.isin(got, FILLS) | np.isin(want, FILLS)).any())
 
     def columns(self) -> Optional[dict]:
         """``recomputed_rel_err``, ``recomputed_spread``, ``recomputed_terms`` (None where the
-        result is zero, or it or its terms not finite)."""
-        if not (self.norm > 0 and math.isfinite(self.norm) and math.isfinite(self.diff)
-                and math.isfinite(self.terms_squared)):
+        result is zero, or it or its terms not finite, or it holds a mask's fill)."""
+        if self.filled or not (self.norm > 0 and math.isfinite(self.norm)
+                               and math.isfinite(self.diff)
+                               and math.isfinite(self.terms_squared)):
             return None
         return {"recomputed_rel_err": math.sqrt(self.diff / self.norm),
                 "recomputed_spread": math.sqrt(self.terms_squared / self.norm),

@@ -2,7 +2,8 @@
 
 Where a module's class says what it computes (:mod:`compare.formulas`: ``Linear``,
 convolutions, elementwise activations, normalizations, ``Embedding``, adaptive average
-pools; among op records, elementwise ops and matrix products of two tensors), its output
+pools; among op records, elementwise functions, elementwise ops and matrix products of two
+tensors, softmaxes, sums and means), its output
 follows from its input and weights, and the gradient it sends back from the gradient that
 arrives and its input.
 Recomputed in float64 from B's own records of the call, the difference is what B's
@@ -54,13 +55,14 @@ from . import format as fmt
 from .decoding import decode
 from .dump import StepReaders, one_side, reading
 from .pairing import from_shards
+from .arguments import same_number
 from .attributes import NO_ATTRIBUTES, Attributes, Recorded
 from .centering import BATCH_NORM
 from .formulas import (CONVOLUTIONS, ELEMENTWISE, GATHERS, OVER_DIM, POOLS, PRODUCTS,
                        ROUNDS_RESULT, TWO_TENSORS, UNWEIGHTED, WEIGHTED, allowed, candidates,
                        near_zero_roundings)
 from .operands import RECOMPUTE_FIGURES, Operands
-from .precision import lowest, rounded, rounding_of
+from .precision import BINARY_FORMATS, lowest, precision_of, rounded, rounding_of
 from .statistics import STATS_RESOLUTION
 
 RECOMPUTE_COLUMNS = (*RECOMPUTE_FIGURES, "recomputed_stride", "recomputed_dtype")
@@ -141,11 +143,10 @@ def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, metrics: dict[int
         at = (*key[:3], first["module"])
         a = attributes["a"].at(at, NO_ATTRIBUTES, int(first["call_a"]))
         b = attributes["b"].at(at, attributes["a"], int(first["call_b"]))
-        # B at its own eps (torch's RMSNorm without one takes its dtype's), at A's geometry
-        # and numbers: a convolution that slides otherwise than A's, or an op given another
-        # number or dim, computes something else
-        recorded = {"a": a, "b": b._replace(conv=a.conv or b.conv,
-                                            numbers=a.numbers or b.numbers)}
+        # B at its own eps (torch's RMSNorm without one takes its dtype's), at A's geometry:
+        # a convolution that slides otherwise than A's computes something else
+        recorded = {"a": a, "b": b._replace(conv=a.conv or b.conv, numbers=_numbers_for_b(
+            a.numbers, b.numbers, _unit(call.values())))}
         figures = {label: {k: v for k, v in metrics.get(label, {}).items() if k in FIGURES_READ}
                    for label in labels}
         work.append(_Work(key[:3], call, recorded, figures))
@@ -153,6 +154,24 @@ def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, metrics: dict[int
     for part in runner(_measure_part, _parts(work, files_a, files_b, jobs)):
         out.update(part)
     return out
+
+
+def _numbers_for_b(a: dict, b: dict, unit: float) -> dict:
+    """The numbers a call of B is recomputed at, by path: its own where they are the same
+    argument as A's (:func:`compare.arguments.same_number`: a mask's fill of each run's
+    dtype, a value from data within one rounding), A's where B was given another (code that
+    scales by another number, or softmaxes over another dim, computes something else); none
+    where B recorded none (its names mapped from A's: not known)."""
+    return {path: value if path not in a or same_number(a[path], value, unit) else a[path]
+            for path, value in b.items()}
+
+
+def _unit(rows) -> float:
+    """A call's rounding: the unit roundoff of the lowest precision of its floating records
+    (``rows`` as dicts), on either side."""
+    return max((rounding_of(precision_of(r["dtype_a"], r["dtype_b"])).unit for r in rows
+                if r["dtype_a"] in BINARY_FORMATS and r["dtype_b"] in BINARY_FORMATS),
+               default=0.0)
 
 
 def _parts(work: list[_Work], files_a: dict, files_b: dict, jobs: int) -> list[tuple]:
@@ -223,7 +242,7 @@ class _Call:
                 self.by_kind.setdefault(row["kind"], row)
         self.formulas, self.takes_weights = candidates(cls), cls not in UNWEIGHTED
         self.two_operands = cls in TWO_TENSORS
-        self.reduces = cls in OVER_DIM  # over the dim it was given
+        self.over_dim = cls in OVER_DIM  # works over the dim it was given
         self.gathers = cls in GATHERS  # its weight is read at the rows its input names
         self.sampling = self._sampling(cls)
         self.cache: dict[tuple, Optional[np.ndarray]] = {}
@@ -361,8 +380,8 @@ class _Call:
 
     def _other(self, side: str) -> Optional[np.ndarray]:
         """An op of two operands' second on ``side``: its tensor, or the number it was given
-        at ``OPERAND_PATHS[1]`` (``x * 0.5``; a 0-d array, which broadcasts; A's on both
-        sides, where A recorded it), None where neither is known or the call takes none."""
+        at ``OPERAND_PATHS[1]`` (``x * 0.5``; a 0-d array, which broadcasts; B's as
+        :func:`_numbers_for_b` says), None where neither is known or the call takes none."""
         if not self.two_operands:
             return None
         row = self.second_operand.get(fmt.INPUT)
@@ -372,9 +391,9 @@ class _Call:
         return None if number is None else np.array(number)
 
     def _dim(self, side: str) -> Optional[int]:
-        """The dimension the call was given to reduce over (``DIM_PATHS``; A's on both sides,
-        where A recorded it), None where it was given none or reduces over none."""
-        if not self.reduces:
+        """The dimension the call was given to work over (``DIM_PATHS``; B's as
+        :func:`_numbers_for_b` says), None where it was given none or takes none."""
+        if not self.over_dim:
             return None
         numbers = self.recorded[side].numbers
         given = [numbers[path] for path in DIM_PATHS if path in numbers]

@@ -61,12 +61,13 @@ class _WrongOp(torch.overrides.TorchFunctionMode):
 
 def _dumped(directory, block: Callable, precision: str, wrong: dict = None, **options):
     """One step of ``block`` (built at seed 0, width 16) on a fixed batch, float32 or under
-    bfloat16 autocast (``precision``), every op recorded; ``wrong``: a :class:`_WrongOp` in
-    B's kernels."""
+    bfloat16 or float16 autocast (``precision``), every op recorded; ``wrong``: a
+    :class:`_WrongOp` in B's kernels."""
     torch.manual_seed(0)
     model = block()
     batch = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16")
+    autocast = torch.autocast("cpu", dtype=getattr(torch, precision),
+                              enabled=precision != "float32")
     with _WrongOp(**wrong) if wrong else contextlib.nullcontext(), \
             HookerAndDumper(directory, ops="*", **options).hooks(model, 0, 0):
         with autocast:
@@ -123,7 +124,8 @@ def _operands(shape_x: tuple, shape_z: tuple, low: float = 0.0) -> tuple:
                  for s in (shape_x, shape_z))
 
 
-@pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "pow", "maximum", "minimum"])
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "pow", "maximum", "minimum",
+                                "clamp_min", "clamp_max"])
 @pytest.mark.parametrize("shape_x, shape_z", [((4, 1, 16), (8, 1)), ((16,), (4, 8, 16)),
                                               ((4, 8, 16), (4, 8, 16)), ((2, 3), ())])
 def test_ops_of_two_tensors_follow_autograd_where_broadcast(op, shape_x, shape_z):
@@ -243,6 +245,39 @@ def test_ops_of_a_tensor_and_a_number_are_recomputed_from_the_recorded_number(tm
     assert MISCOMPUTED in first.row["reason"]
 
 
+class _DtypeLimits(nn.Module):
+    """Numbers taken from the dtype the code runs in, which differ between a float32 and a
+    16-bit run as the same argument: a mask filled with its minimum, as Canine's and
+    Splinter's heads do, and its machine epsilon added."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x):
+        logits = self.proj(x)
+        limits = torch.finfo(logits.dtype)
+        keep = (torch.arange(logits.shape[-1]) < 12).to(logits.dtype)
+        masked = (logits + (1 - keep) * limits.min).log_softmax(-1).clamp_min(-30)
+        return masked.float() * 10 + limits.eps  # float32 in both runs
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_a_number_that_is_each_runs_dtype_limit_is_recomputed_at_bs_own(tmp_path, precision):
+    """``finfo(dtype).min`` and ``.eps`` in float32 A and a 16-bit autocast B: B's numbers
+    are the same arguments as A's (each run's dtype limit), so B is recomputed at its own (at
+    A's, B's float32 ``+ eps`` would be off by the 16-bit epsilon, far beyond float32's
+    rounding) and the healthy pair passes; a record holding the mask's fill gets no figures
+    (it would be all of the norm)."""
+    a = _dumped(tmp_path / "a", _DtypeLimits, "float32")
+    result = compare_dumps(a, _dumped(tmp_path / "b", _DtypeLimits, precision))
+    assert summarize(result).ok, summarize(result).verdict()
+    assert not result["reason"].fillna("").str.contains(MISCOMPUTED).any()
+    figures = result[result["index"] == 0].set_index(["module", "kind"])["recomputed_rel_err"]
+    assert figures[[("/mul#0", "output"), ("/log_softmax#0", "output")]].isna().all()  # fills
+    assert figures[[("/add#1", "output"), ("/log_softmax#0", "grad_input")]].notna().all()
+
+
 class _Attention(nn.Module):
     """Eager attention as Hugging Face writes it (a softmax given its dim and float32), with
     elementwise functions, an RMS and a log-softmax as op records."""
@@ -316,6 +351,20 @@ def test_softmaxes_follow_autograd(name, dim):
     assert [f["recomputed_rel_err"] for f in figures] == pytest.approx([0, 0], abs=1e-15)
     assert [f["recomputed_terms"] for f in figures] == [x.shape[dim], x.shape[dim] + 1]
     assert _one_tensor_figures(formula, lambda x: softmax(x, dim), _leaf(x)) == [None, None]
+    # backward, its terms as the kernels compute it: g p-weighted sums (a log-softmax's from
+    # its rounded result, which moves each exp(y) by |y| as much)
+    x = _leaf(x)
+    y = softmax(x, dim)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    y.backward(g)
+    p, y = (y.exp(), y) if name == "log_softmax" else (y, None)
+    with torch.no_grad():
+        if y is None:
+            terms = p.square() * (g.square() + (g * p).square().sum(dim, keepdim=True))
+        else:
+            terms = g.square() + (p * g.sum(dim, keepdim=True)).square() * (1 + y.square())
+    spread = (terms.sum() / x.grad.square().sum()).sqrt().item()
+    assert figures[1]["recomputed_spread"] == pytest.approx(spread, rel=1e-12)
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
@@ -332,15 +381,18 @@ def test_a_gelu_is_recomputed_by_the_formula_its_records_follow(approximate):
 
 FUNCTIONS = ("relu", "silu", "sigmoid", "tanh", "exp", "rsqrt", "sqrt", "log", "sin", "cos",
              "neg", "abs", "square", "double")
+POSITIVE = ("rsqrt", "sqrt", "log")  # defined for positive inputs only
 
 
 @pytest.mark.parametrize("name", FUNCTIONS)
 def test_elementwise_ops_follow_autograd(name):
-    """An elementwise op's formula gives torch's own float64 forward and backward (a cast to
-    the dtype it has: the identity)."""
+    """An elementwise op's formula gives torch's own float64 forward and backward, on both
+    sides of 0 and at 0 where defined there (a cast to the dtype it has: the identity)."""
     [formula] = formulas.candidates(name)
     function = getattr(nn.functional, name, None) or getattr(torch.Tensor, name)
-    figures = _one_tensor_figures(formula, function, _leaf(torch.linspace(0.1, 4, 64)))
+    x = torch.linspace(0.1, 4, 64) if name in POSITIVE else torch.arange(-12.0, 17.0) / 4
+    assert name in POSITIVE or (x == 0).any()
+    figures = _one_tensor_figures(formula, function, _leaf(x))
     assert [f["recomputed_rel_err"] for f in figures] == pytest.approx([0, 0], abs=1e-15)
 
 
