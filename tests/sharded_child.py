@@ -1,6 +1,6 @@
 """One rank of a sharded training run, with and without the dumper (``tests/test_sharded.py``).
 
-usage: RANK=r WORLD_SIZE=n MASTER_ADDR=... MASTER_PORT=... sharded_child.py LAYOUT DIR
+usage: RANK=r WORLD_SIZE=n INIT_METHOD=file:///... sharded_child.py LAYOUT DIR
 LAYOUT: ``fsdp2`` (``fully_shard`` per block of a small transformer), ``fsdp1``
 (``FullyShardedDataParallel``), ``tp`` (``ColwiseParallel``/``RowwiseParallel`` on an MLP
 block; ``tp-planted``: rank 1's shard of its first layer's output is 1 % off;
@@ -178,7 +178,10 @@ def _bits_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 def main() -> None:
     layout, directory = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=os.environ["INIT_METHOD"],
+                            rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=datetime.timedelta(seconds=60))
     plain = train(layout, None)
     report = {}
     for mode, options in MODES.items():

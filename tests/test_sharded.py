@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -33,16 +33,12 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="torch.distributed with gloo is not available")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(layout: str, directory: Path, world: int = WORLD) -> list[dict]:
     """Run ``sharded_child.py`` on ``world`` ranks; each rank's JSON report. Every process is
     killed if the run takes longer than ``TIMEOUT``."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+    directory.mkdir(parents=True, exist_ok=True)  # (a file rendezvous: no port to race for
+    # with the tests other pytest-xdist workers run at the same time)
+    env = dict(os.environ, INIT_METHOD=f"file://{directory / f'.rendezvous-{uuid.uuid4().hex}'}",
                WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, str(CHILD), layout, str(directory)],
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), text=True,
