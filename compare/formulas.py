@@ -360,7 +360,7 @@ def _elementwise(activation: Activation, kind: str, ops: Operands) -> Optional[F
             got, want = t[fmt.GRAD_INPUT], t[fmt.GRAD_OUTPUT] * activation.grad(x)
     if got.shape != want.shape:
         return None
-    return Figures(got, want, float(np.square(want).sum()), 1)
+    return Figures(got, want, np.square(want), 1)
 
 
 def _binary(op: BinaryOp, kind: str, ops: Operands) -> Optional[Figures]:
@@ -374,7 +374,7 @@ def _binary(op: BinaryOp, kind: str, ops: Operands) -> Optional[Figures]:
             if got.shape != want.shape:
                 return None
             terms = np.square(x) + np.square(z) if op.terms_are_operands else np.square(want)
-            return Figures(got, want, float(terms.sum()), 1)
+            return Figures(got, want, np.broadcast_to(terms, want.shape), 1)
         g, got = t[fmt.GRAD_OUTPUT], t[fmt.GRAD_INPUT]
         operand = z if ops.operand else x
         parts = g * op.partials[ops.operand](x, z)
@@ -427,7 +427,7 @@ def _softmax_figures(log: bool, kind: str, t: dict, x: np.ndarray, dim: int
         n += 1
     if got.shape != want.shape:
         return None
-    return Figures(got, want, float(terms.sum()), n)
+    return Figures(got, want, np.broadcast_to(terms, want.shape), n)
 
 
 def _reduction(mean: bool, kind: str, ops: Operands) -> Optional[Figures]:

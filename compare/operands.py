@@ -3,7 +3,7 @@ as :class:`Operands`, and the sums of one recomputation as :class:`Figures`."""
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Union
 
 import numpy as np
 
@@ -36,20 +36,31 @@ class Operands(NamedTuple):
 
 class Figures:
     """Sums of one recomputation: squared difference, squared result, squared terms; and
-    the number of terms an element sums."""
+    the number of terms an element sums. ``terms_squared``: their sum, or per element of
+    the result (an array of its shape), which lets elements holding a mask's fill
+    (``finfo(dtype).min``, :data:`compare.metrics.FILLS`) on either side be left out, as the
+    comparison leaves them out: they would be all of the norm, and the other elements'
+    error would vanish against them. Where they cannot be left out, no figures."""
 
-    def __init__(self, got: np.ndarray, want: np.ndarray, terms_squared: float, terms: int):
+    def __init__(self, got: np.ndarray, want: np.ndarray,
+                 terms_squared: Union[float, np.ndarray], terms: int):
+        self.filled = False
+        if float(np.square(want).sum()) >= FILLS_FROM:
+            fills = np.isin(got, FILLS) | np.isin(want, FILLS)
+            if fills.any():
+                per_element = np.shape(terms_squared) == np.shape(want)
+                self.filled = not per_element
+                kept = ~fills
+                got, want = got[kept], want[kept]
+                terms_squared = terms_squared[kept] if per_element else terms_squared
         self.diff = float(np.square(got - want).sum())
         self.norm = float(np.square(want).sum())
-        self.terms_squared, self.terms = terms_squared, terms
-        # a mask's fill (finfo(dtype).min) would be all of the norm: the other elements'
-        # error would vanish against it
-        self.filled = self.norm >= FILLS_FROM and bool(
-            (np.isin(got, FILLS) | np.isin(want, FILLS)).any())
+        self.terms_squared, self.terms = float(np.sum(terms_squared)), terms
 
     def columns(self) -> Optional[dict]:
         """``recomputed_rel_err``, ``recomputed_spread``, ``recomputed_terms`` (None where the
-        result is zero, or it or its terms not finite, or it holds a mask's fill)."""
+        result is zero, or it or its terms not finite, or it holds a mask's fill that could
+        not be left out)."""
         if self.filled or not (self.norm > 0 and math.isfinite(self.norm)
                                and math.isfinite(self.diff)
                                and math.isfinite(self.terms_squared)):

@@ -267,15 +267,33 @@ def test_a_number_that_is_each_runs_dtype_limit_is_recomputed_at_bs_own(tmp_path
     """``finfo(dtype).min`` and ``.eps`` in float32 A and a 16-bit autocast B: B's numbers
     are the same arguments as A's (each run's dtype limit), so B is recomputed at its own (at
     A's, B's float32 ``+ eps`` would be off by the 16-bit epsilon, far beyond float32's
-    rounding) and the healthy pair passes; a record holding the mask's fill gets no figures
-    (it would be all of the norm)."""
+    rounding) and the healthy pair passes; the elements holding the mask's fill are left out
+    of a recomputation (they would be all of its norm), and one left with nothing gets none."""
     a = _dumped(tmp_path / "a", _DtypeLimits, "float32")
     result = compare_dumps(a, _dumped(tmp_path / "b", _DtypeLimits, precision))
     assert summarize(result).ok, summarize(result).verdict()
     assert not result["reason"].fillna("").str.contains(MISCOMPUTED).any()
     figures = result[result["index"] == 0].set_index(["module", "kind"])["recomputed_rel_err"]
-    assert figures[[("/mul#0", "output"), ("/log_softmax#0", "output")]].isna().all()  # fills
-    assert figures[[("/add#1", "output"), ("/log_softmax#0", "grad_input")]].notna().all()
+    assert math.isnan(figures[("/mul#0", "output")])  # the fills and zeros: nothing left
+    assert figures[[("/add#0", "output"), ("/log_softmax#0", "output"), ("/add#1", "output"),
+                    ("/log_softmax#0", "grad_input")]].notna().all(), figures
+
+
+def test_a_masks_fill_is_left_out_of_a_recomputation():
+    """A log-softmax over a row masked with float32's minimum: 5 % off in the elements left
+    is found as 5 %, not as nothing against the fills' norm; a formula that sums its terms
+    whole (a product) gets no figures where its result holds a fill."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x[:, 5:] = torch.finfo(torch.float32).min
+    y = torch.log_softmax(x, -1)
+    off = y.clone()
+    off[:, :5] *= 1.05
+    [formula] = formulas.candidates("log_softmax")
+    tensors = {fmt.INPUT: x.numpy(), fmt.OUTPUT: off.numpy()}
+    figures = formula(fmt.OUTPUT, formulas.Operands(tensors, None, None, math.nan, dim=-1))
+    assert figures.columns()["recomputed_rel_err"] == pytest.approx(0.05)
+    filled = y.numpy()
+    assert formulas.Figures(filled, filled, 1.0, 1).columns() is None
 
 
 class _Attention(nn.Module):
