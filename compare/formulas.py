@@ -148,9 +148,8 @@ _CAST = Activation(lambda x: x, np.ones_like)  # to another dtype: one rounding,
 # Module class names and op names (dumper.ops) of elementwise functions torch computes in one
 # kernel (one rounding of the result; a cast's, none where it widens): the functions each may
 # mean, the likelier first (a GELU module's ``approximate`` is not recorded, an op's is not
-# read: the form A's records follow is the one). Hugging Face's
-# activations written as several ops (NewGELUActivation, QuickGELUActivation) round each op's
-# result: not these.
+# read: the form A's records follow is the one). Hugging Face's activations written as
+# several ops (NewGELUActivation, QuickGELUActivation) round each op's result: not these.
 ELEMENTWISE: dict[str, tuple[Activation, ...]] = {
     "ReLU": (_RELU,), "relu": (_RELU,), "ReLU6": (_RELU6,),
     "SiLU": (_SILU,), "SiLUActivation": (_SILU,), "silu": (_SILU,),
