@@ -214,7 +214,8 @@ class Evidence:
                 near_zero_roundings(frame["cls"].fillna("").to_numpy(object), terms))
         # what a recomputation within rounding proves: all of an elementwise call, an op of
         # two tensors or one over a dim (no setting of its own that B could have otherwise:
-        # its numbers and dim are A's), recomputed on every sample
+        # a number or dim B was given otherwise than A, it is recomputed at A's), recomputed
+        # on every sample
         self.recomputed_whole = ((frame["recomputed_stride"].to_numpy(float) == 1) & frame[
             "cls"].isin([*ELEMENTWISE, *TWO_TENSORS, *OVER_DIM]).to_numpy(bool))
         self.miscomputed = self.recomputed > self.recomputed_floor  # NaN: not recomputed

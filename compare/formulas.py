@@ -404,8 +404,9 @@ def _softmax_figures(log: bool, kind: str, t: dict, x: np.ndarray, dim: int
                      ) -> Optional[Figures]:
     """:func:`_softmax`'s figures, of records ``t`` (by kind)."""
     d = x - x.max(axis=dim, keepdims=True)
-    total = np.exp(d).sum(axis=dim, keepdims=True)
-    p, n = np.exp(d) / total, x.shape[dim]
+    exp = np.exp(d)
+    total = exp.sum(axis=dim, keepdims=True)
+    p, n = exp / total, x.shape[dim]
     if kind == fmt.OUTPUT:
         if log:
             want, terms = d - np.log(total), np.square(d) + np.square(np.log(total)) + 1.0

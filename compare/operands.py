@@ -44,17 +44,15 @@ class Figures:
 
     def __init__(self, got: np.ndarray, want: np.ndarray,
                  terms_squared: Union[float, np.ndarray], terms: int):
-        self.filled = False
-        if float(np.square(want).sum()) >= FILLS_FROM:
-            fills = np.isin(got, FILLS) | np.isin(want, FILLS)
-            if fills.any():
-                per_element = np.shape(terms_squared) == np.shape(want)
-                self.filled = not per_element
-                kept = ~fills
-                got, want = got[kept], want[kept]
-                terms_squared = terms_squared[kept] if per_element else terms_squared
+        self.filled, self.norm = False, float(np.square(want).sum())
+        fills = np.isin(got, FILLS) | np.isin(want, FILLS) if self.norm >= FILLS_FROM else None
+        if fills is not None and fills.any():
+            per_element = np.shape(terms_squared) == np.shape(want)
+            self.filled = not per_element
+            got, want = got[~fills], want[~fills]
+            terms_squared = terms_squared[~fills] if per_element else terms_squared
+            self.norm = float(np.square(want).sum())
         self.diff = float(np.square(got - want).sum())
-        self.norm = float(np.square(want).sum())
         self.terms_squared, self.terms = float(np.sum(terms_squared)), terms
 
     def columns(self) -> Optional[dict]:
