@@ -104,7 +104,7 @@ def test_products_and_sums_of_two_tensors_are_recomputed_and_their_errors_found(
 def _autograd_figures(name: str, x: torch.Tensor, z: torch.Tensor) -> list:
     """The figures of op ``name``'s formula for ``x`` and ``z`` (float64, requiring grad)
     against torch's own forward and backward: output, and each operand's gradient."""
-    y = getattr(torch, name, None)(x, z) if hasattr(torch, name) else getattr(
+    y = getattr(torch, name)(x, z) if hasattr(torch, name) else getattr(
         nn.functional, name)(x, z)
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     y.backward(g)
@@ -132,7 +132,7 @@ def test_ops_of_two_tensors_follow_autograd_where_broadcast(op, shape_x, shape_z
     """The formula of an op of two tensors gives what torch's own forward and backward give,
     in float64, for operands broadcast along leading, middle and all axes (no figures for a
     gradient that is all zeros: a maximum's to a number below every element)."""
-    x, z = _operands(shape_x, shape_z, low=0.5)
+    x, z = _operands(shape_x, shape_z, low=0.5)  # (a pair of its own: where torch's are 0)
     y = getattr(torch, op)(x, z)
     y.backward(torch.ones_like(y))
     for figures, result in zip(_autograd_figures(op, *_operands(shape_x, shape_z, low=0.5)),
