@@ -9,6 +9,7 @@ With --fsize-limit, the process may not write files larger than BYTES (a full di
 import argparse
 import resource
 import signal
+import sys
 import time
 
 import torch
@@ -30,7 +31,7 @@ if args.hang_publishing_at >= 0:
 
     def hanging_write_index(self, datasets):
         if hang_in in self.final_path.name:
-            print("PUBLISHING", flush=True)
+            say("PUBLISHING")
             time.sleep(600)
         return write_index(self, datasets)
     writer.StepWriter._write_index = hanging_write_index
@@ -39,6 +40,15 @@ if args.fsize_limit:
     resource.setrlimit(resource.RLIMIT_FSIZE, (args.fsize_limit, args.fsize_limit))
 
 torch.set_num_threads(1)  # two processes must compute bit-identically: no thread-dependent splits
+
+
+def say(line: str) -> None:
+    """One line to the test, in one write: the training thread and the writer's both speak,
+    and print's text and newline, written apart, interleave under load ("DONE 2PUBLISHING")."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(inplace=True), nn.Linear(256, 256), nn.Tanh(),
                       nn.Linear(256, 8))
@@ -50,14 +60,14 @@ for step in range(args.steps):
     dumper.register_hooks(model, 0, step)
     out = model(x)
     if step == args.hang_at:
-        out.register_hook(lambda g: (print("HANGING", flush=True), time.sleep(600)))
+        out.register_hook(lambda g: (say("HANGING"), time.sleep(600)))
     out.pow(2).mean().backward()
     try:
         dumper.remove_hooks()
     except DumpWriteError as exc:
-        print(f"WRITE-ERROR step {step}: {exc}", flush=True)
+        say(f"WRITE-ERROR step {step}: {exc}")
     else:
-        print(f"DONE {step}", flush=True)
+        say(f"DONE {step}")
     opt.step()
     opt.zero_grad()
 dumper.close()
