@@ -19,7 +19,8 @@ from .centering import normalizes
 from .precision import cast_rounding, lowest, rounding_of
 from .gains import bias_scales, linear_gains
 from .metrics import REORDERED_MARGIN
-from .formulas import ELEMENTWISE, OVER_DIM, TWO_TENSORS, near_zero_roundings
+from .formulas import (ELEMENTWISE, OVER_DIM, TWO_TENSORS, near_zero_roundings,
+                       rounds_operands)
 from .formulas import ALLOWANCE as RECOMPUTE_MARGIN
 from .formulas import allowed as recompute_allowance
 from .routing import moved_rows
@@ -211,7 +212,9 @@ class Evidence:
             self.recomputed_floor = recompute_allowance(
                 unit, frame["recomputed_spread"].to_numpy(float), terms, underflow,
                 frame["rms_a"].to_numpy(float),
-                near_zero_roundings(frame["cls"].fillna("").to_numpy(object), terms))
+                near_zero_roundings(frame["cls"].fillna("").to_numpy(object), terms),
+                rounds_operands(frame["cls"].fillna("").to_numpy(object),
+                                frame["kind"].to_numpy(object)))
         # what a recomputation within rounding proves: all of an elementwise call, an op of
         # two tensors or one over a dim (no setting of its own that B could have otherwise:
         # a number or dim B was given otherwise than A, it is recomputed at A's), recomputed

@@ -65,26 +65,29 @@ from .convolutions import convolution, transposed_convolution
 from .operands import Figures, Formula, Operands
 from .precision import ROUNDING
 
-# Each term of an element rounded once per operand and the result once, each rounding at
-# most the unit roundoff (its root mean square is u / sqrt(3)), the K terms of an element
-# summed in the accumulator (a random walk: sqrt(K) roundings of it): twice that.
+# Each term of an element rounded once per operand the call rounds and the result once, each
+# rounding at most the unit roundoff (its root mean square is u / sqrt(3)), the K terms of an
+# element summed in the accumulator (a random walk: sqrt(K) roundings of it): twice that.
 ALLOWANCE = 2.0
 
 
 def allowed(unit: np.ndarray, spread: np.ndarray, terms: np.ndarray,
             underflow: np.ndarray = 0.0, scale: np.ndarray = 1.0,
-            roundings: np.ndarray = 1.0) -> np.ndarray:
+            roundings: np.ndarray = 1.0, rounds_operands: np.ndarray = True) -> np.ndarray:
     """What rounding explains of a recomputed record's relative error, for a call computed in
     a dtype of unit roundoff ``unit`` and smallest step ``underflow`` (accumulating in float32,
     or finer where the dtype is), of a result whose root mean square is ``scale`` (0 or NaN:
     not known, no near-zero term), rounded ``roundings`` times near zero
     (:func:`near_zero_roundings`): ``2 (u (1 + 2 spread) + u_acc sqrt(K) spread +
-    roundings underflow / scale)``."""
+    roundings underflow / scale)``, without the ``2 u spread`` of its operands' rounding where
+    the call does not round them (``rounds_operands`` False: :func:`rounds_operands`; what it
+    computes from them in the accumulator is the ``u_acc`` term's)."""
     accumulator = np.minimum(unit, ROUNDING["float32"].unit)
     scale = np.asarray(scale, dtype=np.float64)
+    operands = np.where(rounds_operands, 2.0 * np.asarray(spread, dtype=np.float64), 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
         near_zero = np.where(scale > 0, np.divide(underflow * roundings, scale), 0.0)
-    return ALLOWANCE * (unit * (1.0 + 2.0 * spread) + accumulator * np.sqrt(terms) * spread
+    return ALLOWANCE * (unit * (1.0 + operands) + accumulator * np.sqrt(terms) * spread
                         + near_zero)
 
 
@@ -197,8 +200,18 @@ BINARY: dict[str, BinaryOp] = {**_BINARY, **{f"{name}_": _BINARY[name] for name 
 SOFTMAXES = ("softmax", "log_softmax")
 REDUCTIONS = {"sum": False, "mean": True}
 OVER_DIM = frozenset((*SOFTMAXES, *REDUCTIONS))
-# calls that round only their result: the operands are used exactly (promoted, never lowered)
-ROUNDS_RESULT = frozenset((*BINARY, *OVER_DIM))
+# calls that round only their result: the operands are used exactly (promoted, never lowered;
+# what the kernel computes from them, in float32 or finer, rounds at the accumulator's unit)
+ROUNDS_RESULT = frozenset((*ELEMENTWISE, *BINARY, *OVER_DIM))
+# of those, the calls whose gradient is one kernel of the input and the incoming gradient
+# (torch's derivatives.yaml: threshold_backward, silu_backward, gelu_backward, a cast's, a
+# mean's division); the others' gradients reuse their rounded result (sigmoid, tanh, exp,
+# sqrt, rsqrt, softmaxes) or round what several ops compute (sin, pow, div, a broadcast
+# operand's products before their sum)
+GRADIENT_ROUNDS_RESULT = frozenset((
+    "ReLU", "relu", "ReLU6", "SiLU", "SiLUActivation", "silu", "GELU", "gelu",
+    "GELUActivation", "GELUTanh", "neg", "abs", "to", "float", "double", "half", "bfloat16",
+    "type_as", *REDUCTIONS))
 # matrix products of two tensors (op records; ``a @ b`` is ``matmul``), torch.matmul's shapes;
 # and F.linear's ``x Wᵀ`` of a weight given as its second operand (no bias: none else fits)
 PRODUCTS = ("matmul", "mm", "bmm", "linear")
@@ -214,6 +227,16 @@ CONVOLUTIONS = {"Conv1d": 1, "Conv2d": 2, "Conv3d": 3,
 TRANSPOSED = frozenset(c for c in CONVOLUTIONS if c.startswith("ConvTranspose"))
 WEIGHTED = ("Linear", "Conv1D", *CONVOLUTIONS)  # Conv1D: Hugging Face's transposed Linear
 GATHERS = ("Embedding",)  # rows of its weight, by its integer input
+
+
+def rounds_operands(cls: Union[str, np.ndarray], kind: Union[str, np.ndarray]) -> np.ndarray:
+    """Whether a call of class ``cls`` may round its operands in computing its ``kind`` record
+    (:func:`allowed`): all but the output of :data:`ROUNDS_RESULT`, and the gradient of
+    :data:`GRADIENT_ROUNDS_RESULT`. Works on arrays too."""
+    cls, kind = np.asarray(cls, dtype=object), np.asarray(kind, dtype=object)
+    exact = np.where(kind == fmt.OUTPUT, np.isin(cls, list(ROUNDS_RESULT)),
+                     np.isin(cls, list(GRADIENT_ROUNDS_RESULT)))
+    return ~exact
 
 
 def near_zero_roundings(cls: Union[str, np.ndarray], terms: Union[float, np.ndarray]

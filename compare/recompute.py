@@ -60,7 +60,7 @@ from .attributes import NO_ATTRIBUTES, Attributes, Recorded
 from .centering import BATCH_NORM
 from .formulas import (CONVOLUTIONS, ELEMENTWISE, GATHERS, OVER_DIM, POOLS, PRODUCTS,
                        ROUNDS_RESULT, TWO_TENSORS, UNWEIGHTED, WEIGHTED, allowed, candidates,
-                       near_zero_roundings)
+                       near_zero_roundings, rounds_operands)
 from .operands import RECOMPUTE_FIGURES, Operands
 from .precision import BINARY_FORMATS, lowest, precision_of, rounded, rounding_of
 from .statistics import STATS_RESOLUTION
@@ -349,7 +349,8 @@ class _Call:
                 ratio = a["recomputed_rel_err"] / allowed(
                     rounding.unit, a["recomputed_spread"], a["recomputed_terms"],
                     rounding.underflow, scale, near_zero_roundings(row["cls_a"],
-                                                                   a["recomputed_terms"]))
+                                                                   a["recomputed_terms"]),
+                    rounds_operands(row["cls_a"], kind))
                 if ratio <= 1:
                     fits.append((ratio, len(fits), formula))
         if not fits:

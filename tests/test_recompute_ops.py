@@ -340,6 +340,42 @@ def test_activations_and_softmaxes_are_recomputed_at_the_dim_they_were_given(tmp
         assert MISCOMPUTED in first.row["reason"]
 
 
+class _HalfSoftmax(nn.Module):
+    """Attention whose softmax and GELU run in the autocast dtype (no ``dtype=float32``), as
+    GPT-2's eager attention does under CPU autocast."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        probs = torch.softmax(q @ k.transpose(-1, -2) * 0.25, dim=-1)
+        return self.out(nn.functional.gelu(probs @ v))
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_a_call_that_rounds_only_its_result_is_allowed_one_rounding(tmp_path, precision):
+    """A softmax's or a GELU's result, and a GELU's gradient (one kernel of its input), round
+    only once: B's 16-bit records are off their recomputation by ~0.4 units of rounding,
+    within the two allowed, and 1 % wrong (2.6 units of bfloat16) is found (allowing their
+    operands' rounding too, 6 units or more, passed it). A softmax's gradient reuses its rounded
+    result: it keeps that allowance."""
+    a = _dumped(tmp_path / "a", _HalfSoftmax, "float32")
+    healthy = compare_dumps(a, _dumped(tmp_path / "b", _HalfSoftmax, precision))
+    assert summarize(healthy).ok, summarize(healthy).verdict()
+    ops = healthy[healthy["module"].isin(["/softmax#0", "/gelu#0"]) & (healthy["index"] == 0)
+                  & healthy["kind"].isin(["output", "grad_input"])]
+    assert len(ops) == 4 and ops["recomputed_rel_err"].notna().all(), ops
+    for op, where in (("softmax", "output"), ("gelu", "output"), ("gelu", "grad_input")):
+        planted = _dumped(tmp_path / f"{op}-{where}", _HalfSoftmax, precision,
+                          wrong={"where": where, "scale": 1.01, "op": op, "operand": 0})
+        first = summarize(compare_dumps(a, planted)).first
+        assert first is not None and (first.row["module"], first.row["kind"]) == (
+            f"/{op}#0", where), (op, where, first and first.row["module"])
+        assert MISCOMPUTED in first.row["reason"]
+
+
 def _one_tensor_figures(formula, run: Callable, x: torch.Tensor, dim=None) -> list:
     """The figures of ``formula`` for the output and the gradient of ``run(x)`` (``x``
     float64, requiring grad) against torch's own forward and backward; None where it does
