@@ -16,7 +16,10 @@ takes an error of independent elements in ``gy`` to ``E ||dgy^T X||² = n_out rm
     bias gradient:    rms(gy) sqrt(P) / rms(db)      (db = sum_p gy_p)
 
 which are large where the positions' contributions cancel (a batch of two whose gradients
-are opposite; a bias before a BatchNorm, whose gradient is zero but for rounding). Rounding
+are opposite; a bias before a BatchNorm, whose gradient is zero but for rounding). A
+normalization's weight and bias are vectors summed over positions the same way (``dγ =
+sum_p gy_p x̂_p``, ``x̂`` of unit root mean square: the bias's gain, ``P`` the positions per
+channel). Rounding
 errors are close to independent; a record whose error is its input's amplified this way is
 no news, however few records of its class calibrate a gain (a classifier head is one of a
 kind). Figures: A's root mean squares (``rms_a``) of the call's
@@ -126,22 +129,17 @@ def bias_scales(frame: pd.DataFrame) -> np.ndarray:
 
 
 def linear_gains(frame: pd.DataFrame) -> np.ndarray:
-    """Per row, the weight-matrix amplification above for the output (forward), the
-    grad_input and the weight's and bias's gradients of a call of a module owning a weight of
-    two or more dimensions; NaN elsewhere."""
+    """Per row, the weight-matrix amplification above for the output (forward) and the
+    grad_input of a call of a module owning a weight of two or more dimensions, and for the
+    gradients of the parameters a call sums over positions (:func:`_sum_gains`); NaN
+    elsewhere."""
     out = np.full(len(frame), np.nan)
     params = frame.loc[frame["kind"] == fmt.PARAM,
-                       ["module", "index", "shape_a", "shape_b", "rms_a"]]
+                       ["module", "index", "path", "shape_a", "shape_b", "rms_a"]]
     weights = {m: _weight(p) for m, p in params.groupby("module", sort=False)}
-    shapes = {m: dict(zip(p["index"], p["shape_a"])) for m, p in params.groupby("module")}
     calls = _Calls(frame)
     rms, numel = calls.rms, calls.numel
-    # per step: how many calls each module made, and the rows of its parameters' gradients
-    made = Counter(key[:4] for key, _, _ in calls)
-    grad = frame["kind"] == fmt.PARAM_GRAD
-    grads = {k: pos for k, pos in zip(
-        zip(frame["epoch"][grad], frame["step"][grad], frame["rank"][grad].fillna(-1),
-            frame["module"][grad], frame["index"][grad]), np.flatnonzero(grad.to_numpy()))}
+    outputs: dict[tuple, int] = {}  # per call of a module with a weight matrix: its n_out
     for key, module, first in calls:
         weight = weights.get(module)
         if weight is None:
@@ -153,21 +151,56 @@ def linear_gains(frame: pd.DataFrame) -> np.ndarray:
         n_out = _outputs(shape, calls.shape[y])
         if not n_out or not rms[y] > 0:
             continue
+        outputs[key] = n_out
         out[y] = norm * rms[x] / (math.sqrt(n_out) * rms[y])
         gy, gx = first.get((fmt.GRAD_OUTPUT, 0)), first.get((fmt.GRAD_INPUT, 0))
         if gy is not None and gx is not None and rms[gx] > 0 and numel[y] > 0:
             n_in = numel[x] * n_out / numel[y]
             out[gx] = norm * rms[gy] / (math.sqrt(n_in) * rms[gx])
-        if gy is None or made[key[:4]] != 1:  # several calls' gradients add up
-            continue
-        positions = numel[gy] / n_out
-        for i, param_shape in shapes[module].items():
-            dw = grads.get((*key[:4], i))
-            is_weight, is_bias = i == index, param_shape == (n_out,)
-            if dw is not None and rms[dw] > 0 and (is_weight or is_bias):
-                out[dw] = (rms[gy] * (rms[x] if is_weight else 1.0) * math.sqrt(positions)
-                           / rms[dw])
+    _sum_gains(frame, calls, params, weights, outputs, out)
     return out
+
+
+def _sum_gains(frame: pd.DataFrame, calls: _Calls, params: pd.DataFrame, weights: dict,
+               outputs: dict[tuple, int], out: np.ndarray) -> None:
+    """Into ``out``, per gradient of a parameter that a call of its module (its only call in
+    the step: several calls' gradients add up) sums over the positions of its incoming
+    gradient ``gy``: ``rms(gy) f sqrt(P) / rms(dp)`` (above), ``P`` the positions. For the
+    weight matrix, ``f = rms(x)`` and ``P = numel(gy) / n_out``; for a vector of ``n``
+    (one element per channel: ``gy``'s second or last dimension), ``P = numel(gy) / n`` and
+    ``f = 1`` for a bias, and for the weight of a normalization (a module whose parameters
+    are all vectors of one length), which multiplies the normalized input, of unit root
+    mean square by construction."""
+    rms, numel = calls.rms, calls.numel
+    made = Counter(key[:4] for key, _, _ in calls)
+    grad = frame["kind"] == fmt.PARAM_GRAD
+    grads = {k: pos for k, pos in zip(
+        zip(frame["epoch"][grad], frame["step"][grad], frame["rank"][grad].fillna(-1),
+            frame["module"][grad], frame["index"][grad]), np.flatnonzero(grad.to_numpy()))}
+    vectors = {m: dict(zip(p["index"], zip(p["path"], p["shape_a"])))
+               for m, p in params.groupby("module")}
+    for key, module, first in calls:
+        gy = first.get((fmt.GRAD_OUTPUT, 0))
+        shape_gy = calls.shape[gy] if gy is not None else None
+        if gy is None or made[key[:4]] != 1 or not isinstance(shape_gy, tuple) or not shape_gy:
+            continue
+        owned = vectors.get(module, {})
+        shapes = [shape for _, shape in owned.values()]
+        normalization = bool(shapes) and all(
+            isinstance(s, tuple) and len(s) == 1 and s == shapes[0] for s in shapes)
+        weight, x = weights.get(module), first.get((fmt.INPUT, 0))
+        for i, (path, shape) in owned.items():
+            dp = grads.get((*key[:4], i))
+            if dp is None or not rms[dp] > 0 or not isinstance(shape, tuple):
+                continue
+            if weight is not None and i == weight[2] and key in outputs and x is not None:
+                factor, positions = rms[x], numel[gy] / outputs[key]
+            elif len(shape) == 1 and (path == "bias" or normalization) and shape[0] in (
+                    shape_gy[-1], shape_gy[1] if len(shape_gy) > 1 else None):
+                factor, positions = 1.0, numel[gy] / shape[0]
+            else:
+                continue
+            out[dp] = rms[gy] * factor * math.sqrt(positions) / rms[dp]
 
 
 def adjoint_gains(frame: pd.DataFrame, err: np.ndarray, level: np.ndarray,

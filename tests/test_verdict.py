@@ -1974,3 +1974,35 @@ def test_a_rerun_at_a_later_step_names_a_backward_error_after_a_replaced_gradien
     _trial_steps(arch, "bfloat16", tmp_path / "healthy", inject=Injector(a, LOCALIZING))
     healthy = localize(a, tmp_path / "free", tmp_path / "healthy")
     assert (healthy["verdict"] != ORIGIN).all(), healthy[healthy["verdict"] == ORIGIN]
+
+
+def _resnet_with_weights(directory, precision: str, bias_grad_scale: float = 1.0) -> None:
+    """One AdamW step of the benchmark's ResNet at seed 3, both runs dumped with
+    ``params=True``, the stem BatchNorm's bias gradient scaled by ``bias_grad_scale``."""
+    import architectures
+    model, batch = architectures.build("resnet", precision, seed=3)
+    if bias_grad_scale != 1.0:
+        model.bn1.bias.register_hook(lambda g: g * bias_grad_scale)
+    with HookerAndDumper(directory, params=True).hooks(model, 0, 0):
+        with architectures.precision_context(precision):
+            loss = architectures.ARCHITECTURES["resnet"].loss(model, batch)
+        loss.backward()
+
+
+def test_a_bias_gradient_whose_positions_cancel_amplifies_its_incoming_error(tmp_path):
+    """A BatchNorm's bias gradient sums its incoming gradient over 1024 positions per channel,
+    which cancel to a third of a random walk's size: float16's 7 % error there became 16 %,
+    a false alarm (9x the typical added error of parameter gradients). Its gain is now the
+    sum's, ``rms(gy) sqrt(P) / rms(db)`` (3.4), as a Linear's bias's; a 50 % error planted
+    in that gradient is still the first divergence."""
+    _resnet_with_weights(tmp_path / "a", "float32")
+    _resnet_with_weights(tmp_path / "b", "float16")
+    healthy = compare_dumps(tmp_path / "a", tmp_path / "b")
+    assert summarize(healthy).ok, summarize(healthy).verdict()
+    bias = healthy[(healthy["module"] == "bn1") & (healthy["kind"] == fmt.PARAM_GRAD)
+                   & (healthy["index"] == 1)].iloc[0]
+    assert bias["rel_error"] > 2 * bias["input_rel_error"], bias
+    _resnet_with_weights(tmp_path / "planted", "float16", bias_grad_scale=1.5)
+    first = summarize(compare_dumps(tmp_path / "a", tmp_path / "planted")).first
+    assert first is not None and (first.row["module"], first.row["kind"], first.row["index"]) \
+        == ("bn1", fmt.PARAM_GRAD, 1), first
