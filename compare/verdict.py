@@ -112,8 +112,8 @@ IN_TRANSIT = "B changed its values by"  # how the reason of a record changed in 
 MISCOMPUTED = "B's values differ by"  # how the reason of a call B computed wrongly begins
 USER_TOLERANCE = "user_tolerance"  # attribute of a judged result: judged by the user's rtol/atol
 VERDICT_COLUMNS = ("rel_error", "input_rel_error", "added_rel_error", "expected_rel_error",
-                   "added_ratio", "hidden_rel_error", "unbounded", "source", "same_as",
-                   "reason")
+                   "added_ratio", "hidden_rel_error", "recomputed_allowance", "unbounded",
+                   "source", "same_as", "reason")
 
 
 def judge(result: pd.DataFrame, rtol: Optional[float] = None, atol: Optional[float] = None,
@@ -433,7 +433,10 @@ class _Judgement:
         numbers = {"rel_error": r.err, "input_rel_error": self.err_in,
                    "added_rel_error": self.added,
                    "expected_rel_error": level, "added_ratio": ratio,
-                   "hidden_rel_error": self.hidden}
+                   "hidden_rel_error": self.hidden,
+                   # what rounding explains of recomputed_rel_err (NaN: not recomputed)
+                   "recomputed_allowance": np.where(np.isnan(r.recomputed), np.nan,
+                                                    r.recomputed_floor)}
         out = r.frame.assign(
             status=self.status, source=self.source,
             unbounded=np.where(np.isinf(self.hidden), self.unbounded, ""),

@@ -367,6 +367,7 @@ def test_a_call_that_rounds_only_its_result_is_allowed_one_rounding(tmp_path, pr
     ops = healthy[healthy["module"].isin(["/softmax#0", "/gelu#0"]) & (healthy["index"] == 0)
                   & healthy["kind"].isin(["output", "grad_input"])]
     assert len(ops) == 4 and ops["recomputed_rel_err"].notna().all(), ops
+    assert (ops["recomputed_rel_err"] < ops["recomputed_allowance"] / 2).all(), ops
     for op, where in (("softmax", "output"), ("gelu", "output"), ("gelu", "grad_input")):
         planted = _dumped(tmp_path / f"{op}-{where}", _HalfSoftmax, precision,
                           wrong={"where": where, "scale": 1.01, "op": op, "operand": 0})
@@ -374,6 +375,7 @@ def test_a_call_that_rounds_only_its_result_is_allowed_one_rounding(tmp_path, pr
         assert first is not None and (first.row["module"], first.row["kind"]) == (
             f"/{op}#0", where), (op, where, first and first.row["module"])
         assert MISCOMPUTED in first.row["reason"]
+        assert first.row["recomputed_rel_err"] > first.row["recomputed_allowance"]
 
 
 def _one_tensor_figures(formula, run: Callable, x: torch.Tensor, dim=None) -> list:
