@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from . import format as fmt
-from .decoding import decode
+from .decoding import decode, unscaled
 from .dump import Dump, check_checksum, dataset_id_of, open_h5
 from .metrics import ErrorAccumulator, rows_measured
 from .pairing import KEY, tensor_rows
@@ -53,6 +53,7 @@ class Part(NamedTuple):
     checksum: int
     rank: int
     partial: bool    # one of the parts that add up to the values of its region
+    grad_scale: float = fmt.NO_GRAD_SCALE  # the loss scale its values carry (fmt.INDEX_COLUMNS)
 
 
 def sharded_ranks(dump: Dump) -> bool:
@@ -243,7 +244,7 @@ class PartReader:
         ds = h5py.Dataset(self._dataset(part))
         raw = np.asarray(ds[box] if box else ds[()])
         self._check(part, ds, lo, hi, raw)
-        return decode(raw, part.dtype, part.encoding)
+        return unscaled(decode(raw, part.dtype, part.encoding), part.grad_scale)
 
     def _whole(self, part: Part) -> np.ndarray:
         values = self._kept.get(part)
@@ -254,7 +255,8 @@ class PartReader:
                 ds.read(h5s.ALL, h5s.ALL, raw)
             if part.checksum != fmt.NO_CHECKSUM:
                 check_checksum(ds, part.checksum, fmt.data_checksum(raw))
-            values = self._kept[part] = decode(raw, part.dtype, part.encoding)
+            values = self._kept[part] = unscaled(decode(raw, part.dtype, part.encoding),
+                                                 part.grad_scale)
             while len(self._kept) > self.KEPT:
                 self._kept.popitem(last=False)
         self._kept.move_to_end(part)

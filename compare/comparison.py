@@ -29,7 +29,8 @@ from .metrics import METRIC_COLUMNS, ErrorAccumulator, rows_measured
 from .prefetch import prefetched
 from .pairing import (KEY, align_ranks, at_rank, outside_compiled_regions, pair_records,
                       recorded_on_both_sides, select, tensor_rows, unlike_forms)
-from .statistics import compare_stats, described, sketch_of_chunks, stats_of_chunks
+from .statistics import (compare_stats, described, sketch_of_chunks, stats_of_chunks,
+                         unscaled_stats)
 from .status import (CLOSE, DROPPED, EQUAL, HASH_MISMATCH, MISSING_IN_A, MISSING_IN_B,
                      OP_ONLY_IN_A, OP_ONLY_IN_B, REPLICA_MISMATCH, SHAPE_MISMATCH, UNSUPPORTED)
 from .recompute import RECOMPUTE_COLUMNS, RECOMPUTE_FIGURES
@@ -272,6 +273,8 @@ class _PairRef(NamedTuple):
     checksum_b: int
     digest_a: int
     digest_b: int
+    grad_scale_a: float  # the loss scale each side's values carry
+    grad_scale_b: float
     parts_a: tuple   # a sharded tensor's parts (compare.assembly), () for a stored one
     parts_b: tuple
     normalized: int  # parameter length of the normalization it is the input of, else 0
@@ -392,13 +395,14 @@ def _compare_assembled(side_a: "_Side", side_b: "_Side", r: _PairRef, rtol, atol
         return {"status": SHAPE_MISMATCH, "rtol": tol.rtol, "atol": tol.atol}
     if not r.both_values:  # values put together against statistics: not supported
         return {"status": UNSUPPORTED, "rtol": tol.rtol, "atol": tol.atol}
-    parts = [parts or (whole_part(side.path, side.group.name.lstrip("/"), group, dataset, dtype,
-                                  encoding, shape, checksum),)
-             for parts, side, group, dataset, dtype, encoding, shape, checksum in (
+    parts = [tuple(part._replace(grad_scale=scale) for part in parts or (whole_part(
+                 side.path, side.group.name.lstrip("/"), group, dataset, dtype, encoding, shape,
+                 checksum),))
+             for parts, side, group, dataset, dtype, encoding, shape, checksum, scale in (
                  (r.parts_a, side_a, r.group_a, r.dataset_a, r.dtype_a, r.encoding_a, r.shape_a,
-                  r.checksum_a),
+                  r.checksum_a, r.grad_scale_a),
                  (r.parts_b, side_b, r.group_b, r.dataset_b, r.dtype_b, r.encoding_b, r.shape_b,
-                  r.checksum_b))]
+                  r.checksum_b, r.grad_scale_b))]
     return compare_parts(parts[0], parts[1], tol, blocks, chunk_elements)
 
 
@@ -444,12 +448,15 @@ def _compare_described(side_a: _Side, side_b: _Side, r: _PairRef, chunk_elements
     # the sides known by statistics all have a sketch: sketch the sides with values as well
     sketched = all(not any(map(math.isnan, sketch)) for dataset, sketch in (
         (r.dataset_a, r.sketch_a), (r.dataset_b, r.sketch_b)) if not dataset)
-    for ds, dtype, encoding, checksum, stats, sketch in (
-            (datasets[0], r.dtype_a, r.encoding_a, r.checksum_a, r.stats_a, r.sketch_a),
-            (datasets[1], r.dtype_b, r.encoding_b, r.checksum_b, r.stats_b, r.sketch_b)):
+    for ds, dtype, encoding, checksum, scale, stats, sketch in (
+            (datasets[0], r.dtype_a, r.encoding_a, r.checksum_a, r.grad_scale_a, r.stats_a,
+             r.sketch_a),
+            (datasets[1], r.dtype_b, r.encoding_b, r.checksum_b, r.grad_scale_b, r.stats_b,
+             r.sketch_b)):
+        stats, sketch = unscaled_stats(stats, sketch, scale)
         if ds is not None:
             def chunks():
-                return read_chunks(ds, dtype, encoding, chunk_elements, int(checksum))
+                return read_chunks(ds, dtype, encoding, chunk_elements, int(checksum), scale)
             stats = stats_of_chunks(chunks())
             if sketched:
                 sketch = sketch_of_chunks(chunks())
@@ -485,8 +492,10 @@ def _pair_pieces(side_a: _Side, side_b: _Side, records: list[_PairRef], chunk_el
         if tuple(r.shape_a) == tuple(r.shape_b):
             # zip_longest, not zip: both sides' readers must end, which checks their checksums
             for a, b in itertools.zip_longest(
-                    read_chunks(ds_a, r.dtype_a, r.encoding_a, chunk_elements, int(r.checksum_a)),
-                    read_chunks(ds_b, r.dtype_b, r.encoding_b, chunk_elements, int(r.checksum_b))):
+                    read_chunks(ds_a, r.dtype_a, r.encoding_a, chunk_elements, int(r.checksum_a),
+                                r.grad_scale_a),
+                    read_chunks(ds_b, r.dtype_b, r.encoding_b, chunk_elements, int(r.checksum_b),
+                                r.grad_scale_b)):
                 yield r, a, b
         yield r, None, None
 

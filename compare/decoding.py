@@ -86,6 +86,16 @@ def decode(array: np.ndarray, dtype: str, encoding: str) -> np.ndarray:
     return _table(dtype)[array]
 
 
+def unscaled(values: np.ndarray, grad_scale: float) -> np.ndarray:
+    """The values a record stands for without the loss scale it carries (its index row's
+    ``grad_scale``): divided by it in float64 (exactly, for a GradScaler's power of two; the
+    16-bit values would underflow), or as they are where it is ``fmt.NO_GRAD_SCALE``."""
+    if grad_scale == fmt.NO_GRAD_SCALE:
+        return values
+    wide = np.complex128 if np.iscomplexobj(values) else np.float64
+    return values.astype(wide) / grad_scale
+
+
 def value_dtype(dtype: str) -> str:
     """numpy dtype name of :func:`decode`'s result for a recorded torch dtype name."""
     if dtype == "complex32":

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from . import format as fmt
-from .decoding import decode
+from .decoding import decode, unscaled
 from .errors import DumpError
 from .validation import (check_dataset, check_index, check_index_type, check_run_attrs, damaged,
                          hard_link, linked_id, plain_attrs)
@@ -136,10 +136,12 @@ class StepReader:
         return dataset_of(self.step.path, self._group, *fields)
 
     def read(self, row) -> np.ndarray:
-        """Decoded values of the tensor of index row ``row`` (whole)."""
-        dtype, encoding = (row["dtype"], row["encoding"]) if isinstance(row, pd.Series) else \
-            (row.dtype, row.encoding)
-        return decode(self.read_raw(row), dtype, encoding)
+        """Decoded values of the tensor of index row ``row`` (whole), without the loss scale
+        they carry."""
+        dtype, encoding, grad_scale = (
+            (row["dtype"], row["encoding"], row["grad_scale"]) if isinstance(row, pd.Series)
+            else (row.dtype, row.encoding, row.grad_scale))
+        return unscaled(decode(self.read_raw(row), dtype, encoding), grad_scale)
 
     def read_raw(self, row) -> np.ndarray:
         """The stored array as it is on disk (bits for types numpy lacks), checked against its
@@ -212,9 +214,11 @@ def dataset_id_of(path: Path, step_group: h5g.GroupID, group: str, name: str, dt
 
 
 def read_chunks(ds: h5py.Dataset, dtype: str, encoding: str, max_elements: int,
-                checksum: int = fmt.NO_CHECKSUM) -> Iterator[np.ndarray]:
+                checksum: int = fmt.NO_CHECKSUM, grad_scale: float = fmt.NO_GRAD_SCALE
+                ) -> Iterator[np.ndarray]:
     """Decoded values of ``ds`` as flat C-order pieces of whole leading-axis slices, each of at
-    most ``max_elements`` elements (or one slice, if a slice is larger). Two datasets of the same
+    most ``max_elements`` elements (or one slice, if a slice is larger), without the loss scale
+    ``grad_scale`` they carry (:func:`compare.decoding.unscaled`). Two datasets of the same
     shape give aligned pieces. Once the last piece is read, the stored bytes are checked
     against ``checksum`` (its index row's) unless it is ``fmt.NO_CHECKSUM``."""
     shape = ds.id.shape
@@ -228,7 +232,7 @@ def read_chunks(ds: h5py.Dataset, dtype: str, encoding: str, max_elements: int,
     for piece in pieces:
         if checksum != fmt.NO_CHECKSUM:
             computed.update(piece)
-        yield decode(piece, dtype, encoding).reshape(-1)
+        yield unscaled(decode(piece, dtype, encoding), grad_scale).reshape(-1)
     check_checksum(ds, checksum, computed.value)
 
 
@@ -320,7 +324,7 @@ def _absent(name: str, rows: int) -> np.ndarray:
     if dict(fmt.INDEX_COLUMNS)[name] == "str":  # not sharded, no addends
         return np.full(rows, "", dtype=object)
     fill = {"checksum": fmt.NO_CHECKSUM, "micro_batch": fmt.NO_MICRO_BATCH,
-            "injected": 0, "digest": fmt.NO_DIGEST}.get(name, np.nan)
+            "injected": 0, "digest": fmt.NO_DIGEST, "grad_scale": fmt.NO_GRAD_SCALE}.get(name, np.nan)
     return np.full(rows, fill)
 
 

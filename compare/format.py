@@ -13,18 +13,18 @@ from typing import Iterable, NamedTuple, Optional, Union
 import numpy as np
 
 FORMAT_NAME = "h5cmp-dump"
-FORMAT_VERSION = 10
+FORMAT_VERSION = 11
 # version 1: no sketch columns (read as NaN); versions 1-2: no data checksums, no `incomplete`;
 # versions 1-4: no `micro_batch` (read as NO_MICRO_BATCH); versions 1-5: no `injected` (read as
 # 0) and no `injected_from` attribute (read as ""); versions 1-6: no `digest` (read as
 # NO_DIGEST); versions 1-7: no sharding columns (read as "": not sharded); versions 7-8: hash
 # mode's parameter rows hold statistics and a sketch besides their digest, other modes' no
 # digest (all read as they are: see comparison._PairRef.hashed); versions 1-9: no `addends`
-# (read as ""). Files of any
+# (read as ""); versions 1-10: no `grad_scale` (read as 1.0: no loss scale). Files of any
 # version may lack the normalization eps rows (EPS_PATH, written since 2026-11-26) and the
 # convolution geometry rows (CONV_PATH, since 2026-11-27).
 # Version 3 (a development version of 2026-11-23, crc32 data checksums) is not read.
-SUPPORTED_VERSIONS = frozenset({1, 2, 4, 5, 6, 7, 8, 9, 10})
+SUPPORTED_VERSIONS = frozenset({1, 2, 4, 5, 6, 7, 8, 9, 10, 11})
 
 # ---- files -------------------------------------------------------------------------
 FILE_SUFFIX = ".hdf5"
@@ -266,6 +266,10 @@ INDEX_COLUMNS: tuple[tuple[str, str], ...] = (
     # 1: the call ran on the reference's value instead of this one, which is what arrived
     # (an input, a parameter or an incoming gradient; see ATTR_INJECTED_FROM). Since 6.
     ("injected", "int8"),
+    # the factor a BACKWARD_KINDS row's values (and statistics) carry: the loss scale of a
+    # GradScaler (HookerAndDumper's scaler=) the gradient was computed under; NO_GRAD_SCALE
+    # elsewhere. Since 11.
+    ("grad_scale", "float64"),
     # Statistics (statistics mode; NaN where not computed). Counts are exact below 2**53.
     ("stat_min", "float64"),
     ("stat_max", "float64"),
@@ -298,13 +302,16 @@ SKETCH_COLUMNS = tuple(name for name, _ in INDEX_COLUMNS if name.startswith("ske
 # the version that added a column (absent: version 1); older indexes lack it
 COLUMN_SINCE = {**{name: 2 for name in SKETCH_COLUMNS}, "checksum": 4, "micro_batch": 5,
                 "injected": 6, "digest": 7, "mesh_shape": 8, "placements": 8, "global_shape": 8,
-                "offsets": 8, "addends": 10}
+                "offsets": 8, "addends": 10, "grad_scale": 11}
 SHARDING_COLUMNS = ("mesh_shape", "placements", "global_shape", "offsets")
 PLACEMENT_SEPARATOR = ";"  # a placement's own text may hold a comma: _S(0, 2)
 NO_CHECKSUM = -1  # `checksum` of a row without a dataset, or of a file older than version 4
 NO_DIGEST = -1    # `digest` of a row that has none (above), or of a file older than 7
 # `micro_batch` of a parameter gradient (accumulated over the step), or in a file older than 5
 NO_MICRO_BATCH = -1
+# `grad_scale` of a row whose values carry no loss scale (forward kinds; a parameter's gradient
+# taken as an optimizer step began, which GradScaler.step unscaled), or of a file older than 11
+NO_GRAD_SCALE = 1.0
 INDEX_COLUMN_NAMES = tuple(name for name, _ in INDEX_COLUMNS)
 
 

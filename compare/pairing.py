@@ -16,6 +16,7 @@ from .sources import STEP_KEY
 KEY = [*STEP_KEY, "module", "call_idx", "kind", "index", "occurrence"]
 SIDE_COLUMNS = ["seq", "call", "cls", "micro_batch", "group", "path", "dtype", "shape", "encoding",
                 "dataset", "status", "checksum", "digest", "producer", "addends", "injected",
+                "grad_scale",
                 "parts", "replicas_differ",
                 *fmt.STAT_COLUMNS, *fmt.SKETCH_COLUMNS]
 NOTED_STEPS = 3  # steps named by a note on the records one side left out

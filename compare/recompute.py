@@ -52,7 +52,7 @@ import numpy as np
 import pandas as pd
 
 from . import format as fmt
-from .decoding import decode
+from .decoding import decode, unscaled
 from .dump import StepReaders, one_side, reading
 from .pairing import from_shards
 from .arguments import same_number
@@ -459,7 +459,8 @@ class _Call:
                 reader = self.readers[side][(row["epoch"], row["step"], row["rank"])]
                 ds = reader.dataset(one_side(row, side))
                 stored = ds[rows] if gathered else _sampled(ds, shape, sampling, param)
-                values = decode(stored, row[f"dtype_{side}"], row[f"encoding_{side}"])
+                values = unscaled(decode(stored, row[f"dtype_{side}"], row[f"encoding_{side}"]),
+                                  row[f"grad_scale_{side}"])
                 if not np.iscomplexobj(values) and np.isfinite(values).all():
                     self.cache[key] = values.astype(np.float64)
         return self.cache[key]

@@ -91,6 +91,16 @@ def described(stats: tuple) -> bool:
     return not math.isnan(stats[_COUNTED])
 
 
+def unscaled_stats(stats: tuple, sketch: tuple, grad_scale: float) -> tuple[tuple, tuple]:
+    """A record's statistics and sketch without the loss scale its values carry (its index
+    row's ``grad_scale``): min, max, mean, std, norm and the sketch's sums divided by it, the
+    counts as they are."""
+    if grad_scale == fmt.NO_GRAD_SCALE:
+        return stats, sketch
+    return (tuple(v / grad_scale for v in stats[:_COUNTED]) + tuple(stats[_COUNTED:]),
+            tuple(v / grad_scale for v in sketch))
+
+
 def stats_of_chunks(chunks: Iterable[np.ndarray]) -> tuple[float, ...]:
     """``STAT_NAMES`` of a tensor given as flat chunks, the dumper's definitions, in float64."""
     n, total, sumsq = 0, 0.0, 0.0

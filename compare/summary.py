@@ -2,6 +2,7 @@
 its reason, and the suspects ranked by added error."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Optional
@@ -123,6 +124,12 @@ class Divergence:
                          f"{int(r['shard_rank'])}'s shard")
         if r["reason"]:
             lines.append(f"  why: {r['reason']}")
+        scale = loss_scale_ratio(r)
+        if scale is not None:
+            lines.append(f"  B's values are {scale:.6g} (2^{round(math.log2(scale))}) times A's, "
+                         f"as a loss scale makes them: if a run scales its loss "
+                         f"(torch.amp.GradScaler), give its dumper the scaler "
+                         f"(HookerAndDumper(..., scaler=scaler)) to compare without it")
         if len(self.aliases):
             lines.append("  the same tensor is also " + ", ".join(
                 record_label(a) for _, a in self.aliases.iterrows()))
@@ -169,6 +176,22 @@ class Divergence:
                 lines.append(f"  {r['kind']}[{r['index']}] came from "
                              f"{fmt.module_key(p['module'], p['cls'])} (call {p['call']}), {state}")
         return "\n".join(lines)
+
+
+def loss_scale_ratio(row: pd.Series) -> Optional[float]:
+    """Where a gradient record of B is A's times a power of two other than 1, within 1 %
+    (``1 + scale_err``, what B holds along A's values, accounts for its error): that factor,
+    which a loss scale that only one run's dumper was told of (or that differs) explains;
+    else None."""
+    if row["kind"] not in fmt.BACKWARD_KINDS or not pd.notna(row.get("scale_err")):
+        return None
+    ratio = 1.0 + float(row["scale_err"])
+    if ratio <= 0 or not math.isfinite(ratio):
+        return None
+    power = round(math.log2(ratio))
+    scaled = power != 0 and abs(ratio / 2.0 ** power - 1.0) <= 0.01
+    explained = abs(float(row["rel_error"]) - abs(ratio - 1.0)) <= 0.01 * max(abs(ratio - 1.0), 1.0)
+    return 2.0 ** power if scaled and explained else None
 
 
 @dataclass

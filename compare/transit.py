@@ -412,4 +412,5 @@ def _values(reader: StepReader, row: pd.Series, chunk_elements: int, side: str =
             ) -> Iterator[np.ndarray]:
     """One side's values of ``row`` (``reader``: its step's :class:`compare.dump.StepReader`)."""
     return read_chunks(reader.dataset(one_side(row, side)), row[f"dtype_{side}"],
-                       row[f"encoding_{side}"], chunk_elements, int(row[f"checksum_{side}"]))
+                       row[f"encoding_{side}"], chunk_elements, int(row[f"checksum_{side}"]),
+                       row[f"grad_scale_{side}"])

@@ -6,7 +6,9 @@ The step window counts optimizer steps (``state.global_step`` before the step, f
 epoch window the trainer's epochs (from 0). With gradient accumulation a dumped step holds
 every micro-batch: each record's ``micro_batch`` says which (each module's calls are numbered
 on through the micro-batches), and parameter gradients are recorded once, accumulated. Compare
-pairs records by ``call_idx``, so micro-batch by micro-batch.
+pairs records by ``call_idx``, so micro-batch by micro-batch. With ``fp16=True`` the gradients'
+loss scale is recorded from the GradScaler accelerate steps the optimizer with (unless the
+dumper was given a ``scaler``).
 """
 from __future__ import annotations
 
@@ -30,7 +32,9 @@ class H5cmpCallback(TrainerCallback):
     def on_epoch_begin(self, args, state, control, **kwargs):
         self._epoch = int(state.epoch or 0)  # whole epochs done (also after a resume)
 
-    def on_step_begin(self, args, state, control, model=None, **kwargs):
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self.dumper.scaler is None:  # fp16 mixed precision: accelerate's GradScaler
+            self.dumper.scaler = getattr(optimizer, "scaler", None)
         self.dumper.register_hooks(model, self._epoch, state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs):

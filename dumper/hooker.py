@@ -9,7 +9,7 @@ import warnings
 import weakref
 from collections import deque
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -96,6 +96,13 @@ class HookerAndDumper:
     other kinds or modules. ``compare.localize`` (``h5cmp A B --injected C``) then tells each
     module's own error. The run's numerics change in those steps, by design.
 
+    ``scaler``: the ``torch.amp.GradScaler`` the training loop scales its loss with (fp16
+    mixed precision): each dumped step records the scale its gradients carry (the index's
+    ``grad_scale``: read with ``get_scale()`` as ``register_hooks`` begins the step, one host
+    sync), so that ``h5cmp`` compares them with another run's unscaled ones. A parameter's
+    gradient taken as an optimizer step begins is taken as ``GradScaler.step`` leaves it:
+    unscaled.
+
     ``pause_gc`` (default True) turns Python's automatic cyclic garbage collection off from
     ``register_hooks`` of a dumped step to its ``remove_hooks`` (:mod:`dumper.collector`): the
     step's many short-lived objects would otherwise trigger full collections of the whole
@@ -112,7 +119,7 @@ class HookerAndDumper:
                  on_nonfinite: Optional[str] = None, nonfinite_history: int = 8,
                  inject: Union[str, os.PathLike, Dump, Injector, None] = None,
                  ops: Patterns = None, skip_ops: Optional[Iterable[str]] = None,
-                 publish: str = "auto", pause_gc: bool = True):
+                 publish: str = "auto", pause_gc: bool = True, scaler: Optional[Any] = None):
         self.directory = _prepare_directory(file_path)
         self.epochs = Window(epochs, "epochs")
         self.steps = Window(steps, "steps")
@@ -127,6 +134,10 @@ class HookerAndDumper:
         self.publish = publish
         self._publishing: deque[StepWriter] = deque()  # steps published in the background
         self.pause_gc = bool(pause_gc)
+        if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler (or have get_scale()), got "
+                            f"{type(scaler).__name__}")
+        self.scaler = scaler
         self._gc_pause: Optional[CollectorPause] = None  # while a dumped step runs
         if max_bytes_in_flight <= 0:
             raise ValueError(f"max_bytes_in_flight must be positive, got {max_bytes_in_flight}")
@@ -244,6 +255,9 @@ class HookerAndDumper:
                 raise
             self._budget.on_pressure = self._writer.flush
             self._maker.batch = StepBatch(self._pool)
+            self._maker.grad_scale = self._loss_scale()
+            if self._reference is not None:
+                self._reference.grad_scale = self._maker.grad_scale
             self._capture = StepCapture(hooked, self._writer.submit, self._maker,
                                         self.selection, self.params, self._reference)
             self._start_sentinel(model)  # after the capture: a failing call's tensors recorded
@@ -297,6 +311,14 @@ class HookerAndDumper:
         warnings.warn(str(error), RuntimeWarning, stacklevel=3)
         return None
 
+    def _loss_scale(self) -> float:
+        """The loss scale the step's gradients will carry: the scaler's, as the step begins
+        (``GradScaler.update`` changes it after the optimizer step; a disabled scaler's is 1)."""
+        if self.scaler is None:
+            return fmt.NO_GRAD_SCALE
+        enabled = getattr(self.scaler, "is_enabled", lambda: True)()
+        return float(self.scaler.get_scale()) if enabled else fmt.NO_GRAD_SCALE
+
     def remove_hooks(self) -> Optional[Path]:
         """Remove every hook and publish this step's file; returns its path (None outside the
         window, or when it could not be written and ``on_error="warn"``). A step published in
@@ -328,7 +350,7 @@ class HookerAndDumper:
             capture.finish()  # its last records (sums of gradients, parameter gradients) too
             self._maker.batch.seal()  # go from the device to the host, for the writer
         finally:
-            self._maker.batch = None
+            self._maker.batch, self._maker.grad_scale = None, fmt.NO_GRAD_SCALE
             capture.remove()
             self._close_reference()
         if not capture.modules_run:
@@ -398,7 +420,7 @@ class HookerAndDumper:
         self._registered = False
         capture, writer = self._capture, self._writer
         self._capture = self._writer = None
-        self._maker.batch = None
+        self._maker.batch, self._maker.grad_scale = None, fmt.NO_GRAD_SCALE
         try:
             if capture is not None:
                 capture.remove()

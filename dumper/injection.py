@@ -131,7 +131,8 @@ class StepReference:
 
     :meth:`tensor` gives the value of a record key cast to the run's tensor's dtype and
     device, or None where the reference holds none (another call structure, a record it did
-    not store)."""
+    not store); a gradient at the run's loss scale (:attr:`grad_scale`, the dumper's), whatever
+    the reference's was."""
 
     def __init__(self, injector: "Injector", step_file: StepFile):
         self.injector = injector
@@ -153,6 +154,7 @@ class StepReference:
         self._reader = step_file.open()
         self._lock = threading.Lock()
         self.injected = 0
+        self.grad_scale = fmt.NO_GRAD_SCALE  # the loss scale the run's gradients carry
         self.reordered: list[str] = []  # reference values not injected: the run's, reordered
         self._ready: dict[Key, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}  # injects()
         if fmt.PARAM in injector.kinds and not any(k[2] == fmt.PARAM for k in self._rows):
@@ -261,6 +263,9 @@ class StepReference:
         with self._lock:
             ref = decode_to_tensor(self._reader.read_raw(row), row.dtype)
             self.injected += 1
+        if key[2] in fmt.BACKWARD_KINDS and row.grad_scale != self.grad_scale:
+            wide = torch.complex128 if ref.is_complex() else torch.float64  # (exact: powers
+            ref = ref.to(wide) * (self.grad_scale / row.grad_scale)  # of two, no underflow)
         if tuple(ref.shape) != tuple(like.shape):
             raise ValueError(f"h5cmp: cannot inject {row.group}/{row.dataset} of "
                              f"{self.injector.reference.path} step {self.label}: reference shape "

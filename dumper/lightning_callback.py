@@ -5,7 +5,9 @@ The step window counts optimizer steps (``trainer.global_step`` before the step,
 epoch window ``trainer.current_epoch``. The ``LightningModule`` is hooked, so module paths
 start with its attributes (``model.``): ``h5cmp`` pairs them with a plain run's by that prefix
 and says so. With ``accumulate_grad_batches=k`` a dumped step holds its k micro-batches (each
-record's ``micro_batch`` says which) and parameter gradients once, accumulated.
+record's ``micro_batch`` says which) and parameter gradients once, accumulated. With
+``precision="16-mixed"`` the gradients' loss scale is recorded from the precision plugin's
+GradScaler (unless the dumper was given a ``scaler``).
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ class H5cmpLightningCallback(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self._step is None:  # the first micro-batch of an optimizer step
             self._step = trainer.global_step
+            if self.dumper.scaler is None:  # precision="16-mixed": its GradScaler
+                self.dumper.scaler = getattr(trainer.precision_plugin, "scaler", None)
             self.dumper.register_hooks(pl_module, trainer.current_epoch, self._step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

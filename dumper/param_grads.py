@@ -3,8 +3,9 @@
 A parameter's gradient is taken after each accumulation into ``.grad`` (a post-accumulate-grad
 hook; each replaces the one before), and taken again when an optimizer step begins that
 updates the parameter (a global optimizer step pre-hook, registered for the hooked step only):
-by then a data-parallel wrapper has all-reduced and averaged it, and the user may have clipped
-it. Where the step ends (``remove_hooks``) before any optimizer step, the gradient stays as
+by then a data-parallel wrapper has all-reduced and averaged it, the user may have clipped
+it, and a GradScaler has unscaled it (``GradScaler.step`` unscales before it steps: such a
+record carries no loss scale, one taken as accumulated the step's). Where the step ends (``remove_hooks``) before any optimizer step, the gradient stays as
 accumulated, unless it was changed in place since (DDP all-reduces at the end of backward):
 then it is taken again. One that is ``None`` by then stays as accumulated. Each is recorded
 under its module's first call, numbered at its last accumulation.
@@ -94,7 +95,9 @@ class ParamGrads:
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for key, taken in list(self._taken.items()):
             if not taken.final and id(taken.param) in stepped and taken.param.grad is not None:
-                self._taken[key] = taken._replace(record=self._taken_again(taken), final=True)
+                record = self._taken_again(taken)
+                record.grad_scale = fmt.NO_GRAD_SCALE  # GradScaler.step unscaled it first
+                self._taken[key] = taken._replace(record=record, final=True)
 
     def _taken_again(self, taken: _Taken) -> Record:
         old = taken.record

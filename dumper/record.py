@@ -62,6 +62,7 @@ class Record:
     producer: int = fmt.NO_PRODUCER
     addends: str = ""  # the outputs the tensor sums unchanged (dumper.dataflow.Dataflow.addends_of)
     injected: bool = False  # the call ran on the reference's value instead (dumper.injection)
+    grad_scale: float = fmt.NO_GRAD_SCALE  # the loss scale a gradient carries (fmt.INDEX_COLUMNS)
     sharding: Optional[Sharding] = None  # the values are this rank's shard of a global tensor
 
     @property
@@ -147,6 +148,8 @@ class RecordMaker:
         self._marks = marks if marks is not None else ShardMarks()
         self._batch: Optional[StepBatch] = None
         self._known: Optional[KnownTensors] = None
+        # the loss scale the dumped step's gradients carry (HookerAndDumper's scaler=)
+        self.grad_scale = fmt.NO_GRAD_SCALE
 
     @property
     def batch(self) -> Optional[StepBatch]:
@@ -182,7 +185,9 @@ class RecordMaker:
         reason = _unsupported_reason(t)
         shape = () if reason and (t.layout is not torch.strided or t.is_nested) else t.shape
         rec = Record(seq, call, kind, index, path, t.dtype, shape, t.device, requires_grad,
-                     fmt.ST_UNSUPPORTED if reason else fmt.ST_OK, reason, sharding=sharding)
+                     fmt.ST_UNSUPPORTED if reason else fmt.ST_OK, reason, sharding=sharding,
+                     grad_scale=self.grad_scale if kind in fmt.BACKWARD_KINDS
+                     else fmt.NO_GRAD_SCALE)
         if reason:
             return rec
         hashed = call.mode == fmt.MODE_HASH or digest

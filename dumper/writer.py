@@ -113,7 +113,7 @@ class _IndexRows:
             occurrence=r.occurrence, path=r.path, dataset=dataset, dtype=dtype, shape=shape,
             encoding=encoding, device=device, requires_grad=int(r.requires_grad),
             status=r.status, value=r.value, producer=r.producer, addends=r.addends,
-            injected=int(r.injected),
+            injected=int(r.injected), grad_scale=float(r.grad_scale),
             checksum=checksum, digest=digest, stats=stats, sketch=sketch, sharding=r.sharding))
 
     def columns(self) -> dict[str, list]:

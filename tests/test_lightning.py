@@ -10,6 +10,8 @@ import torch
 pl = pytest.importorskip("lightning.pytorch")
 pytest.importorskip("transformers")
 
+from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
+
 from compare import compare_dumps, load_dump  # noqa: E402
 from dumper import HookerAndDumper, NonFiniteError  # noqa: E402
 from dumper.lightning_callback import H5cmpLightningCallback  # noqa: E402
@@ -32,11 +34,16 @@ def data():
     return torch.randint(0, 96, (12, 10), generator=torch.Generator().manual_seed(5))
 
 
-def fit(callback=None):
+def fit(callback=None, fp16_scale=None):
+    """Three optimizer steps; with ``fp16_scale``, precision 16-mixed, its loss scaled by the
+    plugin's GradScaler."""
     module = LitGPT2()
+    plugins = [] if fp16_scale is None else [MixedPrecision(
+        "16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=fp16_scale))]
     trainer = pl.Trainer(max_steps=3, accumulate_grad_batches=2, accelerator="cpu", devices=1,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[callback] if callback else [])
+                         enable_model_summary=False, callbacks=[callback] if callback else [],
+                         plugins=plugins)
     trainer.fit(module, torch.utils.data.DataLoader(data(), batch_size=2))
     return module
 
@@ -69,6 +76,18 @@ def test_a_lightning_dump_pairs_with_a_plain_one_by_its_prefix(tmp_path):
     first = result[result["call_idx"] == 0]  # the plain run did one micro-batch
     paired = first[first["status"].isin(["equal"])]
     assert len(paired) >= 0.9 * len(first[first["module"] != "[B] <root>"])
+
+
+def test_lightning_records_the_loss_scale_of_its_grad_scaler(tmp_path):
+    """precision 16-mixed: the callback takes the precision plugin's GradScaler, so the dump
+    records the scale its gradients carry and compares with a float32 run."""
+    fit(H5cmpLightningCallback(tmp_path / "a", steps=[0], params=True))
+    fit(H5cmpLightningCallback(tmp_path / "b", steps=[0]), fp16_scale=1024.0)
+    index = load_dump(tmp_path / "b").index
+    grads = index[index["kind"].isin(["grad_input", "grad_output"])]
+    assert len(grads) and (grads["grad_scale"] == 1024.0).all()
+    result = compare_dumps(tmp_path / "a", tmp_path / "b")
+    assert not (result["status"] == "DIFF").any(), result[result["status"] == "DIFF"]
 
 
 def test_a_dumper_or_its_arguments_not_both(tmp_path):

@@ -1,0 +1,137 @@
+"""Float16 mixed precision with a GradScaler: B's gradients carry the loss scale, recorded per
+row (``grad_scale``, ``HookerAndDumper(..., scaler=)``) and compared without it."""
+from __future__ import annotations
+
+import zlib
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from compare import compare_dumps, load_dump, summarize
+from compare import format as fmt
+from compare.cli import main as h5cmp
+from dumper import HookerAndDumper, perturb
+
+from architectures import ARCHITECTURES, build, precision_context
+
+SCALE = 2.0 ** 12  # a GradScaler's initial scale, low enough that no float16 gradient overflows
+
+
+def _train(directory, precision: str, *, scaler: bool, record_scaler: bool = True,
+           around_step: bool = False, plant: dict = None, mode: str = "tensors",
+           dumped: int = 1, inject=None) -> None:
+    """Two AdamW steps of a tiny GPT-2 (step ``dumped`` dumped, params=True), its loss scaled by a
+    GradScaler where ``scaler``, which the dumper is told of where ``record_scaler``; the
+    hooks around forward and backward, or (``around_step``) around the optimizer step too, so
+    that parameter gradients are taken as ``GradScaler.step`` unscaled them; ``inject``: a
+    localizing re-run on that dump's values."""
+    model, batch = build("gpt2", precision, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaling = torch.amp.GradScaler("cpu", init_scale=SCALE, enabled=scaler)
+    dumper = HookerAndDumper(directory, steps=[dumped], params=True, mode=mode, inject=inject,
+                             scaler=scaling if record_scaler else None)
+    for step in range(2):
+        planted = perturb(model, **plant) if plant and step == dumped else None
+        with dumper.hooks(model, 0, step):
+            with precision_context(precision):
+                loss = ARCHITECTURES["gpt2"].loss(model, batch)
+            scaling.scale(loss).backward()
+            if around_step:
+                scaling.step(opt)
+                scaling.update()
+        if not around_step:
+            scaling.step(opt)
+            scaling.update()
+        opt.zero_grad()
+        if planted is not None:
+            planted.remove()
+
+
+@pytest.mark.parametrize("around_step", [False, True], ids=["backward", "optimizer-step"])
+def test_a_scaled_float16_run_is_compared_without_its_loss_scale(tmp_path, around_step):
+    """Every backward record of B holds SCALE times its gradient; a parameter's gradient as
+    accumulated too, and none once GradScaler.step unscaled it. Compared without the scale,
+    nothing fails in a healthy float16 B against float32 A (exit 0); told nothing of the
+    scaler, the first divergence is the loss's gradient, 4095 times off, and the report says
+    what a factor of 2^12 is likely to be."""
+    _train(tmp_path / "a", "float32", scaler=False)
+    _train(tmp_path / "b", "float16", scaler=True, around_step=around_step)
+    index = load_dump(tmp_path / "b").index
+    backward = index["kind"].isin([fmt.GRAD_INPUT, fmt.GRAD_OUTPUT])
+    assert (index.loc[backward, "grad_scale"] == SCALE).all()
+    assert (index.loc[index["kind"].isin(list(fmt.FORWARD_KINDS)), "grad_scale"] == 1.0).all()
+    param_grads = index.loc[index["kind"] == fmt.PARAM_GRAD, "grad_scale"]
+    assert len(param_grads) and (param_grads == (1.0 if around_step else SCALE)).all()
+    run = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "b")])
+    assert run.exit_code == 0 and "B diverges" not in run.output, run.output
+    with h5py.File(next((tmp_path / "b").glob("*.hdf5"))) as f:  # the values are as they were
+        assert f.attrs[fmt.ATTR_FORMAT_VERSION] == fmt.FORMAT_VERSION == 11
+    _train(tmp_path / "untold", "float16", scaler=True, record_scaler=False,
+           around_step=around_step)
+    untold = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "untold")])
+    assert untold.exit_code == 1, untold.output
+    first = summarize(compare_dumps(tmp_path / "a", tmp_path / "untold")).first
+    assert first is not None and first.row["kind"] == fmt.GRAD_OUTPUT
+    assert first.row["rel_error"] == pytest.approx(SCALE - 1, rel=1e-3)
+    assert "B's values are 4096 (2^12) times A's, as a loss scale makes them" in untold.output
+    assert "HookerAndDumper(..., scaler=scaler)" in untold.output
+
+
+def test_statistics_of_scaled_gradients_are_compared_without_the_scale(tmp_path):
+    """The first step in statistics mode: B's statistics, of scaled gradients, are unscaled."""
+    _train(tmp_path / "a", "float32", scaler=False, mode="stats", dumped=0)
+    _train(tmp_path / "b", "float16", scaler=True, mode="stats", dumped=0)
+    result = compare_dumps(tmp_path / "a", tmp_path / "b")
+    assert summarize(result).ok, summarize(result).verdict()
+    grads = result[result["kind"] == fmt.GRAD_OUTPUT]
+    assert grads["rel_l2_err"].isna().all() and (grads["rel_err_from_stats"] < 0.1).all()
+
+
+def test_an_error_in_a_scaled_backward_is_found_where_it_is(tmp_path):
+    """A 3 % error planted in one Linear-like module's backward of the scaled float16 run is
+    the first divergence."""
+    _train(tmp_path / "a", "float32", scaler=False)
+    planted = "transformer.h.0.mlp.c_fc"
+    _train(tmp_path / "b", "float16", scaler=True,
+           plant={"include": planted, "where": "grad_input", "scale": 1.03})
+    first = summarize(compare_dumps(tmp_path / "a", tmp_path / "b")).first
+    assert first is not None and first.row["module"] == planted, first
+    assert first.row["kind"] == fmt.GRAD_INPUT
+
+
+def test_older_files_carry_no_loss_scale(tmp_path):
+    """A row of a file written before version 11 reads ``grad_scale`` 1: no loss scale."""
+    _train(tmp_path / "a", "float32", scaler=False)
+    path = next((tmp_path / "a").glob("*.hdf5"))
+    with h5py.File(path, "r+") as f:
+        group = f[fmt.step_group_name(0, 1)]
+        table = group[fmt.INDEX_DATASET][()]
+        names = [n for n in table.dtype.names if n != "grad_scale"]
+        older = np.empty(len(table), dtype=[(n, table.dtype[n]) for n in names])
+        for n in names:
+            older[n] = table[n]
+        del group[fmt.INDEX_DATASET]
+        group.create_dataset(fmt.INDEX_DATASET, data=older)
+        f.attrs[fmt.ATTR_FORMAT_VERSION] = 10
+        f.attrs[fmt.ATTR_INDEX_CRC] = zlib.crc32(older.tobytes())
+    index = load_dump(tmp_path / "a").index
+    assert (index["grad_scale"] == 1.0).all()
+
+
+def test_a_localizing_rerun_at_another_loss_scale_names_the_planted_module(tmp_path):
+    """A (float32, no scaler) injected into B (float16, scaled): A's gradients are put in at
+    B's scale, so the re-run finds the planted backward error, and nothing in healthy B."""
+    from compare import localize
+    from compare.status import ORIGIN
+    _train(tmp_path / "a", "float32", scaler=False)
+    planted = {"include": "transformer.h.0.mlp.c_fc", "where": "grad_input", "scale": 1.03}
+    for name, plant in (("healthy", None), ("planted", planted)):
+        _train(tmp_path / name, "float16", scaler=True, plant=plant)
+        _train(tmp_path / f"{name}-inj", "float16", scaler=True, plant=plant,
+               inject=tmp_path / "a")
+        table = localize(tmp_path / "a", tmp_path / name, tmp_path / f"{name}-inj")
+        origins = list(table.loc[table["verdict"] == ORIGIN, "module"])
+        assert origins == ([] if plant is None else [planted["include"]]), (name, origins)
