@@ -414,14 +414,15 @@ class _Call:
 
     def _operand(self, row: dict, side: str) -> Optional[np.ndarray]:
         """What the call computed from on ``side``: where B ran on A's values (``injected``),
-        A's rounded to the dtype B holds there (its record holds what B would have used; a
-        float32 gradient of 2e-7 cast to float16 is 8 % off)."""
+        A's rounded to the dtype B holds there, at B's loss scale (its record holds what B
+        would have used; a float32 gradient of 2e-7 cast to float16 is 8 % off, at a loss
+        scale of 1024 a rounding)."""
         if side == "b" and row["injected_b"] == 1:
             key = (row["label"], "a as b")
             if key not in self.cache:
                 values = self._tensor(row, "a")
                 self.cache[key] = (values if values is None or row["dtype_b"] in INDICES
-                                   else rounded(values, row["dtype_b"]))
+                                   else rounded(values, row["dtype_b"], row["grad_scale_b"]))
             return self.cache[key]
         return self._tensor(row, side)
 

@@ -354,7 +354,7 @@ def measure(pairs: pd.DataFrame, files_a: dict, files_b: dict, chunk_elements: i
             if not in_a <= math.sqrt(len(rows) - 1) * unit:  # one per addition (evidence)
                 continue  # the sum's uses are not all recorded, or it is not what A does
             with reading(str(files_b[key].path)):  # a term B replaced: A's value, as B's
-                summed = [(rounded(part, r["dtype_b"]) for part in _values(
+                summed = [(rounded(part, r["dtype_b"], r["grad_scale_b"]) for part in _values(
                               readers_a[key], r, chunk_elements, "a")) if was_replaced
                           else _values(readers_b[key], r, chunk_elements)
                           for r, was_replaced in zip(rows, replaced)]

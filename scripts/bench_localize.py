@@ -13,6 +13,7 @@ Variants (A, B, planted sizes):
     fp64      A float64,  B float32,                         plant 3e-2 and 1e-3
     bf16      A float32,  B bfloat16 autocast (CPU),         plant 0.1
     fp16      A float32,  B float16 autocast (CPU),          plant 3e-2
+    fp16-scaled  as fp16, B's loss scaled by a GradScaler (2^10), plant 3e-2
     gpu       A float32 on the CPU, B float32 on CUDA, TF32 off, plant 1e-3 (--variants ...)
     tf32      as gpu, with TF32 matmuls and convolutions,    plant 3e-2
     gpu-bf16  A float32 on the CPU, B bfloat16 autocast on CUDA, plant 0.1
@@ -78,6 +79,7 @@ class Variant:
     sizes: tuple
     device: str = "cpu"
     tf32: bool = False
+    loss_scale: Optional[float] = None  # B's loss scaled by a GradScaler starting there
 
 
 VARIANTS = {
@@ -85,12 +87,16 @@ VARIANTS = {
     "fp64": Variant("float64", "float32", (3e-2, 1e-3)),
     "bf16": Variant("float32", "bfloat16", (0.1,)),
     "fp16": Variant("float32", "float16", (3e-2,)),
+    # float16 as it trains: its loss scaled by a GradScaler, at a scale these models'
+    # gradients do not overflow at (2^16, GradScaler's first, makes the first steps skip
+    # their update: the runs' weights then differ by their whole updates)
+    "fp16-scaled": Variant("float32", "float16", (3e-2,), loss_scale=2.0 ** 10),
     # on an accelerator (--variants gpu,tf32,gpu-bf16): CPU against CUDA
     "gpu": Variant("float32", "float32", (1e-3,), "cuda"),
     "tf32": Variant("float32", "float32", (3e-2,), "cuda", tf32=True),
     "gpu-bf16": Variant("float32", "bfloat16", (0.1,), "cuda"),
 }
-CPU_VARIANTS = ("same", "fp64", "bf16", "fp16")
+CPU_VARIANTS = ("same", "fp64", "bf16", "fp16", "fp16-scaled")
 # where a plant goes: forward, the module's output; backward, the gradient arriving at its
 # outputs (after its consumers sent it back: an error between modules); backward-own, the
 # gradients it sends back for its inputs (its own backward computes wrongly)
@@ -165,7 +171,8 @@ def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: P
 
     def run_b(path: Path, **kwargs) -> Path:
         with _tf32(v.tf32):
-            run_step(arch, v.b, path, device=v.device, **common, **kwargs)
+            run_step(arch, v.b, path, device=v.device, loss_scale=v.loss_scale, **common,
+                     **kwargs)
         return path
 
     a = root / "a"

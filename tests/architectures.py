@@ -323,17 +323,22 @@ OPTIMIZERS = {
 def run_step(arch: str, precision: str, directory, *, seed: int = 0,
              plant: Optional[dict] = None, plant_last_only: bool = False,
              dumper_options: Optional[dict] = None, steps: int = 1, optimizer: str = "sgd",
-             device: str = "cpu", dropout: bool = True) -> float:
+             device: str = "cpu", dropout: bool = True, loss_scale: Optional[float] = None
+             ) -> float:
     """Train ``arch`` at ``precision`` for ``steps`` optimizer steps (``OPTIMIZERS``) on one
     batch and dump the last one into ``directory`` (``dumper_options`` are passed to
     ``HookerAndDumper``, e.g. ``{"params": True}`` or ``{"inject": reference}``); ``plant`` is
     passed to ``dumper.perturb`` (e.g. ``{"include": "model.layers.0.mlp", "scale": 1.1,
     "where": "output"}``), in every step, or in the dumped one only with ``plant_last_only``.
-    Returns the last loss."""
+    With ``loss_scale``, the loss is scaled by a ``torch.amp.GradScaler`` starting there (as
+    float16 mixed precision trains), which the dumper is given. Returns the last loss."""
     from dumper import HookerAndDumper, perturb
     model, batch = build(arch, precision, seed, device, dropout)
     opt = OPTIMIZERS[optimizer](model.parameters())
-    dumper = HookerAndDumper(directory, steps=[steps - 1], **(dumper_options or {}))
+    scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=loss_scale or 1.0,
+                                  enabled=loss_scale is not None)
+    dumper = HookerAndDumper(directory, steps=[steps - 1], scaler=scaler,
+                             **(dumper_options or {}))
     planted = None
     for step in range(steps):
         if plant and planted is None and (not plant_last_only or step == steps - 1):
@@ -341,8 +346,9 @@ def run_step(arch: str, precision: str, directory, *, seed: int = 0,
         with dumper.hooks(model, 0, step):
             with precision_context(precision, device):
                 loss = ARCHITECTURES[arch].loss(model, batch)
-            loss.backward()
-        opt.step()
+            scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad()
     if planted is not None:
         planted.remove()

@@ -135,3 +135,17 @@ def test_a_localizing_rerun_at_another_loss_scale_names_the_planted_module(tmp_p
         table = localize(tmp_path / "a", tmp_path / name, tmp_path / f"{name}-inj")
         origins = list(table.loc[table["verdict"] == ORIGIN, "module"])
         assert origins == ([] if plant is None else [planted["include"]]), (name, origins)
+
+
+def test_a_reference_value_is_rounded_as_the_scaled_run_holds_it():
+    """A's float32 gradient put into a float16 run at a loss scale of 1024 is rounded there,
+    where 2e-7 is a normal float16 number: within one rounding of it, where rounding it
+    unscaled loses 8 % (float16's subnormals). ConvNeXt's re-run named two LayerNorms whose
+    injected incoming gradient was rounded unscaled "miscomputed" (8 % off)."""
+    from compare.precision import rounded
+    values = np.full(4, 2e-7) * np.array([1.0, 1.1, 1.3, 1.7])
+    scaled = rounded(values, "float16", 1024.0)
+    assert np.array_equal(scaled, (values * 1024.0).astype(np.float16).astype(np.float64)
+                          / 1024.0)
+    assert np.abs(scaled / values - 1).max() <= 2.0 ** -11
+    assert np.abs(rounded(values, "float16") / values - 1).max() > 0.05
