@@ -214,7 +214,8 @@ class Evidence:
                 frame["rms_a"].to_numpy(float),
                 near_zero_roundings(frame["cls"].fillna("").to_numpy(object), terms),
                 rounds_operands(frame["cls"].fillna("").to_numpy(object),
-                                frame["kind"].to_numpy(object)))
+                                frame["kind"].to_numpy(object)),
+                frame["recomputed_accumulation"].to_numpy(float))
         # what a recomputation within rounding proves: all of an elementwise call, an op of
         # two tensors or one over a dim (no setting of its own that B could have otherwise:
         # a number or dim B was given otherwise than A, it is recomputed at A's), recomputed

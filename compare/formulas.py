@@ -73,7 +73,8 @@ ALLOWANCE = 2.0
 
 def allowed(unit: np.ndarray, spread: np.ndarray, terms: np.ndarray,
             underflow: np.ndarray = 0.0, scale: np.ndarray = 1.0,
-            roundings: np.ndarray = 1.0, rounds_operands: np.ndarray = True) -> np.ndarray:
+            roundings: np.ndarray = 1.0, rounds_operands: np.ndarray = True,
+            accumulation: np.ndarray = math.nan) -> np.ndarray:
     """What rounding explains of a recomputed record's relative error, for a call computed in
     a dtype of unit roundoff ``unit`` and smallest step ``underflow`` (accumulating in float32,
     or finer where the dtype is), of a result whose root mean square is ``scale`` (0 or NaN:
@@ -81,14 +82,16 @@ def allowed(unit: np.ndarray, spread: np.ndarray, terms: np.ndarray,
     (:func:`near_zero_roundings`): ``2 (u (1 + 2 spread) + u_acc sqrt(K) spread +
     roundings underflow / scale)``, without the ``2 u spread`` of its operands' rounding where
     the call does not round them (``rounds_operands`` False: :func:`rounds_operands`; what it
-    computes from them in the accumulator is the ``u_acc`` term's)."""
+    computes from them in the accumulator is the ``u_acc`` term's), and with
+    ``accumulation`` (where finite: a sum whose partial sums are known,
+    :func:`bias_gradient`) in place of ``sqrt(K) spread``."""
     accumulator = np.minimum(unit, ROUNDING["float32"].unit)
+    summed = np.where(np.isfinite(accumulation), accumulation, np.sqrt(terms) * spread)
     scale = np.asarray(scale, dtype=np.float64)
     operands = np.where(rounds_operands, 2.0 * np.asarray(spread, dtype=np.float64), 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
         near_zero = np.where(scale > 0, np.divide(underflow * roundings, scale), 0.0)
-    return ALLOWANCE * (unit * (1.0 + operands) + accumulator * np.sqrt(terms) * spread
-                        + near_zero)
+    return ALLOWANCE * (unit * (1.0 + operands) + accumulator * summed + near_zero)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -231,12 +234,58 @@ GATHERS = ("Embedding",)  # rows of its weight, by its integer input
 
 def rounds_operands(cls: Union[str, np.ndarray], kind: Union[str, np.ndarray]) -> np.ndarray:
     """Whether a call of class ``cls`` may round its operands in computing its ``kind`` record
-    (:func:`allowed`): all but the output of :data:`ROUNDS_RESULT`, and the gradient of
-    :data:`GRADIENT_ROUNDS_RESULT`. Works on arrays too."""
+    (:func:`allowed`): all but the output of :data:`ROUNDS_RESULT`, the gradient of
+    :data:`GRADIENT_ROUNDS_RESULT`, and a bias's gradient (:func:`bias_gradient`: the
+    incoming gradient summed as recorded). Works on arrays too."""
     cls, kind = np.asarray(cls, dtype=object), np.asarray(kind, dtype=object)
     exact = np.where(kind == fmt.OUTPUT, np.isin(cls, list(ROUNDS_RESULT)),
-                     np.isin(cls, list(GRADIENT_ROUNDS_RESULT)))
+                     (kind == fmt.PARAM_GRAD) | np.isin(cls, list(GRADIENT_ROUNDS_RESULT)))
     return ~exact
+
+
+def bias_gradient(channels_first: bool, kind: str, ops: Operands) -> Optional[Figures]:
+    """A bias's gradient (``kind`` ``param_grad``): the incoming gradient ``gy`` summed over
+    every position, the channels being the trailing axes the bias spans (a Linear's, a
+    LayerNorm's) or, ``channels_first``, axis 1 (a convolution's, a BatchNorm's, a
+    channels-first LayerNorm's). One term per position. A kernel adding them in memory order
+    rounds each partial sum ``S_k`` by up to a unit of it, and runs of equal terms (a mean's
+    gradient, spread evenly over the positions it pooled) round alike, so that their roundings
+    add up instead of cancelling: ``accumulated`` is ``sqrt(sum over channels and runs of
+    (sum of |S_k| over the run)²) / ||S||``, the random walk of the partial sums where no two
+    neighbours are equal (a kernel that adds in blocks or pairs rounds less)."""
+    g, got = ops.tensors.get(fmt.GRAD_OUTPUT), ops.tensors.get(fmt.PARAM_GRAD)
+    if kind != fmt.PARAM_GRAD or g is None or got is None or not 0 < got.ndim < g.ndim:
+        return None
+    if channels_first:
+        if got.ndim != 1 or g.shape[1] != got.shape[0]:
+            return None
+        terms = np.moveaxis(g, 1, -1).reshape(-1, got.size)
+    elif g.shape[g.ndim - got.ndim:] == got.shape:
+        terms = g.reshape(-1, got.size)
+    else:
+        return None
+    want = terms.sum(axis=0)
+    return Figures(got.reshape(-1), want, float(np.square(terms).sum()), len(terms),
+                   _accumulated(terms, want))
+
+
+def _accumulated(terms: np.ndarray, total: np.ndarray) -> float:
+    """:func:`bias_gradient`'s ``accumulated`` of ``terms`` (positions x channels)."""
+    norm = float(np.linalg.norm(total))
+    if not norm > 0:
+        return math.nan
+    running = np.cumsum(np.abs(np.cumsum(terms, axis=0)), axis=0)  # of |S_k|, per channel
+    ends = np.ones(terms.shape, dtype=bool)  # where a run of equal terms ends
+    ends[:-1] = terms[1:] != terms[:-1]
+    channel, _ = np.nonzero(ends.T)  # channel by channel, the runs in order
+    at_end = running.T[ends.T]
+    before = np.concatenate([[0.0], at_end[:-1]])
+    before[np.concatenate([[True], channel[1:] != channel[:-1]])] = 0.0  # a channel's first
+    return math.sqrt(float(np.square(at_end - before).sum())) / norm
+
+
+# a bias's gradient, its channels last or on axis 1: the one A's records follow is used
+BIAS_GRADIENTS = (functools.partial(bias_gradient, False), functools.partial(bias_gradient, True))
 
 
 def near_zero_roundings(cls: Union[str, np.ndarray], terms: Union[float, np.ndarray]

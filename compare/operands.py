@@ -11,7 +11,8 @@ from . import format as fmt
 from .metrics import FILLS, FILLS_FROM
 
 # the columns of Figures.columns
-RECOMPUTE_FIGURES = ("recomputed_rel_err", "recomputed_spread", "recomputed_terms")
+RECOMPUTE_FIGURES = ("recomputed_rel_err", "recomputed_spread", "recomputed_terms",
+                     "recomputed_accumulation")
 
 
 class Operands(NamedTuple):
@@ -40,10 +41,14 @@ class Figures:
     the result (an array of its shape), which lets elements holding a mask's fill
     (``finfo(dtype).min``, :data:`compare.metrics.FILLS`) on either side be left out, as the
     comparison leaves them out: they would be all of the norm, and the other elements'
-    error would vanish against them. Where they cannot be left out, no figures."""
+    error would vanish against them. Where they cannot be left out, no figures.
+    ``accumulated``: for a sum whose partial sums are known (a bias's gradient), how far their
+    rounding may move the result, relative to it, in units of the accumulator's (NaN: the
+    terms' random walk, ``sqrt(K) spread``)."""
 
     def __init__(self, got: np.ndarray, want: np.ndarray,
-                 terms_squared: Union[float, np.ndarray], terms: int):
+                 terms_squared: Union[float, np.ndarray], terms: int,
+                 accumulated: float = math.nan):
         self.filled, self.norm = False, float(np.square(want).sum())
         fills = np.isin(got, FILLS) | np.isin(want, FILLS) if self.norm >= FILLS_FROM else None
         if fills is not None and fills.any():
@@ -54,18 +59,19 @@ class Figures:
             self.norm = float(np.square(want).sum())
         self.diff = float(np.square(got - want).sum())
         self.terms_squared, self.terms = float(np.sum(terms_squared)), terms
+        self.accumulated = accumulated
 
     def columns(self) -> Optional[dict]:
-        """``recomputed_rel_err``, ``recomputed_spread``, ``recomputed_terms`` (None where the
-        result is zero, or it or its terms not finite, or it holds a mask's fill that could
-        not be left out)."""
+        """``RECOMPUTE_FIGURES`` (None where the result is zero, or it or its terms not finite,
+        or it holds a mask's fill that could not be left out)."""
         if self.filled or not (self.norm > 0 and math.isfinite(self.norm)
                                and math.isfinite(self.diff)
                                and math.isfinite(self.terms_squared)):
             return None
         return {"recomputed_rel_err": math.sqrt(self.diff / self.norm),
                 "recomputed_spread": math.sqrt(self.terms_squared / self.norm),
-                "recomputed_terms": float(self.terms)}
+                "recomputed_terms": float(self.terms),
+                "recomputed_accumulation": self.accumulated}
 
 
 Formula = Callable[[str, Operands], Optional[Figures]]

@@ -58,7 +58,8 @@ from .pairing import from_shards
 from .arguments import same_number
 from .attributes import NO_ATTRIBUTES, Attributes, Recorded
 from .centering import BATCH_NORM
-from .formulas import (CONVOLUTIONS, ELEMENTWISE, GATHERS, OVER_DIM, POOLS, PRODUCTS,
+from .formulas import (BIAS_GRADIENTS, CONVOLUTIONS, ELEMENTWISE, GATHERS, OVER_DIM, POOLS,
+                       PRODUCTS,
                        ROUNDS_RESULT, TWO_TENSORS, UNWEIGHTED, WEIGHTED, allowed, candidates,
                        near_zero_roundings, rounds_operands)
 from .operands import RECOMPUTE_FIGURES, Operands
@@ -78,7 +79,8 @@ INDICES = ("int64", "int32")  # what a gathering call's input is (torch takes th
 
 # the records a check reads besides its own: forward from the input, backward from the
 # gradient that arrives (and the input, for an elementwise function)
-NEEDS = {fmt.OUTPUT: (fmt.INPUT,), fmt.GRAD_INPUT: (fmt.GRAD_OUTPUT, fmt.INPUT)}
+NEEDS = {fmt.OUTPUT: (fmt.INPUT,), fmt.GRAD_INPUT: (fmt.GRAD_OUTPUT, fmt.INPUT),
+         fmt.PARAM_GRAD: (fmt.GRAD_OUTPUT,)}
 # the paths of an op's two operands (TWO_TENSORS) given by position (docs/format.md, ``path``)
 OPERAND_PATHS = ("args[0]", "args[1]")
 # where an op over a dimension (OVER_DIM) is given it
@@ -97,8 +99,9 @@ class _Sampling(NamedTuple):
 
 def recomputable(pairs: pd.DataFrame) -> pd.DataFrame:
     """The rows of calls whose class :func:`compare.formulas.candidates` knows, on both sides,
-    the same class in both, first occurrences, tensor index 0 (and the calls' weights; an op
-    of two operands, both and their gradients); none put together from shards."""
+    the same class in both, first occurrences, tensor index 0 (and the calls' weights and
+    their bias's gradient; an op of two operands, both and their gradients); none put
+    together from shards."""
     classes = pairs["cls_a"].dropna().unique()  # NaN: recorded in B only
     known = pairs["cls_a"].isin([c for c in classes if candidates(str(c))]) & (
         pairs["cls_a"] == pairs["cls_b"])
@@ -107,7 +110,9 @@ def recomputable(pairs: pd.DataFrame) -> pd.DataFrame:
     data = ((pairs["index"] == 0) | operands) & (pairs["occurrence"] == 0) & pairs["kind"].isin(
         [fmt.INPUT, fmt.OUTPUT, fmt.GRAD_OUTPUT, fmt.GRAD_INPUT])
     weights = (pairs["kind"] == fmt.PARAM) & pairs["path_a"].isin(["weight", "bias"])
-    return pairs[known & (pairs["side"] == "both") & (data | weights) & ~from_shards(pairs)]
+    bias = (pairs["kind"] == fmt.PARAM_GRAD) & (pairs["path_a"] == "bias")
+    return pairs[known & (pairs["side"] == "both") & (data | weights | bias)
+                 & ~from_shards(pairs)]
 
 
 # what a recomputation reads of the comparison's figures: the record's scale, and whether
@@ -228,10 +233,13 @@ class _Call:
         # an op of two tensors: its second operand's record and that one's gradient (the
         # first's are by_kind's), by kind
         self.second_operand: dict[str, dict] = {}
+        self.bias_grad: Optional[dict] = None  # the gradient of its bias, summed over positions
         cls = next(iter(rows.values()))["cls_a"]
         for label, row in rows.items():
             row = {**row, "label": label}
-            if row["kind"] == fmt.PARAM:
+            if row["kind"] == fmt.PARAM_GRAD:
+                self.bias_grad = row
+            elif row["kind"] == fmt.PARAM:
                 self.params.setdefault(row["path_a"], row)
             elif cls in TWO_TENSORS and row["kind"] in (fmt.INPUT, fmt.GRAD_INPUT):
                 if row["path_a"] == OPERAND_PATHS[0]:  # else given by name: not recomputed
@@ -315,9 +323,11 @@ class _Call:
 
     def records(self) -> list[tuple[str, int]]:
         """``(kind, operand)`` of the records :meth:`check` recomputes: the output and the
-        gradient sent back, of an op of two tensors for each operand."""
+        gradient sent back, of an op of two tensors for each operand, and its bias's
+        gradient."""
         return [(fmt.OUTPUT, 0), (fmt.GRAD_INPUT, 0)] + (
-            [(fmt.GRAD_INPUT, 1)] if self.second_operand else [])
+            [(fmt.GRAD_INPUT, 1)] if self.second_operand else []) + (
+            [(fmt.PARAM_GRAD, 0)] if self.bias_grad is not None else [])
 
     def check(self, kind: str, operand: int = 0) -> tuple[Optional[int], Optional[dict]]:
         """The row label of the call's ``kind`` record (of an op of two operands, the
@@ -325,8 +335,12 @@ class _Call:
         best within A's rounding; None, None where none does."""
         records = self.by_kind if operand == 0 else {
             **self.by_kind, kind: self.second_operand.get(kind)}
+        summed = kind == fmt.PARAM_GRAD  # over every position: each sample is needed
+        if summed:
+            records = {**records, kind: self.bias_grad}
         if self.sampling is None or records.get(kind) is None or (
-                kind == fmt.GRAD_INPUT and fmt.GRAD_OUTPUT not in records):
+                kind != fmt.OUTPUT and fmt.GRAD_OUTPUT not in records) or (
+                summed and self.sampling.stride != 1):
             return None, None
         row = records[kind]
         needed = [k for k in (kind, *NEEDS[kind]) if k in records]
@@ -338,19 +352,19 @@ class _Call:
         # or, rounding only its result, through the result's
         given = [*(records[k] for k in needed), *self.params.values(),
                  *([self.second_operand[fmt.INPUT]] if fmt.INPUT in self.second_operand else [])]
-        dtype = {side: row[f"dtype_{side}"] if row["cls_a"] in ROUNDS_RESULT else lowest(
+        dtype = {side: row[f"dtype_{side}"] if row["cls_a"] in ROUNDS_RESULT or summed else lowest(
             [r[f"dtype_{side}"] for r in given]) for side in ("a", "b")}
         rounding = rounding_of(dtype["a"])
         scale = self.metrics.get(row["label"], {}).get("rms_a", math.nan)
         fits = []  # (how far within A's rounding, formula) of the formulas A's records follow
-        for formula in self.formulas:
+        for formula in BIAS_GRADIENTS if summed else self.formulas:
             a = _columns(formula, kind, operands["a"])
             if a is not None:
                 ratio = a["recomputed_rel_err"] / allowed(
                     rounding.unit, a["recomputed_spread"], a["recomputed_terms"],
                     rounding.underflow, scale, near_zero_roundings(row["cls_a"],
                                                                    a["recomputed_terms"]),
-                    rounds_operands(row["cls_a"], kind))
+                    rounds_operands(row["cls_a"], kind), a["recomputed_accumulation"])
                 if ratio <= 1:
                     fits.append((ratio, len(fits), formula))
         if not fits:
@@ -446,7 +460,7 @@ class _Call:
         if key not in self.cache:
             self.cache[key] = None
             shape = _shape(row, side)
-            param, sampling = row["kind"] == fmt.PARAM, self.sampling
+            param, sampling = row["kind"] in (fmt.PARAM, fmt.PARAM_GRAD), self.sampling
             gathered = param and self.gathers  # read at the rows its input names only
             rows = self._rows() if gathered else None  # (reads the inputs)
             dtypes = INDICES if self.gathers and row["kind"] == fmt.INPUT else FLOATS

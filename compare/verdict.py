@@ -401,10 +401,13 @@ class _Judgement:
         if r.miscomputed[i]:
             stride = r.frame.at[i, "recomputed_stride"]
             sampled = f", on one sample in {stride:.0f}" if stride > 1 else ""
+            kind = r.frame.at[i, "kind"]
+            weighted = r.frame.at[i, "cls"] not in UNWEIGHTED and kind != fmt.PARAM_GRAD
             return (f"{MISCOMPUTED} {r.recomputed[i]:.3g} (rel) from what its own records give "
                     f"({r.frame.at[i, 'cls']}: recomputed from its "
-                    f"{'input' if r.frame.at[i, 'kind'] == fmt.OUTPUT else 'incoming gradient'}"
-                    f"{'' if r.frame.at[i, 'cls'] in UNWEIGHTED else ' and weights'}{sampled}), "
+                    f"{'input' if kind == fmt.OUTPUT else 'incoming gradient'}"
+                    f"{' and weights' if weighted else ''}"
+                    f"{', summed over positions' if kind == fmt.PARAM_GRAD else ''}{sampled}), "
                     f"where rounding explains "
                     f"{r.recomputed_floor[i]:.2g}: this call's own computation is not what it "
                     f"is in A")

@@ -45,8 +45,9 @@ def test_verdict_on_top_then_failing_rows_then_all(runs):
     out = h5cmp(runs["ref"], runs["fwd"], "--top", "1").output
     lines = out.splitlines()
     assert lines[0].startswith("B diverges from A: first at step 0:0 forward in mid (output[0])")
-    # mid's output and, scaled by the hook as well, the gradient it sends back, in each step
-    table = lines.index("failing rows, worst added error first (first 1 of 4; --top N for more):")
+    # mid's output and, scaled by the hook as well, the gradient it sends back and its bias's
+    # gradient (1e-3 off the sum of the gradient its output got), in each step
+    table = lines.index("failing rows, worst added error first (first 1 of 6; --top N for more):")
     assert "mid.Linear#0" in lines[table + 2] and "DIFF" in lines[table + 2]
     in_order = h5cmp(runs["ref"], runs["fwd"], "--order", "execution").output
     assert "failing rows in execution order:" in in_order

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from torch import nn
 
 import dumper.capture
-from compare import compare_dumps, summarize
+from compare import compare_dumps, formulas, summarize
 from compare import format as fmt
 from compare import status as st
 from compare.dump import load_dump
@@ -627,3 +627,44 @@ def test_adaptive_average_pools_are_recomputed_and_their_errors_found(tmp_path):
         first = _planted_first(a, _pooled, tmp_path / f"{module}{where}", module, where)
         source = "input" if where == "output" else "incoming gradient"
         assert f"(AdaptiveAvgPool2d: recomputed from its {source})" in first.row["reason"]
+
+
+@pytest.mark.parametrize("make, shape", [
+    (lambda: nn.Linear(6, 5), (3, 7, 6)), (lambda: nn.Conv2d(3, 4, 3), (2, 3, 6, 6)),
+    (lambda: nn.BatchNorm2d(3), (4, 3, 5, 5)), (lambda: nn.LayerNorm(6), (3, 7, 6))])
+def test_a_bias_gradient_is_recomputed_as_autograd_sums_it(make, shape):
+    """A bias's gradient is its incoming gradient summed over every position: one of the two
+    alignments (channels last, channels on axis 1) gives autograd's to float64 rounding."""
+    torch.manual_seed(0)
+    module = make().double()
+    y = module(torch.randn(shape, dtype=torch.float64))
+    g = torch.randn(y.shape, dtype=torch.float64)
+    y.backward(g)
+    ops = formulas.Operands({fmt.GRAD_OUTPUT: g.numpy(), fmt.PARAM_GRAD: module.bias.grad.numpy()},
+                            None, None, math.nan)
+    figures = [f(fmt.PARAM_GRAD, ops) for f in formulas.BIAS_GRADIENTS]
+    errors = [f.columns()["recomputed_rel_err"] for f in figures if f is not None]
+    assert min(errors) < 1e-14, errors
+    terms = [f.columns()["recomputed_terms"] for f in figures if f is not None]
+    assert math.prod(y.shape[:-1] if isinstance(module, (nn.Linear, nn.LayerNorm)) else
+                     (y.shape[0], *y.shape[2:])) in terms
+
+
+@pytest.mark.parametrize("runs", [1, 2, 8, 318])
+def test_a_serial_sum_of_equal_terms_rounds_within_its_accumulated_figure(runs):
+    """318 positions in ``runs`` runs of equal terms (a mean pooled over each run's positions
+    gives each of them its gradient), summed in float32 in memory order, one thread's
+    LayerNorm backward: its error is within twice the accumulated figure's units, where
+    terms that round alike (few runs) put it far beyond the random walk of the terms."""
+    rng = np.random.default_rng(runs)
+    values = rng.uniform(0.5, 1.0, size=(runs, 32))
+    terms = values[np.arange(318) * runs // 318].astype(np.float32).astype(np.float64)
+    grad = np.cumsum(terms.astype(np.float32), axis=0, dtype=np.float32)[-1]
+    ops = formulas.Operands({fmt.GRAD_OUTPUT: terms.reshape(2, 159, 32),
+                             fmt.PARAM_GRAD: grad.astype(np.float64)}, None, None, math.nan)
+    figures = formulas.bias_gradient(False, fmt.PARAM_GRAD, ops).columns()
+    unit = 2.0 ** -24
+    assert figures["recomputed_rel_err"] <= 2 * unit * figures["recomputed_accumulation"]
+    walk = 2 * unit * math.sqrt(figures["recomputed_terms"]) * figures["recomputed_spread"]
+    if runs <= 2:
+        assert figures["recomputed_rel_err"] > 5 * walk, figures
