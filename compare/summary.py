@@ -124,6 +124,9 @@ class Divergence:
                          f"{int(r['shard_rank'])}'s shard")
         if r["reason"]:
             lines.append(f"  why: {r['reason']}")
+        overflow = _loss_scale_overflow(r)
+        if overflow:
+            lines.append(f"  {overflow}")
         scale = loss_scale_ratio(r)
         if scale is not None:
             lines.append(f"  B's values are {scale:.6g} (2^{round(math.log2(scale))}) times A's, "
@@ -176,6 +179,21 @@ class Divergence:
                 lines.append(f"  {r['kind']}[{r['index']}] came from "
                              f"{fmt.module_key(p['module'], p['cls'])} (call {p['call']}), {state}")
         return "\n".join(lines)
+
+
+def _loss_scale_overflow(row: pd.Series) -> str:
+    """For a gradient record with NaN/Inf on one side only, where that side's values carry a
+    loss scale: that it overflowed there (what a GradScaler then does); else ""."""
+    if row["status"] != st.NAN_MISMATCH or row["kind"] not in fmt.BACKWARD_KINDS:
+        return ""
+    for side, name in (("b", "B"), ("a", "A")):
+        scale = row.get(f"grad_scale_{side}", fmt.NO_GRAD_SCALE)
+        if pd.notna(scale) and scale != fmt.NO_GRAD_SCALE and (
+                row[f"nan_{side}"] + row[f"inf_{side}"] > 0):
+            return (f"{name}'s gradients carry a loss scale of {scale:.6g}: they overflow "
+                    f"{row[f'dtype_{side}']} here (a GradScaler skips such a step and lowers "
+                    f"its scale; compare a step it did not skip)")
+    return ""
 
 
 def loss_scale_ratio(row: pd.Series) -> Optional[float]:

@@ -13,10 +13,13 @@ Variants (A, B, planted sizes):
     fp64      A float64,  B float32,                         plant 3e-2 and 1e-3
     bf16      A float32,  B bfloat16 autocast (CPU),         plant 0.1
     fp16      A float32,  B float16 autocast (CPU),          plant 3e-2
-    fp16-scaled  as fp16, B's loss scaled by a GradScaler (2^10), plant 3e-2
+    fp16-scaled  as fp16, B's loss scaled by a GradScaler (2^10), plant 3e-2; a case whose
+              healthy B's gradients overflow there (a step the GradScaler skips) has no
+              healthy pair: listed apart, not judged
     gpu       A float32 on the CPU, B float32 on CUDA, TF32 off, plant 1e-3 (--variants ...)
     tf32      as gpu, with TF32 matmuls and convolutions,    plant 3e-2
     gpu-bf16  A float32 on the CPU, B bfloat16 autocast on CUDA, plant 0.1
+    gpu-fp16  A float32 on the CPU, B float16 autocast on CUDA with a GradScaler (2^10), plant 3e-2
 
 (Across devices dropout is off in both runs: CPU and CUDA generators draw different masks.)
 
@@ -91,10 +94,11 @@ VARIANTS = {
     # gradients do not overflow at (2^16, GradScaler's first, makes the first steps skip
     # their update: the runs' weights then differ by their whole updates)
     "fp16-scaled": Variant("float32", "float16", (3e-2,), loss_scale=2.0 ** 10),
-    # on an accelerator (--variants gpu,tf32,gpu-bf16): CPU against CUDA
+    # on an accelerator (--variants gpu,tf32,gpu-bf16,gpu-fp16): CPU against CUDA
     "gpu": Variant("float32", "float32", (1e-3,), "cuda"),
     "tf32": Variant("float32", "float32", (3e-2,), "cuda", tf32=True),
     "gpu-bf16": Variant("float32", "bfloat16", (0.1,), "cuda"),
+    "gpu-fp16": Variant("float32", "float16", (3e-2,), "cuda", loss_scale=2.0 ** 10),
 }
 CPU_VARIANTS = ("same", "fp64", "bf16", "fp16", "fp16-scaled")
 # where a plant goes: forward, the module's output; backward, the gradient arriving at its
@@ -144,6 +148,18 @@ def _visibility(effect: float, noise: float, size: float) -> str:
 def _named(modules: list[str], planted: str) -> bool:
     """Whether one of ``modules`` is the planted module or inside it."""
     return any(planted == "" or m == planted or fmt.contains(planted, m) for m in modules)
+
+
+def _overflowed(result) -> str:
+    """Where B's gradients (of a scaled loss) are not finite where A's are: the first such
+    record, which a GradScaler finds, skipping the step; "" where none is."""
+    grads = result[result["kind"].isin(list(fmt.BACKWARD_KINDS))]
+    nonfinite = grads[(grads["nan_b"] + grads["inf_b"] > grads["nan_a"] + grads["inf_a"])]
+    if nonfinite.empty:
+        return ""
+    r = nonfinite.iloc[0]
+    return (f"B's gradients overflow float16 at its loss scale, first in {r['module']} "
+            f"{r['kind']}[{r['index']}] (a GradScaler skips such a step)")
 
 
 def _first_origin(table) -> list[str]:
@@ -200,6 +216,9 @@ def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: P
 
     healthy, healthy_inj = run_b(root / "b"), run_b(root / "b-inj", **inject)
     healthy_result = compare_dumps(a, healthy)
+    overflow = _overflowed(healthy_result) if v.loss_scale else ""
+    if overflow:  # no healthy pair, nothing to localize: B's step is one a GradScaler skips
+        return {"overflowed": [f"{case}: {overflow}"]}
     healthy_local = localize(a, healthy, healthy_inj, free_result=healthy_result)
     healthy_ops = with_ops("b", summarize(healthy_result), healthy_local) or []
     noise_result = compare_dumps(a, healthy_inj)
@@ -211,7 +230,7 @@ def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: P
                             failing=int(healthy_result["status"].isin(FAILING).sum()),
                             origins=sorted(set(healthy_local[healthy_local["verdict"] == ORIGIN]
                                                ["module"]) | set(healthy_ops)))],
-           "plants": [], "unsupported": []}
+           "plants": [], "unsupported": [], "overflowed": []}
     modules = [p for p, _ in build(arch, v.b, seed)[0].named_modules()]
     for size in v.sizes:
         for k in range(plants):
@@ -341,6 +360,8 @@ def report(outcome: dict) -> None:
               + "".join(f"\n      false origin: {o}" for o in false_origins))
     for line in outcome["unsupported"]:
         print(f"not run (torch cannot run it here): {line}")
+    for line in outcome["overflowed"]:
+        print(f"no healthy pair: {line}")
     reruns = outcome["reruns"]
     print(f"identical reruns all equal: {sum(ok for _, ok in reruns)}/{len(reruns)}"
           + "".join(f" ({arch} not)" for arch, ok in reruns if not ok))
@@ -371,7 +392,7 @@ def main() -> None:
     steps = [int(s) for s in args.steps.split(",")]
     cases = [(arch, variant, n, seed) for arch in archs for n in steps
              for variant in args.variants.split(",") for seed in map(int, args.seeds.split(","))]
-    outcome = {"plants": [], "healthy": [], "unsupported": [], "reruns": []}
+    outcome = {"plants": [], "healthy": [], "unsupported": [], "overflowed": [], "reruns": []}
     with tempfile.TemporaryDirectory(prefix="bench_localize_") as tmp, \
             cf.ProcessPoolExecutor(max_workers=args.jobs) as pool:
         futures = {pool.submit(run_case, *case, args.plants, Path(tmp), args.keep,

@@ -50,8 +50,8 @@ if [[ ",$parts," == *,localize,* ]]; then
     for seed in $seeds; do
         left=$(( deadline - SECONDS ))
         [ "$left" -gt 20 ] || break
-        echo "== bench_localize seed $seed (gpu, tf32, gpu-bf16; steps $steps; $jobs jobs)"
-        timeout "$left" "$py" scripts/bench_localize.py --variants gpu,tf32,gpu-bf16 \
+        echo "== bench_localize seed $seed (gpu, tf32, gpu-bf16, gpu-fp16; steps $steps; $jobs jobs)"
+        timeout "$left" "$py" scripts/bench_localize.py --variants gpu,tf32,gpu-bf16,gpu-fp16 \
             --steps "$steps" --seeds "$seed" --jobs "$jobs" --keep "$keep/kept" \
             >"/tmp/h5cmp-localize-$seed.log" 2>/tmp/h5cmp-localize.err
         echo "exit $?"

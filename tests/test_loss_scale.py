@@ -22,7 +22,7 @@ SCALE = 2.0 ** 12  # a GradScaler's initial scale, low enough that no float16 gr
 
 def _train(directory, precision: str, *, scaler: bool, record_scaler: bool = True,
            around_step: bool = False, plant: dict = None, mode: str = "tensors",
-           dumped: int = 1, inject=None) -> None:
+           dumped: int = 1, inject=None, scale: float = SCALE) -> None:
     """Two AdamW steps of a tiny GPT-2 (step ``dumped`` dumped, params=True), its loss scaled by a
     GradScaler where ``scaler``, which the dumper is told of where ``record_scaler``; the
     hooks around forward and backward, or (``around_step``) around the optimizer step too, so
@@ -30,7 +30,7 @@ def _train(directory, precision: str, *, scaler: bool, record_scaler: bool = Tru
     localizing re-run on that dump's values."""
     model, batch = build("gpt2", precision, seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaling = torch.amp.GradScaler("cpu", init_scale=SCALE, enabled=scaler)
+    scaling = torch.amp.GradScaler("cpu", init_scale=scale, enabled=scaler)
     dumper = HookerAndDumper(directory, steps=[dumped], params=True, mode=mode, inject=inject,
                              scaler=scaling if record_scaler else None)
     for step in range(2):
@@ -149,3 +149,15 @@ def test_a_reference_value_is_rounded_as_the_scaled_run_holds_it():
                           / 1024.0)
     assert np.abs(scaled / values - 1).max() <= 2.0 ** -11
     assert np.abs(rounded(values, "float16") / values - 1).max() > 0.05
+
+
+def test_gradients_that_overflow_at_their_loss_scale_are_reported_so(tmp_path):
+    """At a loss scale of 2^30 float16 gradients overflow: the first record with Inf is the
+    first divergence, and the report says the loss scale made it overflow."""
+    _train(tmp_path / "a", "float32", scaler=False, dumped=0)
+    _train(tmp_path / "b", "float16", scaler=True, dumped=0, scale=2.0 ** 30)
+    run = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "b")])
+    assert run.exit_code == 1, run.output
+    assert "status nan_mismatch" in run.output
+    assert ("B's gradients carry a loss scale of 1.07374e+09: they overflow float16 here"
+            in run.output), run.output
