@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +20,24 @@ from helpers import read_tensors
 
 CHILD = Path(__file__).with_name("crash_child.py")
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _lines_until(proc: subprocess.Popen, wanted: set, timeout: float, limit: int = 12
+                 ) -> list[str]:
+    """The child's lines until all of ``wanted`` came (or ``limit`` lines, or ``timeout``
+    seconds: a child that stopped talking fails the test instead of hanging it). A thread
+    reads them: a blocking read has no timeout."""
+    arrived: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [arrived.put(line.strip()) for line in proc.stdout],
+                     daemon=True).start()
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while not wanted <= set(lines) and len(lines) < limit:
+        try:
+            lines.append(arrived.get(timeout=max(0.0, deadline - time.monotonic())))
+        except queue.Empty:
+            break
+    return lines
 
 
 def _child(*args) -> subprocess.Popen:
@@ -91,10 +111,10 @@ def test_kill_9_while_publishing_in_the_background_loses_only_that_step(tmp_path
     crashed = tmp_path / "crashed"
     proc = _child(crashed, 5, "--hang-publishing-at", 2)
     expected = [fmt.step_file_name(0, s) for s in (0, 1, 3)]
+    wanted = {"DONE 0", "DONE 1", "DONE 2", "PUBLISHING"}
     try:
-        lines: list[str] = []
-        while "PUBLISHING" not in lines and len(lines) < 10:
-            lines.append(proc.stdout.readline().strip())
+        # (the writer's PUBLISHING and the training thread's DONE 2 come in either order)
+        lines = _lines_until(proc, wanted, timeout=120)
         deadline = time.monotonic() + 60
         while not all((crashed / name).exists() for name in expected):
             assert time.monotonic() < deadline, os.listdir(crashed)
@@ -103,7 +123,7 @@ def test_kill_9_while_publishing_in_the_background_loses_only_that_step(tmp_path
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     # training went on while step 2 was being published: remove_hooks had returned for it
-    assert {"DONE 0", "DONE 1", "DONE 2", "PUBLISHING"} <= set(lines), lines
+    assert wanted <= set(lines), lines
     published = sorted(n for n in os.listdir(crashed) if not n.startswith("."))
     assert published == expected
     assert sorted(s.step for s in load_dump(crashed).steps) == [0, 1, 3]
