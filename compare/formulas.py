@@ -82,16 +82,20 @@ def allowed(unit: np.ndarray, spread: np.ndarray, terms: np.ndarray,
     (:func:`near_zero_roundings`): ``2 (u (1 + 2 spread) + u_acc sqrt(K) spread +
     roundings underflow / scale)``, without the ``2 u spread`` of its operands' rounding where
     the call does not round them (``rounds_operands`` False: :func:`rounds_operands`; what it
-    computes from them in the accumulator is the ``u_acc`` term's), and with
-    ``accumulation`` (where finite: a sum whose partial sums are known,
-    :func:`bias_gradient`) in place of ``sqrt(K) spread``."""
+    computes from them in the accumulator is the ``u_acc`` term's); where ``accumulation`` is
+    finite (a sum whose partial sums are known, :func:`bias_gradient`), ``u accumulation`` in
+    place of ``u_acc sqrt(K) spread``: a kernel may hold its partial sums in the lowest
+    dtype it is given (torch's CPU LayerNorm backward of a bfloat16 input does, 9 units of
+    bfloat16 over 2048 positions)."""
     accumulator = np.minimum(unit, ROUNDING["float32"].unit)
-    summed = np.where(np.isfinite(accumulation), accumulation, np.sqrt(terms) * spread)
+    known = np.isfinite(accumulation)
+    summed = np.where(known, unit * np.where(known, accumulation, 0.0),
+                      accumulator * np.sqrt(terms) * spread)
     scale = np.asarray(scale, dtype=np.float64)
     operands = np.where(rounds_operands, 2.0 * np.asarray(spread, dtype=np.float64), 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
         near_zero = np.where(scale > 0, np.divide(underflow * roundings, scale), 0.0)
-    return ALLOWANCE * (unit * (1.0 + operands) + accumulator * summed + near_zero)
+    return ALLOWANCE * (unit * (1.0 + operands) + summed + near_zero)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:

@@ -43,8 +43,8 @@ class Figures:
     comparison leaves them out: they would be all of the norm, and the other elements'
     error would vanish against them. Where they cannot be left out, no figures.
     ``accumulated``: for a sum whose partial sums are known (a bias's gradient), how far their
-    rounding may move the result, relative to it, in units of the accumulator's (NaN: the
-    terms' random walk, ``sqrt(K) spread``)."""
+    rounding may move the result, relative to it, in units of the rounding of the lowest dtype
+    the call is given (NaN: the terms' random walk, ``sqrt(K) spread`` accumulator units)."""
 
     def __init__(self, got: np.ndarray, want: np.ndarray,
                  terms_squared: Union[float, np.ndarray], terms: int,

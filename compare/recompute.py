@@ -352,8 +352,8 @@ class _Call:
         # or, rounding only its result, through the result's
         given = [*(records[k] for k in needed), *self.params.values(),
                  *([self.second_operand[fmt.INPUT]] if fmt.INPUT in self.second_operand else [])]
-        dtype = {side: row[f"dtype_{side}"] if row["cls_a"] in ROUNDS_RESULT or summed else lowest(
-            [r[f"dtype_{side}"] for r in given]) for side in ("a", "b")}
+        dtype = {side: row[f"dtype_{side}"] if row["cls_a"] in ROUNDS_RESULT and not summed
+                 else lowest([r[f"dtype_{side}"] for r in given]) for side in ("a", "b")}
         rounding = rounding_of(dtype["a"])
         scale = self.metrics.get(row["label"], {}).get("rms_a", math.nan)
         fits = []  # (how far within A's rounding, formula) of the formulas A's records follow

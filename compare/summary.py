@@ -181,6 +181,9 @@ class Divergence:
         return "\n".join(lines)
 
 
+LOSS_SCALE_FROM = 2.0 ** 8  # the smallest loss scale a report names one for (GradScaler's start 2^16)
+
+
 def _loss_scale_overflow(row: pd.Series) -> str:
     """For a gradient record with NaN/Inf on one side only, where that side's values carry a
     loss scale: that it overflowed there (what a GradScaler then does); else ""."""
@@ -197,17 +200,21 @@ def _loss_scale_overflow(row: pd.Series) -> str:
 
 
 def loss_scale_ratio(row: pd.Series) -> Optional[float]:
-    """Where a gradient record of B is A's times a power of two other than 1, within 1 %
-    (``1 + scale_err``, what B holds along A's values, accounts for its error): that factor,
-    which a loss scale that only one run's dumper was told of (or that differs) explains;
-    else None."""
+    """Where a gradient record of B is A's times a power of two of at least
+    ``LOSS_SCALE_FROM`` (or its inverse), within 1 % (``1 + scale_err``, what B holds along
+    A's values, accounts for its error), and the larger side's values carry no recorded loss
+    scale: that factor, which a loss scale its dumper was not told of explains; else None
+    (a factor of 2 or 32 is likelier a mean taken otherwise, a scale recorded is divided out
+    already)."""
     if row["kind"] not in fmt.BACKWARD_KINDS or not pd.notna(row.get("scale_err")):
         return None
     ratio = 1.0 + float(row["scale_err"])
     if ratio <= 0 or not math.isfinite(ratio):
         return None
     power = round(math.log2(ratio))
-    scaled = power != 0 and abs(ratio / 2.0 ** power - 1.0) <= 0.01
+    larger = row.get("grad_scale_b" if power > 0 else "grad_scale_a", fmt.NO_GRAD_SCALE)
+    scaled = (abs(power) >= math.log2(LOSS_SCALE_FROM) and abs(ratio / 2.0 ** power - 1.0)
+              <= 0.01 and (pd.isna(larger) or larger == fmt.NO_GRAD_SCALE))
     explained = abs(float(row["rel_error"]) - abs(ratio - 1.0)) <= 0.01 * max(abs(ratio - 1.0), 1.0)
     return 2.0 ** power if scaled and explained else None
 

@@ -169,6 +169,12 @@ def check_index(path: Path, table: np.ndarray, version: int, crc: object) -> Non
     if "addends" in names:
         for row, text in enumerate(_text(table["addends"])):
             check_addends(path, f"index row {row}", text)
+    if "grad_scale" in names:  # what values are divided by: a loss scale is finite, positive
+        scales = table["grad_scale"].astype(np.float64)
+        bad = np.flatnonzero(~(np.isfinite(scales) & (scales > 0)))
+        if len(bad):
+            raise damaged(path, f"index row {bad[0]}: grad_scale {float(scales[bad[0]])!r} is not a "
+                                f"positive number")
 
 
 def check_addends(path: Path, where: str, text: str) -> None:

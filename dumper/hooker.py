@@ -101,7 +101,8 @@ class HookerAndDumper:
     ``grad_scale``: read with ``get_scale()`` as ``register_hooks`` begins the step, one host
     sync), so that ``h5cmp`` compares them with another run's unscaled ones. A parameter's
     gradient taken as an optimizer step begins is taken as ``GradScaler.step`` leaves it:
-    unscaled.
+    unscaled, but for a fused optimizer's (it unscales inside its step); one taken again
+    as the step ends after ``scaler.unscale_(optimizer)`` (before clipping), unscaled.
 
     ``pause_gc`` (default True) turns Python's automatic cyclic garbage collection off from
     ``register_hooks`` of a dumped step to its ``remove_hooks`` (:mod:`dumper.collector`): the
@@ -255,7 +256,7 @@ class HookerAndDumper:
                 raise
             self._budget.on_pressure = self._writer.flush
             self._maker.batch = StepBatch(self._pool)
-            self._maker.grad_scale = self._loss_scale()
+            self._maker.grad_scale, self._maker.scaler = self._loss_scale(), self.scaler
             if self._reference is not None:
                 self._reference.grad_scale = self._maker.grad_scale
             self._capture = StepCapture(hooked, self._writer.submit, self._maker,
@@ -350,7 +351,8 @@ class HookerAndDumper:
             capture.finish()  # its last records (sums of gradients, parameter gradients) too
             self._maker.batch.seal()  # go from the device to the host, for the writer
         finally:
-            self._maker.batch, self._maker.grad_scale = None, fmt.NO_GRAD_SCALE
+            self._maker.batch, self._maker.grad_scale, self._maker.scaler = (
+                None, fmt.NO_GRAD_SCALE, None)
             capture.remove()
             self._close_reference()
         if not capture.modules_run:
@@ -420,7 +422,8 @@ class HookerAndDumper:
         self._registered = False
         capture, writer = self._capture, self._writer
         self._capture = self._writer = None
-        self._maker.batch, self._maker.grad_scale = None, fmt.NO_GRAD_SCALE
+        self._maker.batch, self._maker.grad_scale, self._maker.scaler = (
+            None, fmt.NO_GRAD_SCALE, None)
         try:
             if capture is not None:
                 capture.remove()

@@ -4,8 +4,10 @@ A parameter's gradient is taken after each accumulation into ``.grad`` (a post-a
 hook; each replaces the one before), and taken again when an optimizer step begins that
 updates the parameter (a global optimizer step pre-hook, registered for the hooked step only):
 by then a data-parallel wrapper has all-reduced and averaged it, the user may have clipped
-it, and a GradScaler has unscaled it (``GradScaler.step`` unscales before it steps: such a
-record carries no loss scale, one taken as accumulated the step's). Where the step ends (``remove_hooks``) before any optimizer step, the gradient stays as
+it, and a GradScaler has unscaled it (``GradScaler.step`` unscales before it steps, but for
+an optimizer that unscales inside its fused step: such a record carries no loss scale, one
+taken as accumulated the step's, and one taken again at the step's end after
+``GradScaler.unscale_``, none). Where the step ends (``remove_hooks``) before any optimizer step, the gradient stays as
 accumulated, unless it was changed in place since (DDP all-reduces at the end of backward):
 then it is taken again. One that is ``None`` by then stays as accumulated. Each is recorded
 under its module's first call, numbered at its last accumulation.
@@ -59,8 +61,8 @@ class ParamGrads:
         """The step's records, in the order of their last accumulation; the hooks are
         removed."""
         self.remove_hooks()
-        records = [self._taken_again(t) if not t.final and _changed(t) else t.record
-                   for t in self._taken.values()]
+        records = [self._taken_again(t, self._maker.param_grad_scale())
+                   if not t.final and _changed(t) else t.record for t in self._taken.values()]
         self._taken.clear()
         return sorted(records, key=lambda r: r.seq)
 
@@ -95,14 +97,19 @@ class ParamGrads:
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for key, taken in list(self._taken.items()):
             if not taken.final and id(taken.param) in stepped and taken.param.grad is not None:
-                record = self._taken_again(taken)
-                record.grad_scale = fmt.NO_GRAD_SCALE  # GradScaler.step unscaled it first
+                # GradScaler.step unscales first, but for an optimizer that unscales in its
+                # own step (a fused one: GradScaler hands it the scale as ``grad_scale``)
+                scaled = getattr(optimizer, "grad_scale", None) is not None
+                record = self._taken_again(taken, self._maker.grad_scale if scaled
+                                           else fmt.NO_GRAD_SCALE)
                 self._taken[key] = taken._replace(record=record, final=True)
 
-    def _taken_again(self, taken: _Taken) -> Record:
+    def _taken_again(self, taken: _Taken, grad_scale: float) -> Record:
+        """``taken``'s gradient taken again, carrying the loss scale ``grad_scale``."""
         old = taken.record
         record = self._maker.tensor(old.seq, old.call, fmt.PARAM_GRAD, old.index, old.path,
                                     taken.param.grad)
+        record.grad_scale = grad_scale
         self._maker.release(old)
         return record
 

@@ -148,8 +148,10 @@ class RecordMaker:
         self._marks = marks if marks is not None else ShardMarks()
         self._batch: Optional[StepBatch] = None
         self._known: Optional[KnownTensors] = None
-        # the loss scale the dumped step's gradients carry (HookerAndDumper's scaler=)
+        # the loss scale the dumped step's gradients carry, and the scaler (HookerAndDumper's
+        # scaler=) that may unscale the parameters' gradients before the step ends
         self.grad_scale = fmt.NO_GRAD_SCALE
+        self.scaler: Any = None
 
     @property
     def batch(self) -> Optional[StepBatch]:
@@ -235,6 +237,15 @@ class RecordMaker:
         if now is not None:
             known.put_values(t, now, rec)
         return rec
+
+    def param_grad_scale(self) -> float:
+        """The loss scale a parameter's gradient carries now: the step's, unless the scaler
+        unscaled its optimizers' gradients since (``GradScaler.unscale_``, as a loop that
+        clips calls it: every optimizer's stage ``UNSCALED``, a private field of torch's
+        GradScaler read defensively; with several optimizers in other stages, the step's)."""
+        states = getattr(self.scaler, "_per_optimizer_states", None)
+        stages = {getattr(s.get("stage"), "name", "") for s in (states or {}).values()}
+        return fmt.NO_GRAD_SCALE if stages == {"UNSCALED"} else self.grad_scale
 
     def release(self, record: Record) -> None:
         """Return a written (or discarded) record's buffers and budget."""

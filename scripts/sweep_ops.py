@@ -6,7 +6,9 @@ verdict. Not a timed test.
 
 Per architecture (``tests/architectures.py``; Hugging Face models switched to eager attention,
 so that a softmax is an op of its own), A float32 against B under each autocast precision, the
-same weights and batch, no error planted: every failing row is a false alarm. Printed per
+same weights and batch, both dumped with ``params=True`` (so that what needs B's weights, as
+a bias gradient's recomputation, is judged too), no error planted: every failing row is a
+false alarm. Printed per
 pair: the verdict's first line and the failing rows (a pair that agrees "as far as two dumps
 can tell" bounds what could hide; one that "may diverge" has an outlier it cannot judge). At
 the end: the totals, every false alarm, and per class (an op's name) and kind the recomputed
@@ -55,7 +57,7 @@ def run_pair(arch: str, precision: str, seed: int, steps: int, tmp: Path) -> dic
     root = tmp / f"{arch}-{precision}-{seed}-{steps}"
     common = dict(seed=seed, steps=steps, optimizer="adamw")
     run_step(arch, "float32", root / "a", dumper_options={"ops": "*", "params": True}, **common)
-    run_step(arch, precision, root / "b", dumper_options={"ops": "*"}, **common)
+    run_step(arch, precision, root / "b", dumper_options={"ops": "*", "params": True}, **common)
     result = compare_dumps(root / "a", root / "b")
     summary = summarize(result)
     failing = result[result["status"].isin(list(FAILING))]

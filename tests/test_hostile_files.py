@@ -86,6 +86,9 @@ def set_cell(column, value, row=None):
     ("addends", b"3:0:1", "addends '3:0:1' are not call:index pairs"),
     ("addends", b"99999999999999999999:0", "are not call:index pairs"),
     ("addends", b"1: 2", "addends '1: 2' are not call:index pairs"),
+    ("grad_scale", 0.0, "grad_scale 0.0 is not a positive number"),
+    ("grad_scale", float("nan"), "grad_scale nan is not a positive number"),
+    ("grad_scale", -1024.0, "grad_scale -1024.0 is not a positive number"),
 ])
 def test_a_damaged_index_row_is_refused(reference, copy, column, value, says):
     edit_index(copy, set_cell(column, value))

@@ -22,14 +22,17 @@ SCALE = 2.0 ** 12  # a GradScaler's initial scale, low enough that no float16 gr
 
 def _train(directory, precision: str, *, scaler: bool, record_scaler: bool = True,
            around_step: bool = False, plant: dict = None, mode: str = "tensors",
-           dumped: int = 1, inject=None, scale: float = SCALE) -> None:
+           dumped: int = 1, inject=None, scale: float = SCALE, fused: bool = False,
+           clip: bool = False) -> None:
     """Two AdamW steps of a tiny GPT-2 (step ``dumped`` dumped, params=True), its loss scaled by a
     GradScaler where ``scaler``, which the dumper is told of where ``record_scaler``; the
     hooks around forward and backward, or (``around_step``) around the optimizer step too, so
     that parameter gradients are taken as ``GradScaler.step`` unscaled them; ``inject``: a
-    localizing re-run on that dump's values."""
+    localizing re-run on that dump's values; ``fused``: a fused AdamW (it unscales in its own
+    step); ``clip``: ``scaler.unscale_`` and a gradient clip inside the hooks (its step
+    outside), which changes the gradients in place after they were taken."""
     model, batch = build("gpt2", precision, seed=1)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     scaling = torch.amp.GradScaler("cpu", init_scale=scale, enabled=scaler)
     dumper = HookerAndDumper(directory, steps=[dumped], params=True, mode=mode, inject=inject,
                              scaler=scaling if record_scaler else None)
@@ -39,6 +42,9 @@ def _train(directory, precision: str, *, scaler: bool, record_scaler: bool = Tru
             with precision_context(precision):
                 loss = ARCHITECTURES["gpt2"].loss(model, batch)
             scaling.scale(loss).backward()
+            if clip:
+                scaling.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
             if around_step:
                 scaling.step(opt)
                 scaling.update()
@@ -161,3 +167,19 @@ def test_gradients_that_overflow_at_their_loss_scale_are_reported_so(tmp_path):
     assert "status nan_mismatch" in run.output
     assert ("B's gradients carry a loss scale of 1.07374e+09: they overflow float16 here"
             in run.output), run.output
+
+
+@pytest.mark.parametrize("case", ["fused", "clipped"])
+def test_parameter_gradients_carry_the_scale_they_were_taken_at(tmp_path, case):
+    """A fused AdamW unscales inside its step: its gradients, taken as the step begins, still
+    carry the scale. ``scaler.unscale_`` then a clip, inside the hooks: the clip changes the
+    gradients in place, they are taken again as the step ends, unscaled. Both compare with
+    float32 A (clipped alike) without a divergence."""
+    options = dict(fused=True, around_step=True) if case == "fused" else dict(clip=True)
+    _train(tmp_path / "a", "float32", scaler=False, dumped=0, **options)
+    _train(tmp_path / "b", "float16", scaler=True, dumped=0, **options)
+    index = load_dump(tmp_path / "b").index
+    param_grads = index.loc[index["kind"] == fmt.PARAM_GRAD, "grad_scale"]
+    assert len(param_grads) and (param_grads == (SCALE if case == "fused" else 1.0)).all()
+    run = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "b")])
+    assert run.exit_code == 0 and "B diverges" not in run.output, run.output

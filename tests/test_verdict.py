@@ -2008,8 +2008,9 @@ def test_a_bias_gradient_whose_positions_cancel_amplifies_its_incoming_error(tmp
     which cancel to a third of a random walk's size: float16's 7 % error there became 16 %,
     a false alarm (9x the typical added error of parameter gradients). Its gain is now the
     sum's, ``rms(gy) sqrt(P) / rms(db)`` (3.4), as a Linear's bias's; and recomputed from
-    its incoming gradient, a 5 % error planted in it (which that gain could hide) is the
-    first divergence, found exactly."""
+    its incoming gradient, a 20 % error planted in it (which that gain hid: "cannot tell") is
+    the first divergence, found exactly (5 % lies within the rounding of float16 partial sums,
+    which a kernel given float16 may keep)."""
     _resnet_with_weights(tmp_path / "a", "float32")
     _resnet_with_weights(tmp_path / "b", "float16")
     healthy = compare_dumps(tmp_path / "a", tmp_path / "b")
@@ -2017,9 +2018,28 @@ def test_a_bias_gradient_whose_positions_cancel_amplifies_its_incoming_error(tmp
     bias = healthy[(healthy["module"] == "bn1") & (healthy["kind"] == fmt.PARAM_GRAD)
                    & (healthy["index"] == 1)].iloc[0]
     assert bias["rel_error"] > 2 * bias["input_rel_error"], bias
-    _resnet_with_weights(tmp_path / "planted", "float16", bias_grad_scale=1.05)
+    _resnet_with_weights(tmp_path / "planted", "float16", bias_grad_scale=1.2)
     first = summarize(compare_dumps(tmp_path / "a", tmp_path / "planted")).first
     assert first is not None and (first.row["module"], first.row["kind"], first.row["index"]) \
         == ("bn1", fmt.PARAM_GRAD, 1), first
-    assert first.row["recomputed_rel_err"] == pytest.approx(0.05, rel=0.05)
+    assert first.row["recomputed_rel_err"] == pytest.approx(0.2, rel=0.05)
     assert "summed over positions" in first.row["reason"]
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_a_bias_gradient_summed_in_16_bits_is_allowed_that_rounding(tmp_path, precision):
+    """torch's CPU LayerNorm backward of a 16-bit input holds its bias gradient's partial sums
+    in that dtype (9 units of bfloat16 over 2048 positions, where float32 partial sums round
+    0.4): recomputed, a healthy SegFormer's LayerNorm bias gradients are within the partial
+    sums' rounding at the lowest dtype the call is given (both runs dumped with params=True,
+    as a recomputation needs; they were "miscomputed" at float32's)."""
+    if cannot_run("segformer", precision):
+        pytest.skip(cannot_run("segformer", precision))
+    for name, run in (("a", "float32"), ("b", precision)):
+        run_step("segformer", run, tmp_path / name, seed=3, dumper_options={"params": True})
+    result = compare_dumps(tmp_path / "a", tmp_path / "b")
+    biases = result[(result["kind"] == fmt.PARAM_GRAD) & result["recomputed_rel_err"].notna()]
+    assert len(biases) > 10
+    assert (biases["recomputed_rel_err"] <= biases["recomputed_allowance"]).all(), biases[
+        ["module", "recomputed_rel_err", "recomputed_allowance"]]
+    assert summarize(result).ok, summarize(result).verdict()
