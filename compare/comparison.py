@@ -46,8 +46,8 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 20  # elements read per dataset slice (4 MiB of fl
 PAIR_COLUMNS = [
     "epoch", "step", "rank", "seq", "call", "module", "cls", "call_idx", "micro_batch", "kind",
     "index", "occurrence", "path", "producer", "addends", "injected", "dtype_a", "dtype_b",
-    "shape_a", "shape_b", "grad_scale_a", "grad_scale_b", "status", *METRIC_COLUMNS, *TRANSIT_COLUMNS, *RECOMPUTE_COLUMNS,
-    "rtol", "atol", "shard_rank",
+    "shape_a", "shape_b", "grad_scale_a", "grad_scale_b", "status", *METRIC_COLUMNS,
+    *TRANSIT_COLUMNS, *RECOMPUTE_COLUMNS, "rtol", "atol", "shard_rank",
 ]
 RESULT_COLUMNS = PAIR_COLUMNS + list(VERDICT_COLUMNS)
 # result.attrs key: the compared steps a dumper marked incomplete, as "B's step 0:1 (why)"

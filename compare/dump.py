@@ -323,8 +323,8 @@ def _absent(name: str, rows: int) -> np.ndarray:
     """A column an older format version lacks (see ``fmt.COLUMN_SINCE``)."""
     if dict(fmt.INDEX_COLUMNS)[name] == "str":  # not sharded, no addends
         return np.full(rows, "", dtype=object)
-    fill = {"checksum": fmt.NO_CHECKSUM, "micro_batch": fmt.NO_MICRO_BATCH,
-            "injected": 0, "digest": fmt.NO_DIGEST, "grad_scale": fmt.NO_GRAD_SCALE}.get(name, np.nan)
+    fill = {"checksum": fmt.NO_CHECKSUM, "micro_batch": fmt.NO_MICRO_BATCH, "injected": 0,
+            "digest": fmt.NO_DIGEST, "grad_scale": fmt.NO_GRAD_SCALE}.get(name, np.nan)
     return np.full(rows, fill)
 
 

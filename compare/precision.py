@@ -72,14 +72,15 @@ LOWERED_BY_CODE = (*AUTOCAST_DTYPES, "tensorfloat32")
 ROUNDABLE = ("float64", "float32", "float16", "bfloat16")  # the dtypes rounded() rounds to
 
 
-def rounded(values: np.ndarray, dtype: str, grad_scale: float = 1.0) -> Optional[np.ndarray]:
+def rounded(values: np.ndarray, dtype: str, grad_scale: float = fmt.NO_GRAD_SCALE
+            ) -> Optional[np.ndarray]:
     """Real ``values`` rounded to ``dtype`` (to nearest, ties to even), as float64, where they
     are held at a loss scale ``grad_scale`` (a GradScaler's gradients: rounded times it, then
     divided again, exactly); None for a dtype this cannot round to (not in
     :data:`ROUNDABLE`: float8, float4, not needed so far)."""
     if dtype not in ROUNDABLE:
         return None
-    if grad_scale != 1.0:
+    if grad_scale != fmt.NO_GRAD_SCALE:
         at_scale = rounded(np.asarray(values, dtype=np.float64) * grad_scale, dtype)
         return at_scale / grad_scale
     if dtype != "bfloat16":

@@ -59,9 +59,8 @@ from .arguments import same_number
 from .attributes import NO_ATTRIBUTES, Attributes, Recorded
 from .centering import BATCH_NORM
 from .formulas import (BIAS_GRADIENTS, CONVOLUTIONS, ELEMENTWISE, GATHERS, OVER_DIM, POOLS,
-                       PRODUCTS,
-                       ROUNDS_RESULT, TWO_TENSORS, UNWEIGHTED, WEIGHTED, allowed, candidates,
-                       near_zero_roundings, rounds_operands)
+                       PRODUCTS, ROUNDS_RESULT, TWO_TENSORS, UNWEIGHTED, WEIGHTED, allowed,
+                       candidates, near_zero_roundings, rounds_operands)
 from .operands import RECOMPUTE_FIGURES, Operands
 from .precision import BINARY_FORMATS, lowest, precision_of, rounded, rounding_of
 from .statistics import STATS_RESOLUTION

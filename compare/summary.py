@@ -124,15 +124,7 @@ class Divergence:
                          f"{int(r['shard_rank'])}'s shard")
         if r["reason"]:
             lines.append(f"  why: {r['reason']}")
-        overflow = _loss_scale_overflow(r)
-        if overflow:
-            lines.append(f"  {overflow}")
-        scale = loss_scale_ratio(r)
-        if scale is not None:
-            lines.append(f"  B's values are {scale:.6g} (2^{round(math.log2(scale))}) times A's, "
-                         f"as a loss scale makes them: if a run scales its loss "
-                         f"(torch.amp.GradScaler), give its dumper the scaler "
-                         f"(HookerAndDumper(..., scaler=scaler)) to compare without it")
+        lines += [f"  {hint}" for hint in (_loss_scale_overflow(r), _loss_scale_ratio(r)) if hint]
         if len(self.aliases):
             lines.append("  the same tensor is also " + ", ".join(
                 record_label(a) for _, a in self.aliases.iterrows()))
@@ -181,7 +173,7 @@ class Divergence:
         return "\n".join(lines)
 
 
-LOSS_SCALE_FROM = 2.0 ** 8  # the smallest loss scale a report names one for (GradScaler's start 2^16)
+LOSS_SCALE_FROM = 2.0 ** 8  # the least loss scale a report names (GradScaler starts at 2^16)
 
 
 def _loss_scale_overflow(row: pd.Series) -> str:
@@ -199,24 +191,29 @@ def _loss_scale_overflow(row: pd.Series) -> str:
     return ""
 
 
-def loss_scale_ratio(row: pd.Series) -> Optional[float]:
+def _loss_scale_ratio(row: pd.Series) -> str:
     """Where a gradient record of B is A's times a power of two of at least
     ``LOSS_SCALE_FROM`` (or its inverse), within 1 % (``1 + scale_err``, what B holds along
     A's values, accounts for its error), and the larger side's values carry no recorded loss
-    scale: that factor, which a loss scale its dumper was not told of explains; else None
-    (a factor of 2 or 32 is likelier a mean taken otherwise, a scale recorded is divided out
-    already)."""
+    scale: that factor, which a loss scale its dumper was not told of explains, and how to
+    tell it; else "" (a factor of 2 or 32 is likelier a mean taken otherwise, a scale
+    recorded is divided out already)."""
     if row["kind"] not in fmt.BACKWARD_KINDS or not pd.notna(row.get("scale_err")):
-        return None
+        return ""
     ratio = 1.0 + float(row["scale_err"])
     if ratio <= 0 or not math.isfinite(ratio):
-        return None
+        return ""
     power = round(math.log2(ratio))
     larger = row.get("grad_scale_b" if power > 0 else "grad_scale_a", fmt.NO_GRAD_SCALE)
     scaled = (abs(power) >= math.log2(LOSS_SCALE_FROM) and abs(ratio / 2.0 ** power - 1.0)
               <= 0.01 and (pd.isna(larger) or larger == fmt.NO_GRAD_SCALE))
-    explained = abs(float(row["rel_error"]) - abs(ratio - 1.0)) <= 0.01 * max(abs(ratio - 1.0), 1.0)
-    return 2.0 ** power if scaled and explained else None
+    explained = abs(float(row["rel_error"]) - abs(ratio - 1.0)) <= 0.01 * max(abs(ratio - 1.0),
+                                                                              1.0)
+    if not (scaled and explained):
+        return ""
+    return (f"B's values are {2.0 ** power:.6g} (2^{power}) times A's, as a loss scale makes "
+            f"them: if a run scales its loss (torch.amp.GradScaler), give its dumper the scaler "
+            f"(HookerAndDumper(..., scaler=scaler)) to compare without it")
 
 
 @dataclass

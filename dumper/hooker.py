@@ -255,8 +255,7 @@ class HookerAndDumper:
                 claim.release()
                 raise
             self._budget.on_pressure = self._writer.flush
-            self._maker.batch = StepBatch(self._pool)
-            self._maker.grad_scale, self._maker.scaler = self._loss_scale(), self.scaler
+            self._maker.start_step(StepBatch(self._pool), self._loss_scale(), self.scaler)
             if self._reference is not None:
                 self._reference.grad_scale = self._maker.grad_scale
             self._capture = StepCapture(hooked, self._writer.submit, self._maker,
@@ -351,8 +350,7 @@ class HookerAndDumper:
             capture.finish()  # its last records (sums of gradients, parameter gradients) too
             self._maker.batch.seal()  # go from the device to the host, for the writer
         finally:
-            self._maker.batch, self._maker.grad_scale, self._maker.scaler = (
-                None, fmt.NO_GRAD_SCALE, None)
+            self._maker.end_step()
             capture.remove()
             self._close_reference()
         if not capture.modules_run:
@@ -422,8 +420,7 @@ class HookerAndDumper:
         self._registered = False
         capture, writer = self._capture, self._writer
         self._capture = self._writer = None
-        self._maker.batch, self._maker.grad_scale, self._maker.scaler = (
-            None, fmt.NO_GRAD_SCALE, None)
+        self._maker.end_step()
         try:
             if capture is not None:
                 capture.remove()

@@ -7,8 +7,8 @@ by then a data-parallel wrapper has all-reduced and averaged it, the user may ha
 it, and a GradScaler has unscaled it (``GradScaler.step`` unscales before it steps, but for
 an optimizer that unscales inside its fused step: such a record carries no loss scale, one
 taken as accumulated the step's, and one taken again at the step's end after
-``GradScaler.unscale_``, none). Where the step ends (``remove_hooks``) before any optimizer step, the gradient stays as
-accumulated, unless it was changed in place since (DDP all-reduces at the end of backward):
+``GradScaler.unscale_``, none). Where the step ends (``remove_hooks``) before any optimizer
+step, the gradient stays as accumulated, unless it was changed in place since (DDP all-reduces at the end of backward):
 then it is taken again. One that is ``None`` by then stays as accumulated. Each is recorded
 under its module's first call, numbered at its last accumulation.
 """

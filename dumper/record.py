@@ -238,6 +238,15 @@ class RecordMaker:
             known.put_values(t, now, rec)
         return rec
 
+    def start_step(self, batch: StepBatch, grad_scale: float, scaler: Any) -> None:
+        """Begin a dumped step: its arenas, the loss scale its gradients carry and the scaler
+        that set it (None: none)."""
+        self.batch, self.grad_scale, self.scaler = batch, grad_scale, scaler
+
+    def end_step(self) -> None:
+        """Forget the step's arenas, loss scale and scaler."""
+        self.batch, self.grad_scale, self.scaler = None, fmt.NO_GRAD_SCALE, None
+
     def param_grad_scale(self) -> float:
         """The loss scale a parameter's gradient carries now: the step's, unless the scaler
         unscaled its optimizers' gradients since (``GradScaler.unscale_``, as a loop that
