@@ -71,7 +71,7 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
             prows = prows.to_numpy()
             pool = added_s[prows[calibrating[prows]]]
             pool = pool[(pool > 0) & np.isfinite(pool)]
-            pool_level = _typical(pool) if len(pool) >= MIN_GROUP else 0.0
+            pooled = len(pool) >= MIN_GROUP
             for _, grows in group_key[prows].groupby(group_key[prows]).groups.items():
                 grows = grows.to_numpy()
                 gains = ratio[grows[calibrating[grows]]]
@@ -85,7 +85,8 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
                 kind = frame.at[grows[0], "kind"]
                 what = (f"{kind} records made by {maker[grows[0]]}" if own
                         else f"{kind} records")
-                out.level[grows] = 0.0 if exact else _typical(members) if own else pool_level
+                out.level[grows] = (0.0 if exact else _typical_of_others(members, grows) if own
+                                    else _typical_of_others(pool, grows) if pooled else 0.0)
                 out.label[grows] = (EXACT_LABEL if exact else
                                     f"typical {precision} added error of {what} in this dump")
         if exact:
@@ -229,6 +230,29 @@ def _typical(added: pd.Series) -> float:
     amplification fluctuating) contaminates the upper half; the lower quartile still shows the
     records' own rounding, which varies little between healthy records of one kind."""
     return float(added.quantile(TYPICAL_QUANTILE))
+
+
+def _typical_of_others(members: pd.Series, rows: np.ndarray) -> np.ndarray:
+    """Per row of ``rows``, the typical added error (:func:`_typical`) of ``members`` (indexed
+    by row) less the row's own: a record is judged against the others, not against itself (in
+    a group of five, one planted error raised the lower quartile it was judged by 6-fold)."""
+    values = members.to_numpy(float)
+    order = np.argsort(values, kind="stable")
+    v, n = values[order], len(values)
+    out = np.full(len(rows), _typical(members))
+    rank = pd.Series(np.arange(n), index=members.index[order]).reindex(rows).to_numpy()
+    own = np.isfinite(rank)
+    if n < 2 or not own.any():
+        return out
+    r = rank[own].astype(int)
+    position = TYPICAL_QUANTILE * (n - 2)  # linear interpolation, as Series.quantile does
+    low = int(math.floor(position))
+    high = min(low + 1, n - 2)
+
+    def of_others(k: int) -> np.ndarray:  # the k-th smallest of the others
+        return np.where(k < r, v[k], v[min(k + 1, n - 1)])
+    out[own] = of_others(low) + (position - low) * (of_others(high) - of_others(low))
+    return out
 
 
 def _mostly_exact(err: np.ndarray, err_in: np.ndarray, rows: np.ndarray) -> bool:

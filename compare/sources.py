@@ -18,7 +18,9 @@ grad_output    the call's outputs (what the loss was computed from), the grad_in
                grad_input for them was compared sends back part of what the outer one does,
                as a residual block's first layer its branch's share), the parent's
                grad_output, and the grad_inputs of the children of the parent that ran after
-               the call; where no recorded call
+               the call and may have used its outputs (not those whose every input a call
+               before it made: attention's value projection sends back nothing of the key
+               projection's gradient); where no recorded call
                consumed the outputs (the parent's own code did: attention, a gated
                product) and the parent is not the outermost call, also what that code's
                backward uses: the parent's inputs and parameters and the outputs of its
@@ -131,6 +133,8 @@ class _Step:
         self.consumers: dict[int, set[int]] = defaultdict(set)
         # per (consumer, producer), the indices of the consumer's inputs the producer made
         self.fed: dict[tuple[int, int], set[int]] = defaultdict(set)
+        # per call, the producers of its inputs (fmt.NO_PRODUCER where unknown)
+        self.producers: dict[int, set[int]] = defaultdict(set)
         # rows whose values were compared (all, for a frame without statuses)
         compared = (rows["status"].isin(list(st.COMPARED)) if "status" in rows
                     else pd.Series(True, index=rows.index))
@@ -143,6 +147,8 @@ class _Step:
             self.by_module_kind[(module, kind)].append(pos)
             if known:
                 self.compared[(call, kind, pass_)].add(int(index))
+            if kind == fmt.INPUT:
+                self.producers[int(call)].add(int(producer))
             if kind == fmt.INPUT and producer >= 0:
                 self.consumers[int(producer)].add(int(call))
                 self.fed[(int(call), int(producer))].add(int(index))
@@ -186,6 +192,15 @@ class _Step:
         parent = self.parent[call]
         return [] if parent is None else self.children[parent]
 
+    def may_use(self, sibling: int, call: int) -> bool:
+        """Whether a sibling that ran after ``call`` may have computed from its outputs: not
+        where every input of the sibling was output by a call that ran before ``call`` or is
+        a parameter (attention's value projection, fed the same hidden states as its key
+        projection, sends back nothing of the key's gradient), else it may (an input the
+        parent's code made, or a later call made, or no recorded input at all)."""
+        producers = self.producers.get(sibling)
+        return not producers or any(p == fmt.NO_PRODUCER or p >= call for p in producers)
+
     def code_values(self, call: int) -> list[int]:
         """Where no recorded call consumed the call's outputs and its parent is not the
         outermost call, the gradient arriving at them comes back through the parent's own code,
@@ -219,7 +234,7 @@ class _Step:
         if kind == fmt.GRAD_OUTPUT:
             if parent is None:
                 return self.of(fwd, fmt.OUTPUT)
-            after = [c for c in self.siblings(call) if c > call]
+            after = [c for c in self.siblings(call) if c > call and self.may_use(c, call)]
             consumers = self.outermost(call, occurrence)
             sources = (self.of(fwd, fmt.OUTPUT)
                        + self.of(sorted(set(after) | set(consumers)), fmt.GRAD_INPUT, occurrence)

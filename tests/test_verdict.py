@@ -653,10 +653,12 @@ def test_a_gradient_through_attention_code_carries_its_values_error(tmp_path):
 def test_a_gradient_attention_code_amplified_says_two_dumps_cannot_bound_it(tmp_path):
     """A 10 % error in Llama's token embeddings at the fourth AdamW step (bfloat16 autocast):
     the gradient it leaves in ``o_proj``'s grad_input comes back to ``v_proj`` through
-    attention's sums over positions, amplified 2-3x, beyond the gain allowed there: named
-    the first divergence, between modules. Those sums' cancelling is in no record, so the
-    text says the gradients it was sent back from already differ and names the re-run that
-    settles it; the re-run names the embedding."""
+    attention's sums over positions, amplified 2-3x, beyond the gain allowed there. It was
+    named the first divergence (a wrong place, exit 1), with a note that the gradients it
+    was sent back from already differ. Judged against the other comparable records (not
+    itself) and with ``k_proj``'s and ``q_proj``'s gradients no longer taken to come from
+    ``v_proj``'s, the verdict says it cannot tell and names the embedding among the suspects;
+    the re-run names the embedding."""
     common = dict(seed=1, steps=4, optimizer="adamw", plant_last_only=True)
     plant = {"include": ["model.embed_tokens"], "where": "output", "scale": 1.1}
     run_step("llama", "float32", tmp_path / "a", dumper_options={"params": True}, **common)
@@ -664,11 +666,10 @@ def test_a_gradient_attention_code_amplified_says_two_dumps_cannot_bound_it(tmp_
     run_step("llama", "bfloat16", tmp_path / "c", plant=plant,
              dumper_options={"inject": tmp_path / "a"}, **common)
     out = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "b")])
-    assert out.exit_code == 1
-    assert "first divergence: step 0:3, backward, module model.layers.0.self_attn.v_proj" \
-        in out.output, out.output
-    assert ("but it is sent back from records that already differ "
-            "(model.layers.0.self_attn.o_proj.Linear#0 grad_input[0]") in out.output
+    assert out.exit_code == 0, out.output
+    assert "two dumps cannot tell" in out.output, out.output
+    assert "first divergence" not in out.output, out.output
+    assert "forward  model.embed_tokens.Embedding#0 output[0]" in out.output, out.output
     assert "re-run B on A's values to settle it" in out.output
     rerun = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "b"),
                                        "--injected", str(tmp_path / "c")])
