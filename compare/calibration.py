@@ -3,11 +3,14 @@
 Records are comparable when they have the same direction (forward or backward), kind, maker
 (the code that computed them, :func:`compare.sources.makers`: a module's class for what it
 computes, the consumers' classes or the parent's own code for a gradient arriving at an output)
-and the dtypes they were computed in (:func:`compare.precision.computed_in`). Their
-expected added error is the lower quartile of their added errors (of all records of that
-kind and dtype pair when fewer than ``MIN_GROUP`` are comparable), at least one rounding of the
-lower precision at the tensor's scale. Where both runs ran the same kernels on equal dtypes
-and the dump shows bit-identical records where their sources are, none is expected.
+and the dtypes they were computed in (:func:`compare.precision.computed_in`). A record's
+expected added error is the lower quartile of the others' added errors (of all records of that
+kind and dtype pair when fewer than ``MIN_GROUP`` are comparable), each counted in roundings of
+the lower precision at its own scale (``hypot(unit, underflow / rms)``, the rms a side held its
+values at, loss scale included: where float16 gradients underflow, a tensor of rms 5e-8 rounds
+to 60 % of itself, one of 2e-5 to 0.2 %), at least one such rounding. Where both runs ran the
+same kernels on equal dtypes and the dump shows bit-identical records where their sources are,
+none is expected.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from . import format as fmt
-from .precision import precision_of, rounding_of
+from .precision import precision_of, rounding_of, stored_scale
 from .sources import STEP_KEY, makers
 
 # How much a record may amplify the relative error of its sources without being blamed: where
@@ -57,7 +60,19 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
     group_key = pool_key + " " + maker
     out = Expectation(np.zeros(len(frame)), np.full(len(frame), "", object),
                       np.full(len(frame), GAIN))
-    added_s = pd.Series(added)
+    # added errors in roundings at each record's own scale (where they underflow, a float16
+    # gradient of 5e-8 rounds to 60 % of itself, one of 2e-5 to 0.2 %): comparable records add
+    # alike in those units, not in absolute terms
+    stored = {side: stored_scale(frame, side) for side in ("a", "b")}
+    rounding = np.ones(len(frame))
+    for _, rows in pair.groupby(pair).groups.items():
+        rows = rows.to_numpy()
+        low = {"a": dtype_a[rows[0]], "b": dtype_b[rows[0]]}
+        rounding[rows] = _one_rounding(
+            rounding_of(precision_of(low["a"], low["b"])).unit,
+            [(rounding_of(low[side]).underflow, stored[side][rows]) for side in low])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        added_s = pd.Series(added / rounding)
     fans = fan_in_out(frame)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = pd.Series(np.where((err_in > 0) & (added <= err_in), err / err_in, np.nan))
@@ -85,15 +100,15 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
                 kind = frame.at[grows[0], "kind"]
                 what = (f"{kind} records made by {maker[grows[0]]}" if own
                         else f"{kind} records")
-                out.level[grows] = (0.0 if exact else _typical_of_others(members, grows) if own
-                                    else _typical_of_others(pool, grows) if pooled else 0.0)
+                out.level[grows] = rounding[grows] * (
+                    0.0 if exact else _typical_of_others(members, grows) if own
+                    else _typical_of_others(pool, grows) if pooled else 0.0)
                 out.label[grows] = (EXACT_LABEL if exact else
                                     f"typical {precision} added error of {what} in this dump")
         if exact:
             out.gain[rows] = np.maximum(out.gain[rows], EXACT_GAIN)
             continue
-        _at_least_one_rounding(out, rows, rounding_of(precision), precision,
-                               frame["rms_a"].to_numpy(float))
+        _at_least_one_rounding(out, rows, rounding[rows], precision)
         _at_least_a_sums_rounding(out, rows, frame, precision)
         _at_least_a_products_rounding(out, rows, frame, precision, fans)
     return out
@@ -212,13 +227,20 @@ def fan_in_out(frame: pd.DataFrame) -> dict[tuple, tuple[int, int]]:
     return fans
 
 
-def _at_least_one_rounding(out: Expectation, rows: np.ndarray, rounding, precision: str,
-                           scale: np.ndarray) -> None:
-    """Where kernels differ, at least one rounding of the precision may be added, relatively
-    and, near zero, absolutely (at the tensor's scale)."""
+def _one_rounding(unit: float, underflows: list[tuple[float, np.ndarray]]) -> np.ndarray:
+    """One rounding: ``unit`` relatively, and, near zero, each side's underflow at the scale
+    it held its values at (:func:`compare.precision.stored_scale`), the larger:
+    ``hypot(unit, underflow / scale)``."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        floor = np.hypot(rounding.unit, np.where(
-            scale[rows] > 0, rounding.underflow / scale[rows], 0.0))
+        near_zero = np.fmax.reduce([np.where(scale > 0, underflow / scale, 0.0)
+                                    for underflow, scale in underflows])
+    return np.hypot(unit, near_zero)
+
+
+def _at_least_one_rounding(out: Expectation, rows: np.ndarray, floor: np.ndarray,
+                           precision: str) -> None:
+    """Where kernels differ, at least one rounding of the precision may be added (``floor``,
+    per row of ``rows``: :func:`_one_rounding`)."""
     at_floor = out.level[rows] < floor
     out.level[rows[at_floor]] = floor[at_floor]
     out.label[rows[at_floor]] = f"{precision} rounding at this tensor's scale"

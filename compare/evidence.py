@@ -16,7 +16,7 @@ import pandas as pd
 from . import format as fmt
 from . import status as st
 from .centering import normalizes
-from .precision import cast_rounding, lowest, rounding_of
+from .precision import cast_rounding, lowest, rounding_of, stored_scale
 from .gains import bias_scales, linear_gains
 from .metrics import REORDERED_MARGIN
 from .formulas import (ELEMENTWISE, OVER_DIM, TWO_TENSORS, near_zero_roundings,
@@ -194,7 +194,7 @@ class Evidence:
             lambda sent: sent.count(SUM_OF_RECORDS)).to_numpy(float)
         with np.errstate(divide="ignore"):
             self.transit_floor = np.sqrt(np.fmax(additions, 1)) * (
-                cast.unit + cast.underflow / frame["rms_a"].to_numpy(float))
+                cast.unit + cast.underflow / stored_scale(frame, "b"))
         self.in_transit = self.transit > self.transit_floor  # changed beyond that (NaN: no link)
         # B's value is the sum of other records' values, as in A, within rounding: its error
         # is theirs, summed (cancelling terms amplify it relatively)
@@ -211,7 +211,7 @@ class Evidence:
             terms = frame["recomputed_terms"].to_numpy(float)
             self.recomputed_floor = recompute_allowance(
                 unit, frame["recomputed_spread"].to_numpy(float), terms, underflow,
-                frame["rms_a"].to_numpy(float),
+                stored_scale(frame, "b"),
                 near_zero_roundings(frame["cls"].fillna("").to_numpy(object), terms),
                 rounds_operands(frame["cls"].fillna("").to_numpy(object),
                                 frame["kind"].to_numpy(object)),

@@ -92,6 +92,18 @@ def rounded(values: np.ndarray, dtype: str, grad_scale: float = fmt.NO_GRAD_SCAL
     return bits.view(np.float32).astype(np.float64)
 
 
+def stored_scale(frame: pd.DataFrame, side: str) -> np.ndarray:
+    """Per row, the scale (rms) of the values ``side`` (``"a"`` or ``"b"``) held: A's rms,
+    unscaled (``rms_a``), times the loss scale that side's gradient was computed at; where a
+    rounding underflows is relative to this (a GradScaler's float16 gradients underflow
+    ``grad_scale`` times less than their unscaled values would)."""
+    rms = frame["rms_a"].to_numpy(float)
+    column = f"grad_scale_{side}"
+    if column not in frame:
+        return rms
+    return rms * frame[column].fillna(fmt.NO_GRAD_SCALE).to_numpy(float)
+
+
 def rounding_of(dtype: str) -> Rounding:
     return ROUNDING.get(dtype, EXACT_DTYPE)
 

@@ -18,9 +18,9 @@ grad_output    the call's outputs (what the loss was computed from), the grad_in
                grad_input for them was compared sends back part of what the outer one does,
                as a residual block's first layer its branch's share), the parent's
                grad_output, and the grad_inputs of the children of the parent that ran after
-               the call and may have used its outputs (not those whose every input a call
-               before it made: attention's value projection sends back nothing of the key
-               projection's gradient); where no recorded call
+               the call and may have used its outputs (not those fed only what calls before
+               it made, or the values it was given: attention's value projection sends back
+               nothing of the key projection's gradient); where no recorded call
                consumed the outputs (the parent's own code did: attention, a gated
                product) and the parent is not the outermost call, also what that code's
                backward uses: the parent's inputs and parameters and the outputs of its
@@ -133,22 +133,30 @@ class _Step:
         self.consumers: dict[int, set[int]] = defaultdict(set)
         # per (consumer, producer), the indices of the consumer's inputs the producer made
         self.fed: dict[tuple[int, int], set[int]] = defaultdict(set)
-        # per call, the producers of its inputs (fmt.NO_PRODUCER where unknown)
-        self.producers: dict[int, set[int]] = defaultdict(set)
+        # per call, its inputs' producers (fmt.NO_PRODUCER where unknown) and values, and the
+        # values it was given and returned: (numel, rms_a) where a comparison measured them
+        self.inputs: dict[int, list[tuple[int, Optional[tuple]]]] = defaultdict(list)
+        self.values: dict[tuple[int, str], set[tuple]] = defaultdict(set)
+        measured = "rms_a" in rows and "numel" in rows  # (an index alone: no values known)
+        scales = rows["rms_a"] if measured else pd.Series(np.nan, index=rows.index)
+        numels = rows["numel"] if measured else pd.Series(0, index=rows.index)
         # rows whose values were compared (all, for a frame without statuses)
         compared = (rows["status"].isin(list(st.COMPARED)) if "status" in rows
                     else pd.Series(True, index=rows.index))
         self.compared: dict[tuple, set[int]] = defaultdict(set)  # (call, kind, pass) -> indices
-        for pos, call, module, kind, index, occurrence, producer, known in zip(
+        for pos, call, module, kind, index, occurrence, producer, known, numel, scale in zip(
                 rows["pos"], rows["call"], rows["module"], rows["kind"], rows["index"],
-                rows["occurrence"], rows["producer"], compared):
+                rows["occurrence"], rows["producer"], compared, numels, scales):
             pass_ = occurrence if kind in fmt.BACKWARD_KINDS else None
             self.by_call_kind[(call, kind, pass_)].append(pos)
             self.by_module_kind[(module, kind)].append(pos)
             if known:
                 self.compared[(call, kind, pass_)].add(int(index))
+            values = (int(numel), float(scale)) if np.isfinite(scale) and scale > 0 else None
+            if values is not None and kind in (fmt.INPUT, fmt.OUTPUT):
+                self.values[(int(call), kind)].add(values)
             if kind == fmt.INPUT:
-                self.producers[int(call)].add(int(producer))
+                self.inputs[int(call)].append((int(producer), values))
             if kind == fmt.INPUT and producer >= 0:
                 self.consumers[int(producer)].add(int(call))
                 self.fed[(int(call), int(producer))].add(int(index))
@@ -194,12 +202,20 @@ class _Step:
 
     def may_use(self, sibling: int, call: int) -> bool:
         """Whether a sibling that ran after ``call`` may have computed from its outputs: not
-        where every input of the sibling was output by a call that ran before ``call`` or is
-        a parameter (attention's value projection, fed the same hidden states as its key
-        projection, sends back nothing of the key's gradient), else it may (an input the
-        parent's code made, or a later call made, or no recorded input at all)."""
-        producers = self.producers.get(sibling)
-        return not producers or any(p == fmt.NO_PRODUCER or p >= call for p in producers)
+        where each input of the sibling is a parameter, or was output by a call that ran
+        before ``call``, or holds the values ``call`` was given and did not return (attention's
+        value projection, fed the hidden states its key projection was, sends back nothing of
+        the key's gradient); else it may (an input the parent's code made from what, a dump
+        cannot tell, or a later call made, or no recorded input at all)."""
+        inputs = self.inputs.get(sibling)
+        given = self.values.get((call, fmt.INPUT), set())
+        returned = self.values.get((call, fmt.OUTPUT), set())
+
+        def independent(producer: int, values: Optional[tuple]) -> bool:
+            return (producer == fmt.PRODUCER_PARAMETER or 0 <= producer < call
+                    or (producer == fmt.NO_PRODUCER and values in given
+                        and values not in returned))
+        return not inputs or not all(independent(*each) for each in inputs)
 
     def code_values(self, call: int) -> list[int]:
         """Where no recorded call consumed the call's outputs and its parent is not the

@@ -270,6 +270,42 @@ def test_a_gradient_back_through_a_parents_own_code_has_what_that_code_used_as_s
     assert ("", "input", 0) not in of_last  # the root's own code, the loss beyond: as before
 
 
+class _Attention(torch.nn.Module):
+    """Attention's projections, fed its input as it is or (``windowed``) as its own code
+    rearranged it (no recorded call made that), and ``mix`` fed what its code made of the
+    key's output."""
+
+    def __init__(self, windowed: bool):
+        super().__init__()
+        self.q, self.k, self.v, self.o, self.mix = (torch.nn.Linear(4, 4) for _ in range(5))
+        self.windowed = windowed
+
+    def forward(self, x):
+        h = x.flip(0) if self.windowed else x
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        attended = torch.softmax(q @ k.T, dim=-1) @ v
+        return self.o(attended) + self.mix(k * 2)
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+def test_a_gradient_has_no_source_in_a_sibling_fed_before_it(tmp_path, windowed):
+    """The key's incoming gradient comes back through attention's code from ``o`` and from
+    ``mix`` (fed what that code made of the key's output), not from ``v``, which was fed what
+    the key was (by the outer layer, or by the code itself: the same values): ``v``'s
+    grad_input carries none of the key's gradient."""
+    from compare.sources import record_sources
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(torch.nn.Linear(4, 4), _Attention(windowed)), torch.randn(3, 4)
+    for side in ("a", "b"):
+        with HookerAndDumper(tmp_path / side).hooks(model, 0, 0):
+            model(x).pow(2).sum().backward()
+    rows = compare_dumps(tmp_path / "a", tmp_path / "b").reset_index(drop=True)
+    label = [(m, k, i) for m, k, i in zip(rows["module"], rows["kind"], rows["index"])]
+    of_key = {label[j] for j in record_sources(rows)[label.index(("1.k", "grad_output", 0))]}
+    assert {("1.o", "grad_input", 0), ("1.mix", "grad_input", 0)} <= of_key, of_key
+    assert ("1.v", "grad_input", 0) not in of_key, of_key
+
+
 class _Masked(torch.nn.Module):
     def __init__(self):
         super().__init__()
