@@ -90,9 +90,13 @@ class _Calls:
                    frame["call_idx"])
         self.first: dict[tuple, dict[tuple, int]] = {}
         self.inputs: dict[tuple, int] = {}
+        self.floating_inputs: dict[tuple, int] = {}
+        floating = frame["dtype_a"].fillna("").str.contains("float|complex").to_numpy()
+        self.floating = floating
         for pos, (key, k, i) in enumerate(zip(keys, kind, index)):
             if k == fmt.INPUT:
                 self.inputs[key] = self.inputs.get(key, 0) + 1
+                self.floating_inputs[key] = self.floating_inputs.get(key, 0) + floating[pos]
             if (k, i) in _FIRST:
                 self.first.setdefault(key, {})[(k, i)] = pos
         self.rms = frame["rms_a"].to_numpy(float)
@@ -130,9 +134,9 @@ def bias_scales(frame: pd.DataFrame) -> np.ndarray:
 
 def linear_gains(frame: pd.DataFrame) -> np.ndarray:
     """Per row, the weight-matrix amplification above for the output (forward) and the
-    grad_input of a call of a module owning a weight of two or more dimensions, and for the
-    gradients of the parameters a call sums over positions (:func:`_sum_gains`); NaN
-    elsewhere."""
+    grad_input of a call of a module owning a weight of two or more dimensions given a
+    floating first input (not an Embedding's indices), and for the gradients of the
+    parameters a call sums over positions (:func:`_sum_gains`); NaN elsewhere."""
     out = np.full(len(frame), np.nan)
     params = frame.loc[frame["kind"] == fmt.PARAM,
                        ["module", "index", "path", "shape_a", "shape_b", "rms_a"]]
@@ -146,7 +150,8 @@ def linear_gains(frame: pd.DataFrame) -> np.ndarray:
             continue
         norm, shape, index = weight
         x, y = first.get((fmt.INPUT, 0)), first.get((fmt.OUTPUT, 0))
-        if x is None or y is None or not isinstance(calls.shape[y], tuple):
+        if (x is None or y is None or not calls.floating[x]  # (an Embedding's indices)
+                or not isinstance(calls.shape[y], tuple)):
             continue
         n_out = _outputs(shape, calls.shape[y])
         if not n_out or not rms[y] > 0:
@@ -170,7 +175,10 @@ def _sum_gains(frame: pd.DataFrame, calls: _Calls, params: pd.DataFrame, weights
     (one element per channel: ``gy``'s second or last dimension), ``P = numel(gy) / n`` and
     ``f = 1`` for a bias, and for the weight of a normalization (a module whose parameters
     are all vectors of one length), which multiplies the normalized input, of unit root
-    mean square by construction."""
+    mean square by construction; and ``f = 1``, ``P = numel(gy) / numel(p)`` for the only
+    parameter of a module given no floating input, a lookup whose output elements are its
+    parameter's (an Embedding, Swin's relative position bias: its table's gradient sums what
+    arrives at the positions each entry went to)."""
     rms, numel = calls.rms, calls.numel
     made = Counter(key[:4] for key, _, _ in calls)
     grad = frame["kind"] == fmt.PARAM_GRAD
@@ -198,6 +206,8 @@ def _sum_gains(frame: pd.DataFrame, calls: _Calls, params: pd.DataFrame, weights
             elif len(shape) == 1 and (path == "bias" or normalization) and shape[0] in (
                     shape_gy[-1], shape_gy[1] if len(shape_gy) > 1 else None):
                 factor, positions = 1.0, numel[gy] / shape[0]
+            elif len(owned) == 1 and not calls.floating_inputs.get(key) and math.prod(shape):
+                factor, positions = 1.0, numel[gy] / math.prod(shape)  # a lookup
             else:
                 continue
             out[dp] = rms[gy] * factor * math.sqrt(positions) / rms[dp]

@@ -354,7 +354,8 @@ class _Call:
         dtype = {side: row[f"dtype_{side}"] if row["cls_a"] in ROUNDS_RESULT and not summed
                  else lowest([r[f"dtype_{side}"] for r in given]) for side in ("a", "b")}
         rounding = rounding_of(dtype["a"])
-        scale = self.metrics.get(row["label"], {}).get("rms_a", math.nan)
+        # (where A's rounding underflows: at the scale A held its values at, a loss scale's)
+        scale = self.metrics.get(row["label"], {}).get("rms_a", math.nan) * row["grad_scale_a"]
         fits = []  # (how far within A's rounding, formula) of the formulas A's records follow
         for formula in BIAS_GRADIENTS if summed else self.formulas:
             a = _columns(formula, kind, operands["a"])
