@@ -91,12 +91,11 @@ class _Calls:
         self.first: dict[tuple, dict[tuple, int]] = {}
         self.inputs: dict[tuple, int] = {}
         self.floating_inputs: dict[tuple, int] = {}
-        floating = frame["dtype_a"].fillna("").str.contains("float|complex").to_numpy()
-        self.floating = floating
+        self.floating = frame["dtype_a"].fillna("").str.contains("float|complex").to_numpy()
         for pos, (key, k, i) in enumerate(zip(keys, kind, index)):
             if k == fmt.INPUT:
                 self.inputs[key] = self.inputs.get(key, 0) + 1
-                self.floating_inputs[key] = self.floating_inputs.get(key, 0) + floating[pos]
+                self.floating_inputs[key] = self.floating_inputs.get(key, 0) + self.floating[pos]
             if (k, i) in _FIRST:
                 self.first.setdefault(key, {})[(k, i)] = pos
         self.rms = frame["rms_a"].to_numpy(float)
