@@ -82,7 +82,8 @@ def _outputs(weight_shape: tuple, out_shape: tuple) -> int:
 class _Calls:
     """The module calls of a comparison, walked without pandas groups (a dump may hold
     thousands): per call, its first input, output and gradients (row positions by ``(kind,
-    index)``), and how many input records it has; the rows' figures as arrays."""
+    index)``), and how many input records it has, and how many floating ones; the rows'
+    figures (and whether each is floating) as arrays."""
 
     def __init__(self, frame: pd.DataFrame):
         kind, index = frame["kind"].to_numpy(object), frame["index"].to_numpy()
