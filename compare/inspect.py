@@ -1,8 +1,10 @@
-"""Human-readable listing of one dump: steps, module calls, tensors, dtypes and shapes."""
+"""Human-readable listing of one dump: steps, module calls, tensors, dtypes and shapes (and
+statistics, without the loss scale a gradient was held at)."""
 from __future__ import annotations
 
 from typing import Union
 
+from . import format as fmt
 from .dump import Dump, PathLike, load_dump
 
 
@@ -38,9 +40,14 @@ def format_tree(dump: Union[PathLike, Dump]) -> str:
                     name = f"({r.kind}_{r.index})" if r.index >= 0 else f"({r.kind})"
                 shape = "[" + ", ".join(map(str, r.shape)) + "]"
                 detail = r.value if not r.dataset else ""
+                scale = r.grad_scale  # a GradScaler's: the values held are that many times theirs
                 if r.stat_nan == r.stat_nan:  # statistics row (NaN = not computed)
-                    detail = (f"min={r.stat_min:.4g} max={r.stat_max:.4g} mean={r.stat_mean:.4g} "
-                              f"std={r.stat_std:.4g} nan={r.stat_nan:.0f} inf={r.stat_inf:.0f}")
+                    detail = (f"min={r.stat_min / scale:.4g} max={r.stat_max / scale:.4g} "
+                              f"mean={r.stat_mean / scale:.4g} std={r.stat_std / scale:.4g} "
+                              f"nan={r.stat_nan:.0f} inf={r.stat_inf:.0f}")
+                if scale != fmt.NO_GRAD_SCALE:
+                    detail += (f"{'  ' if detail else ''}(held at loss scale {scale:g}"
+                               f"{', divided out' if r.stat_nan == r.stat_nan else ''})")
                 status = "" if r.status == "ok" else f"  [{r.status}]"
                 lines.append(f"      {name:<16} {r.dtype:<14} {shape:<18} {r.path}"
                              f"{'  ' + detail if detail else ''}{status}")

@@ -96,6 +96,25 @@ def test_statistics_of_scaled_gradients_are_compared_without_the_scale(tmp_path)
     assert grads["rel_l2_err"].isna().all() and (grads["rel_err_from_stats"] < 0.1).all()
 
 
+def test_a_listing_of_a_scaled_dump_says_the_scale_and_divides_it_out(tmp_path):
+    """`h5cmp B` lists a scaled gradient's statistics as the model's (the scale divided out,
+    as the comparison does) and says which scale a stored tensor is held at."""
+    _train(tmp_path / "a", "float32", scaler=False, dumped=0)
+    _train(tmp_path / "b", "float16", scaler=True, mode="stats", dumped=0)
+    _train(tmp_path / "c", "float16", scaler=True, dumped=0)
+    index = load_dump(tmp_path / "b").index
+    row = index[(index["kind"] == fmt.GRAD_OUTPUT) & (index["stat_std"] > 0)].iloc[0]
+    unscaled = (f"min={row['stat_min'] / SCALE:.4g} max={row['stat_max'] / SCALE:.4g} "
+                f"mean={row['stat_mean'] / SCALE:.4g} std={row['stat_std'] / SCALE:.4g}")
+    listing = CliRunner().invoke(h5cmp, [str(tmp_path / "b")])
+    assert listing.exit_code == 0, listing.output
+    line = next(line for line in listing.output.splitlines() if unscaled in line)
+    assert line.endswith(f"(held at loss scale {SCALE:g}, divided out)"), line
+    assert f"(held at loss scale {SCALE:g})" in CliRunner().invoke(
+        h5cmp, [str(tmp_path / "c")]).output
+    assert "loss scale" not in CliRunner().invoke(h5cmp, [str(tmp_path / "a")]).output
+
+
 def test_an_error_in_a_scaled_backward_is_found_where_it_is(tmp_path):
     """A 3 % error planted in one Linear-like module's backward of the scaled float16 run is
     the first divergence."""
