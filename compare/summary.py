@@ -110,6 +110,10 @@ class Divergence:
             figures = (f"the bits differ ({numel} elements, {r['dtype_a']} / {r['dtype_b']}); a "
                        f"hash record holds a digest, not values: dump this step with values or "
                        f"statistics to measure the error, status {r['status']}")
+            if r["grad_scale_a"] != r["grad_scale_b"]:
+                figures += (f"; the runs held this gradient at loss scales "
+                            f"{r['grad_scale_a']:g} and {r['grad_scale_b']:g}, whose bits "
+                            f"cannot agree: check determinism at one scale")
         if r["status"] == st.REPLICA_MISMATCH:  # a fault of one side's run, whatever B holds
             measured = (f"max_abs_err {r['max_abs_err']:.3g}" if pd.notna(r["max_abs_err"])
                         else "statistics")

@@ -115,6 +115,20 @@ def test_a_listing_of_a_scaled_dump_says_the_scale_and_divides_it_out(tmp_path):
     assert "loss scale" not in CliRunner().invoke(h5cmp, [str(tmp_path / "a")]).output
 
 
+def test_digests_at_two_loss_scales_are_reported_as_such(tmp_path):
+    """Hash mode checks bits; gradients held at two loss scales never agree bitwise: the first
+    divergence (the loss's gradient) says so, with both scales."""
+    _train(tmp_path / "a", "float16", scaler=True, mode="hash", dumped=0)
+    _train(tmp_path / "b", "float16", scaler=True, mode="hash", dumped=0, scale=SCALE / 2)
+    run = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "b")])
+    assert run.exit_code == 1, run.output
+    assert (f"held this gradient at loss scales {SCALE:g} and {SCALE / 2:g}, whose bits cannot "
+            f"agree") in run.output, run.output
+    _train(tmp_path / "again", "float16", scaler=True, mode="hash", dumped=0)
+    again = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "again")])
+    assert again.exit_code == 0 and "loss scales" not in again.output, again.output
+
+
 def test_an_error_in_a_scaled_backward_is_found_where_it_is(tmp_path):
     """A 3 % error planted in one Linear-like module's backward of the scaled float16 run is
     the first divergence."""
