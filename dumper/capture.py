@@ -362,6 +362,10 @@ class StepCapture:
         opened: list[Record] = []
         # a re-run leaves in place what the op writes into: the code goes on with it
         kept = written(name, func, args, kwargs) if inject is not None else frozenset()
+        if inject is not None:
+            inject.pair_op(info.module, info.call_idx, tuple(
+                tuple(t.shape) for _, t in call_leaves(args, kwargs)
+                if isinstance(t, torch.Tensor)))
         call = self._open(info, inject, args, kwargs, opened.append, kept)
         if inject is not None and fmt.INPUT in inject.kinds:
             args, kwargs = self._inject_inputs(inject, call, args, kwargs, kept) or (args, kwargs)
@@ -378,6 +382,8 @@ class StepCapture:
                 self._maker.release(record)
             if call.grads is not None:
                 self._collectors.remove(call.grads)
+            if inject is not None:
+                inject.unpair_op(info.module, info.call_idx)
             return output
         self._op_counts[key] += 1
         for record in opened:

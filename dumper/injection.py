@@ -69,6 +69,7 @@ from compare.metrics import (NORMS_WITHIN, REORDERED_FROM, REORDERED_MARGIN,
 from .calls import CallHooks, hooked_model, module_class
 from .encoding import decode_to_tensor
 from .flatten import call_leaves, leaf_text, map_tensors
+from .op_pairing import OpPairing
 
 INJECTABLE = (fmt.INPUT, fmt.OUTPUT, fmt.GRAD_OUTPUT, fmt.PARAM)
 # what a localizing re-run injects: every module computes from the reference's values
@@ -142,6 +143,7 @@ class StepReference:
         self._rows = {(r.module, r.call_idx, r.kind, r.index): r for r in rows.itertuples()
                       if r.kind in injector.kinds and r.occurrence == 0}
         self._calls = module_calls(rows, argument_rows(index))
+        self._ops = OpPairing(index)  # which reference op each op of the run takes values of
         # per (module, micro-batch) whose calls the reference's arguments tell apart: the
         # call_idx of each signature (compare.call_order)
         repeated = self._calls[self._calls["repeated"]]
@@ -223,10 +225,29 @@ class StepReference:
                 return call.take(module, call_idx)
         return None
 
-    def _reference_key(self, key: Key) -> Key:
+    def pair_op(self, module: str, call_idx: int, shapes: tuple) -> None:
+        """An op of the run starts, given tensors of ``shapes``: pair it with one of the
+        reference's (:mod:`dumper.op_pairing`) before any of its values is asked for."""
+        _, paired, _, _ = self._paired_key((module, call_idx, fmt.INPUT, 0))
+        self._ops.pair(module, paired, shapes)
+
+    def unpair_op(self, module: str, call_idx: int) -> None:
+        """The op :meth:`pair_op` paired recorded nothing (it returned its input)."""
+        _, paired, _, _ = self._paired_key((module, call_idx, fmt.INPUT, 0))
+        self._ops.forget(module, paired)
+
+    def _reference_key(self, key: Key) -> Optional[Key]:
         """``key`` (the run's module, call_idx, kind, index) as the reference's record key:
-        a call's own records at the call it pairs with; weights, the same at every call, at
-        the run's number."""
+        a call's own records at the call it pairs with, an op's at the op it pairs with (None
+        where none: :meth:`pair_op`); weights, the same at every call, at the run's number."""
+        module, paired, kind, index = self._paired_key(key)
+        if fmt.split_op(module) is None:
+            return module, paired, kind, index
+        op = self._ops.paired(module, paired)
+        return None if op is None else (op, paired, kind, index)
+
+    def _paired_key(self, key: Key) -> Key:
+        """``key`` at the reference's number of its call (:meth:`_reference_key`)."""
         module, call_idx, kind, index = key
         if kind not in CALL_KINDS:
             return key

@@ -362,6 +362,8 @@ def report(outcome: dict) -> None:
         print(f"not run (torch cannot run it here): {line}")
     for line in outcome["overflowed"]:
         print(f"no healthy pair: {line}")
+    for line in outcome["crashed"]:
+        print(f"CRASHED (a bug: a case h5cmp could not run): {line}")
     reruns = outcome["reruns"]
     print(f"identical reruns all equal: {sum(ok for _, ok in reruns)}/{len(reruns)}"
           + "".join(f" ({arch} not)" for arch, ok in reruns if not ok))
@@ -392,7 +394,8 @@ def main() -> None:
     steps = [int(s) for s in args.steps.split(",")]
     cases = [(arch, variant, n, seed) for arch in archs for n in steps
              for variant in args.variants.split(",") for seed in map(int, args.seeds.split(","))]
-    outcome = {"plants": [], "healthy": [], "unsupported": [], "overflowed": [], "reruns": []}
+    outcome = {"plants": [], "healthy": [], "unsupported": [], "overflowed": [], "crashed": [],
+               "reruns": []}
     with tempfile.TemporaryDirectory(prefix="bench_localize_") as tmp, \
             cf.ProcessPoolExecutor(max_workers=args.jobs) as pool:
         futures = {pool.submit(run_case, *case, args.plants, Path(tmp), args.keep,
@@ -400,7 +403,12 @@ def main() -> None:
         reruns = {pool.submit(rerun_equal, arch, n, Path(tmp)): arch
                   for arch in archs for n in steps}
         for future in cf.as_completed(futures):
-            for key, values in future.result().items():
+            try:
+                found = future.result()
+            except Exception as exc:  # counted and listed: the other cases still count
+                found = {"crashed": [f"{' '.join(map(str, futures[future]))}: "
+                                     f"{type(exc).__name__}: {str(exc).splitlines()[0]}"]}
+            for key, values in found.items():
                 outcome[key] += values
             print(f"  {' '.join(map(str, futures[future]))} done", file=sys.stderr, flush=True)
         outcome["reruns"] = [(reruns[f], f.result()) for f in reruns]

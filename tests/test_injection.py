@@ -453,3 +453,44 @@ def test_a_value_replaced_on_its_way_is_not_linked_to_what_was_sent(tmp_path):
     table = localize(tmp_path / "a", tmp_path / "b", tmp_path / "i")
     origins = table[table["verdict"] == ORIGIN]
     assert origins[["module", "kind"]].values.tolist() == [["0", fmt.OUTPUT]], origins
+
+
+class _Casts(nn.Module):
+    """A Mamba mixer's casts: its input to its own dtype (``x`` itself, which records nothing,
+    but of a re-run's injected copy, a copy: an op of the re-run alone), then its table's."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.table = nn.Parameter(torch.linspace(0.5, 1.5, 4, dtype=dtype))
+
+    def forward(self, x):
+        return x.to(x.dtype) * self.table.to(torch.float16).to(x.dtype)
+
+
+def test_an_op_of_a_rerun_takes_the_values_of_the_reference_op_it_is(tmp_path):
+    """The re-run's first cast is its input's, which records nothing in the float64 reference
+    (it returns the input), so the reference's ``to#0`` is the table's: paired by name and
+    number, the re-run was given the table's (4,) values for its (2, 4) input and stopped.
+    Paired by the shapes each op was given, the input's cast has no counterpart, gets no
+    value and records nothing, as in the reference; the table's casts take the reference's
+    values, and the re-run agrees with the reference."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, dtype=torch.float64)
+    for name, dtype in (("a", torch.float64), ("b", torch.float32), ("c", torch.float32)):
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(4, 4), _Casts(torch.float32)).to(dtype)
+        options = {"ops": ["1"], "params": name == "a"}
+        if name == "c":
+            options["inject"] = tmp_path / "a"
+        with HookerAndDumper(tmp_path / name, **options).hooks(model, 0, 0):
+            model(x.to(dtype).requires_grad_()).pow(2).sum().backward()
+    casts = {}
+    for name in ("a", "c"):
+        index = load_dump(tmp_path / name).index
+        casts[name] = index[index["module"].str.startswith("1/to#")
+                            & (index["kind"] == fmt.INPUT) & (index["index"] == 0)]
+    assert list(zip(casts["c"]["module"], casts["c"]["shape"])) == list(zip(
+        casts["a"]["module"], casts["a"]["shape"])) == [("1/to#0", (4,)), ("1/to#1", (4,))]
+    assert casts["c"]["injected"].all()
+    found = localize(tmp_path / "a", tmp_path / "b", tmp_path / "c")
+    assert not (found["verdict"] == ORIGIN).any(), found[found["verdict"] == ORIGIN]
