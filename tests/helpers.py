@@ -1,8 +1,11 @@
-"""Test helpers: read a dump back as exact torch tensors, keyed by (module, call_idx, kind, index)."""
+"""Test helpers: read a dump back as exact torch tensors, keyed by (module, call_idx, kind, index);
+planted errors; skipping what torch itself cannot run here."""
 from __future__ import annotations
 
+import pytest
 import torch
 
+from architectures import cannot_run
 from compare.dump import load_dump
 from dumper.encoding import decode_to_tensor
 
@@ -121,3 +124,11 @@ def dump_run(directory, *, plant: str = "", extra: bool = False, steps: int = 2,
         opt.step()
         opt.zero_grad()
     return directory
+
+
+def require_runnable(arch: str, *precisions: str) -> None:
+    """Skip, with torch's reason, a variant torch itself cannot run on this machine."""
+    for precision in precisions:
+        why = cannot_run(arch, precision)
+        if why:
+            pytest.skip(f"torch cannot run {arch} at {precision} on this machine: {why}")

@@ -19,7 +19,7 @@ from compare.verdict import SPREAD
 from dumper import HookerAndDumper, Injector, perturb
 
 from architectures import cannot_run, run_step
-from helpers import dump_embedded, read_tensors
+from helpers import dump_embedded, read_tensors, require_runnable
 
 pytest.importorskip("transformers")
 warnings.filterwarnings("ignore", module="transformers")
@@ -494,3 +494,30 @@ def test_an_op_of_a_rerun_takes_the_values_of_the_reference_op_it_is(tmp_path):
     assert casts["c"]["injected"].all()
     found = localize(tmp_path / "a", tmp_path / "b", tmp_path / "c")
     assert not (found["verdict"] == ORIGIN).any(), found[found["verdict"] == ORIGIN]
+
+
+def test_an_injected_gradient_carries_its_casts_underflow(tmp_path, one_thread):
+    """After 3 AdamW steps, ConvNeXt's float16 gradient arriving at a LayerNorm has rms 2e-7:
+    A's value cast to float16 for the re-run rounds to subnormals, 8 % off, and the LayerNorm
+    sends that back. Counted as one unit roundoff, it made the healthy re-run's LayerNorm an
+    origin at 60x; at the cast's underflow, none, and a 3 % error in its output or in what it
+    sends back is still its own."""
+    require_runnable("convnext", "float16")
+    module = "convnext.encoder.stages.1.layers.0.layernorm"
+    common = dict(seed=6, steps=4, optimizer="adamw", plant_last_only=True)
+    a = tmp_path / "a"
+    run_step("convnext", "float32", a, dumper_options={"params": True}, **common)
+    inject = {"inject": a}
+    healthy, healthy_rerun = tmp_path / "healthy", tmp_path / "healthy-rerun"
+    run_step("convnext", "float16", healthy, **common)
+    run_step("convnext", "float16", healthy_rerun, dumper_options=inject, **common)
+    table = localize(a, healthy, healthy_rerun)
+    arriving = table[(table["module"] == module) & (table["kind"] == "grad_output")]
+    assert (arriving["local_rel_error"] > 0.05).all(), "the gradient no longer underflows"
+    assert _origins(table) == set(), table[table["verdict"] == ORIGIN]
+    for where in ("output", "grad_input"):
+        plant = {"include": [module], "where": where, "scale": 1.03}
+        free, rerun = tmp_path / f"free-{where}", tmp_path / f"rerun-{where}"
+        run_step("convnext", "float16", free, plant=plant, **common)
+        run_step("convnext", "float16", rerun, plant=plant, dumper_options=inject, **common)
+        assert _origins(localize(a, free, rerun)) == {(module, where)}

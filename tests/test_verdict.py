@@ -24,6 +24,7 @@ from dumper import HookerAndDumper, Injector, perturb
 from dumper.injection import LOCALIZING
 
 from architectures import cannot_run, run_step
+from helpers import require_runnable
 
 pytest.importorskip("transformers")
 warnings.filterwarnings("ignore", module="transformers")
@@ -71,14 +72,6 @@ def _index(dump):
     """The index rows of a dump's steps."""
     from compare.dump import load_dump
     return load_dump(dump).index
-
-
-def require_runnable(arch: str, *precisions: str) -> None:
-    """Skip, with torch's reason, a variant torch itself cannot run on this machine."""
-    for precision in precisions:
-        why = cannot_run(arch, precision)
-        if why:
-            pytest.skip(f"torch cannot run {arch} at {precision} on this machine: {why}")
 
 
 @pytest.mark.slow
@@ -207,16 +200,6 @@ def _wav2vec2_steps(directory, dtype, steps: int = 4, plant=None) -> None:
             planted.remove()
         opt.step()
         opt.zero_grad()
-
-
-@pytest.fixture
-def one_thread():
-    """torch on one thread, as a process of a multi-process launch runs (torchrun sets
-    OMP_NUM_THREADS=1): CPU kernels then add their sums serially."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_a_float64_reference_of_a_long_sequence_model_raises_no_false_alarm(tmp_path,
