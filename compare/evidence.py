@@ -25,7 +25,7 @@ from .formulas import ALLOWANCE as RECOMPUTE_MARGIN
 from .formulas import allowed as recompute_allowance
 from .routing import moved_rows
 from .scale import added_scale, scale_noise
-from .sources import STEP_KEY, code_values, earlier_sources
+from .sources import STEP_KEY, code_values, earlier_sources, loss_values
 from .statistics import STATS_RESOLUTION
 from .sums import CallRows, cancelled
 from .transit import SUM_OF_RECORDS
@@ -166,7 +166,8 @@ class Evidence:
                                  for s in self.sources])
         self.err_in = np.fmax.reduce([np.hypot(self.err_in, self._decided(frame)),
                                       self._normalized_backward(frame),
-                                      cancelled(frame, self.sources, self.first, self.given)])
+                                      cancelled(frame, self.sources, self.first, self.given),
+                                      self._exponentiated(frame)])
         with np.errstate(invalid="ignore"):  # inf - inf: a non-finite record, judged apart
             self.added = np.sqrt(np.clip(err ** 2 - self.err_in ** 2, 0.0, None))
         self.added[np.isnan(self.added)] = np.inf
@@ -326,6 +327,21 @@ class Evidence:
                 NORMALIZATION_GAIN * centered[gy]
             if (x is not None and centered[x]) or (gy is not None and centered[gy]):
                 out[i] = math.hypot(from_x, from_gy)
+        return out
+
+    def _exponentiated(self, frame: pd.DataFrame) -> np.ndarray:
+        """For a gradient the loss gives (:func:`compare.sources.loss_values`: a cross-entropy
+        of logits, a softmax), the error its outputs give it through an exponential:
+        ``exp(z + d) = exp(z) (1 + d)``, so the outputs' absolute error, ``rel_error *
+        rms_a``, is the probabilities' relative error, and so the gradient's (Funnel's
+        float32 logits of rms 7.4 carry 4e-7 and give their loss's gradient 1.5e-6). At
+        least their relative error: a loss code that does not exponentiate gives that."""
+        rms = frame["rms_a"].to_numpy(float)
+        out = np.zeros(self.n)
+        for i, outputs in enumerate(loss_values(frame)):
+            outputs = np.intersect1d(outputs, self.sources[i])
+            if len(outputs):
+                out[i] = np.fmax.reduce(self.given[outputs] * np.fmax(rms[outputs], 1.0), initial=0.0)
         return out
 
     def _through_code(self, frame: pd.DataFrame) -> np.ndarray:

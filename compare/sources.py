@@ -230,6 +230,15 @@ class _Step:
         return (self.of((parent,), fmt.INPUT) + self.weights(parent)
                 + self.of(used, fmt.OUTPUT))
 
+    def loss_values(self, call: int) -> list[int]:
+        """The call's outputs where the loss is computed from them by code no dump records:
+        the root call's (the user's loss), and those of a child of the root that no recorded
+        call consumed (the root's own code: a model given labels). Else none."""
+        parent = self.parent[call]
+        if parent is None or (self.parent[parent] is None and not self.consumers.get(call)):
+            return self.of((call,), fmt.OUTPUT)
+        return []
+
     def sources(self, call: int, module: str, kind: str, occurrence: int, producer: int
                 ) -> list[int]:
         fwd = (call,)
@@ -295,6 +304,13 @@ def code_values(frame: pd.DataFrame) -> list[np.ndarray]:
     uses (a subset of its sources, see the module docstring); empty for every other row."""
     return _per_row(frame, lambda step, call, module, kind, *_: (
         step.code_values(call) if kind == fmt.GRAD_OUTPUT else []))
+
+
+def loss_values(frame: pd.DataFrame) -> list[np.ndarray]:
+    """For each grad_output row that the loss gives (:meth:`_Step.loss_values`), the rows of
+    the outputs it is computed from (a subset of its sources); empty for every other row."""
+    return _per_row(frame, lambda step, call, module, kind, *_: (
+        step.loss_values(call) if kind == fmt.GRAD_OUTPUT else []))
 
 
 def earlier_sources(frame: pd.DataFrame) -> list[np.ndarray]:

@@ -227,6 +227,28 @@ def test_a_float64_reference_of_a_long_sequence_model_raises_no_false_alarm(tmp_
         planted.output
 
 
+def test_the_gradient_of_a_loss_carries_its_logits_absolute_error(tmp_path, one_thread):
+    """Float64 against float32 after 3 AdamW steps (a trial at a fresh seed): Funnel's logits,
+    of rms 7.4, carry 4e-7 and their cross-entropy's gradient 1.5e-6, 24x float32 rounding, a
+    false alarm that took the first divergence from every plant further on. Through the
+    exponential, their absolute error is the probabilities' relative error; counted so, the
+    healthy pair passes, and a 3 % error planted in a LayerNorm's incoming gradient is found
+    where it is."""
+    module = "funnel.encoder.blocks.0.0.ffn.layer_norm"
+    common = dict(seed=9, steps=4, optimizer="adamw", plant_last_only=True)
+    run_step("funnel", "float64", tmp_path / "a", dumper_options={"params": True}, **common)
+    run_step("funnel", "float32", tmp_path / "b", **common)
+    run_step("funnel", "float32", tmp_path / "planted", **common,
+             plant={"include": [module], "where": "grad_output", "scale": 1.03})
+    healthy = compare_dumps(tmp_path / "a", tmp_path / "b")
+    loss_gradient = healthy[(healthy["module"] == "lm_head") & (healthy["kind"] == "grad_output")]
+    assert (loss_gradient["rel_error"] > 10 * 2.0 ** -24).all(), "no longer amplified"
+    assert summarize(healthy).first is None, summarize(healthy).verdict()
+    first = summarize(compare_dumps(tmp_path / "a", tmp_path / "planted")).first
+    assert first is not None, "nothing named"
+    assert (first.row["module"], first.row["kind"]) == (module, "grad_output"), first.row
+
+
 def test_each_record_is_calibrated_by_the_others_lower_quartile():
     """A record's typical is the lower quartile of the other members' added errors, as
     pandas computes it without that member (rows that are no member get all members')."""
