@@ -341,7 +341,8 @@ class Evidence:
         for i, outputs in enumerate(loss_values(frame)):
             outputs = np.intersect1d(outputs, self.sources[i])
             if len(outputs):
-                out[i] = np.fmax.reduce(self.given[outputs] * np.fmax(rms[outputs], 1.0), initial=0.0)
+                absolute = self.given[outputs] * np.fmax(rms[outputs], 1.0)
+                out[i] = np.fmax.reduce(absolute, initial=0.0)
         return out
 
     def _through_code(self, frame: pd.DataFrame) -> np.ndarray:
