@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from . import format as fmt
-from .precision import precision_of, rounding_of, stored_scale
+from .precision import one_rounding, precision_of, rounding_of, stored_scale
 from .sources import STEP_KEY, makers
 
 # How much a record may amplify the relative error of its sources without being blamed: where
@@ -68,7 +68,7 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
     for _, rows in pair.groupby(pair).groups.items():
         rows = rows.to_numpy()
         low = {"a": dtype_a[rows[0]], "b": dtype_b[rows[0]]}
-        rounding[rows] = _one_rounding(
+        rounding[rows] = one_rounding(
             rounding_of(precision_of(low["a"], low["b"])).unit,
             [(rounding_of(low[side]).underflow, stored[side][rows]) for side in low])
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -227,20 +227,10 @@ def fan_in_out(frame: pd.DataFrame) -> dict[tuple, tuple[int, int]]:
     return fans
 
 
-def _one_rounding(unit: float, underflows: list[tuple[float, np.ndarray]]) -> np.ndarray:
-    """One rounding: ``unit`` relatively, and, near zero, each side's underflow at the scale
-    it held its values at (:func:`compare.precision.stored_scale`), the larger:
-    ``hypot(unit, underflow / scale)``."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        near_zero = np.fmax.reduce([np.where(scale > 0, underflow / scale, 0.0)
-                                    for underflow, scale in underflows])
-    return np.hypot(unit, near_zero)
-
-
 def _at_least_one_rounding(out: Expectation, rows: np.ndarray, floor: np.ndarray,
                            precision: str) -> None:
     """Where kernels differ, at least one rounding of the precision may be added (``floor``,
-    per row of ``rows``: :func:`_one_rounding`)."""
+    per row of ``rows``: :func:`compare.precision.one_rounding`)."""
     at_floor = out.level[rows] < floor
     out.level[rows[at_floor]] = floor[at_floor]
     out.label[rows[at_floor]] = f"{precision} rounding at this tensor's scale"

@@ -16,7 +16,8 @@ import pandas as pd
 from . import format as fmt
 from . import status as st
 from .centering import normalizes
-from .precision import cast_rounding, cast_roundings, lowest, rounding_of, stored_scale
+from .precision import (cast_rounding, cast_rounding_at_scale, lowest, rounding_of,
+                        stored_scale)
 from .gains import bias_scales, linear_gains
 from .metrics import REORDERED_MARGIN
 from .formulas import (ELEMENTWISE, OVER_DIM, TWO_TENSORS, near_zero_roundings,
@@ -141,7 +142,7 @@ class Evidence:
         # B ran on A's value instead (a localizing re-run): as a source it gives what the cast
         # to B's dtype moves A's value by at B's scale, whatever arrived
         self.replaced = (frame["injected"] == 1).to_numpy()
-        cast = cast_roundings(frame) * amplified
+        cast = cast_rounding_at_scale(frame) * amplified
         # as a source, weights count WEIGHT_GAIN times their error, a bias its error at its
         # scale in the output (times STATS_GAIN more when estimated from their sketch)
         data = np.where(np.isnan(seen) | ~forward, err,

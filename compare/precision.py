@@ -2,7 +2,6 @@
 comparison was computed in (autocast and TF32 compute in less than a record's dtype says)."""
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -120,17 +119,27 @@ def cast_rounding(dtype_a: str, dtype_b: str) -> float:
     return rounding_of(precision_of(dtype_a, dtype_b)).unit if dtype_a != dtype_b else 0.0
 
 
-def cast_roundings(frame: pd.DataFrame) -> np.ndarray:
-    """Per row, what casting A's value to B's dtype moves it by, relatively, as B holds it: one
-    rounding of the lower precision at B's scale (:func:`stored_scale`), ``hypot(unit,
-    underflow / scale)`` (a float16 gradient of rms 2e-7 rounds to subnormals 8 % off); none
-    where the dtypes are the same."""
+def one_rounding(unit: float, underflows: list[tuple[float, np.ndarray]]) -> np.ndarray:
+    """One rounding: ``unit`` relatively, and, near zero, each side's underflow at the scale
+    it held its values at (:func:`stored_scale`), the larger: ``hypot(unit, underflow /
+    scale)``."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        near_zero = np.fmax.reduce([np.where(scale > 0, underflow / scale, 0.0)
+                                    for underflow, scale in underflows])
+    return np.hypot(unit, near_zero)
+
+
+def cast_rounding_at_scale(frame: pd.DataFrame) -> np.ndarray:
+    """Per row, what casting A's value to B's dtype moves it by, relatively, as B holds it:
+    :func:`cast_rounding`'s unit and, near zero, B's dtype's underflow at B's scale
+    (:func:`one_rounding`; a float16 gradient of rms 2e-7 rounds to subnormals 8 % off), at
+    most 1 (a value flushed to zero); none where the dtypes are the same or unknown."""
     scale = stored_scale(frame, "b")
     out = np.zeros(len(frame))
-    for i, (a, b) in enumerate(zip(frame["dtype_a"], frame["dtype_b"])):
+    for (a, b), rows in frame.groupby(["dtype_a", "dtype_b"]).indices.items():
         if a != b:
-            unit, underflow = rounding_of(precision_of(a, b))
-            out[i] = math.hypot(unit, underflow / scale[i] if scale[i] > 0 else 0.0)
+            out[rows] = np.fmin(one_rounding(cast_rounding(a, b),
+                                             [(rounding_of(b).underflow, scale[rows])]), 1.0)
     return out
 
 

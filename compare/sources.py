@@ -33,7 +33,9 @@ param          none: the weights come from before the step
 =============  ==========================================================================
 
 An input of the root call has none either (the data); the root's grad_output comes from its
-outputs (through the loss).
+outputs (through the loss), and so does that of a child of the root whose outputs no recorded
+call consumed and no later child may have used (the root's own code computed the loss from them:
+:func:`loss_values`).
 The parent of a call is the latest earlier call whose module path contains it
 (``blocks.0`` contains ``blocks.0.attn``; the root, path ``""``, contains every module).
 """
@@ -233,9 +235,14 @@ class _Step:
     def loss_values(self, call: int) -> list[int]:
         """The call's outputs where the loss is computed from them by code no dump records:
         the root call's (the user's loss), and those of a child of the root that no recorded
-        call consumed (the root's own code: a model given labels). Else none."""
+        call consumed and no later child may have used (the root's own code: a model given
+        labels computes its loss from its head's logits; not its body's hidden states, which
+        its head took as a slice). Else none."""
         parent = self.parent[call]
-        if parent is None or (self.parent[parent] is None and not self.consumers.get(call)):
+        if parent is None:
+            return self.of((call,), fmt.OUTPUT)
+        if (self.parent[parent] is None and not self.consumers.get(call)
+                and not any(c > call and self.may_use(c, call) for c in self.siblings(call))):
             return self.of((call,), fmt.OUTPUT)
         return []
 

@@ -306,6 +306,38 @@ def test_a_gradient_has_no_source_in_a_sibling_fed_before_it(tmp_path, windowed)
     assert ("1.v", "grad_input", 0) not in of_key, of_key
 
 
+class _Captioner(torch.nn.Module):
+    """A model given labels: its body's hidden states reach its head as a slice (a view, no
+    producer: ``logits_to_keep``), and its own code computes the loss from the head's
+    logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = torch.nn.Linear(4, 8), torch.nn.Linear(8, 5)
+
+    def forward(self, x, labels):
+        logits = self.head(self.body(x)[:, :])
+        return torch.nn.functional.cross_entropy(logits, labels)
+
+
+def test_the_loss_gives_the_gradient_of_the_head_it_is_computed_from(tmp_path):
+    """The gradient arriving at the head's logits is the loss's, computed from them by code no
+    dump records; the body's comes from the head, which took its output, not from the loss."""
+    from compare.sources import loss_values
+    torch.manual_seed(0)
+    model, x, labels = _Captioner(), torch.randn(3, 4), torch.tensor([0, 3, 1])
+    for side in ("a", "b"):
+        with HookerAndDumper(tmp_path / side).hooks(model, 0, 0):
+            model(x, labels).backward()
+    rows = compare_dumps(tmp_path / "a", tmp_path / "b").reset_index(drop=True)
+    label = [(m, k, i) for m, k, i in zip(rows["module"], rows["kind"], rows["index"])]
+    given = {label[i]: {label[j] for j in found} for i, found in enumerate(loss_values(rows))
+             if label[i][1] == "grad_output"}
+    assert given[("head", "grad_output", 0)] == {("head", "output", 0)}, given
+    assert given[("body", "grad_output", 0)] == set(), given
+    assert given[("", "grad_output", 0)] == {("", "output", 0)}, given
+
+
 class _Masked(torch.nn.Module):
     def __init__(self):
         super().__init__()

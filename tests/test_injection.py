@@ -513,7 +513,7 @@ def test_an_injected_gradient_carries_its_casts_underflow(tmp_path, one_thread):
     run_step("convnext", "float16", healthy_rerun, dumper_options=inject, **common)
     table = localize(a, healthy, healthy_rerun)
     arriving = table[(table["module"] == module) & (table["kind"] == "grad_output")]
-    assert (arriving["local_rel_error"] > 0.05).all(), "the gradient no longer underflows"
+    assert len(arriving) and (arriving["local_rel_error"] > 0.05).all(), "no underflow"
     assert _origins(table) == set(), table[table["verdict"] == ORIGIN]
     for where in ("output", "grad_input"):
         plant = {"include": [module], "where": where, "scale": 1.03}

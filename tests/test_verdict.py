@@ -242,11 +242,28 @@ def test_the_gradient_of_a_loss_carries_its_logits_absolute_error(tmp_path, one_
              plant={"include": [module], "where": "grad_output", "scale": 1.03})
     healthy = compare_dumps(tmp_path / "a", tmp_path / "b")
     loss_gradient = healthy[(healthy["module"] == "lm_head") & (healthy["kind"] == "grad_output")]
-    assert (loss_gradient["rel_error"] > 10 * 2.0 ** -24).all(), "no longer amplified"
+    assert len(loss_gradient) and (loss_gradient["rel_error"] > 10 * 2.0 ** -24).all(), \
+        "no longer amplified"
     assert summarize(healthy).first is None, summarize(healthy).verdict()
     first = summarize(compare_dumps(tmp_path / "a", tmp_path / "planted")).first
     assert first is not None, "nothing named"
     assert (first.row["module"], first.row["kind"]) == (module, "grad_output"), first.row
+
+
+def test_a_cast_to_float16_rounds_to_its_subnormals_near_zero():
+    """What casting A's value to B's dtype moves it by: the lower precision's unit, and, near
+    zero, B's dtype's underflow (half float16's smallest subnormal, 2^-25) at the scale B
+    holds it, B's loss scale included; at most all of it (flushed to zero); nothing between
+    equal or unknown dtypes."""
+    from compare.precision import cast_rounding_at_scale
+    frame = pd.DataFrame({
+        "dtype_a": ["float32", "bfloat16", "float32", "float32", "float16", None],
+        "dtype_b": ["float16", "float16", "float16", "float16", "float16", "float16"],
+        "rms_a": [2e-7, 1e-7, 2e-7, 1e-12, 2e-7, 2e-7],
+        "grad_scale_b": [np.nan, np.nan, 1024.0, np.nan, np.nan, np.nan]})
+    expected = [math.hypot(2.0 ** -11, 2.0 ** -25 / 2e-7), math.hypot(2.0 ** -8, 2.0 ** -25 / 1e-7),
+                math.hypot(2.0 ** -11, 2.0 ** -25 / (2e-7 * 1024)), 1.0, 0.0, 0.0]
+    np.testing.assert_allclose(cast_rounding_at_scale(frame), expected, rtol=1e-12)
 
 
 def test_each_record_is_calibrated_by_the_others_lower_quartile():
