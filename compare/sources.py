@@ -239,12 +239,10 @@ class _Step:
         labels computes its loss from its head's logits; not its body's hidden states, which
         its head took as a slice). Else none."""
         parent = self.parent[call]
-        if parent is None:
-            return self.of((call,), fmt.OUTPUT)
-        if (self.parent[parent] is None and not self.consumers.get(call)
-                and not any(c > call and self.may_use(c, call) for c in self.siblings(call))):
-            return self.of((call,), fmt.OUTPUT)
-        return []
+        given = parent is None or (
+            self.parent[parent] is None and not self.consumers.get(call)
+            and not any(c > call and self.may_use(c, call) for c in self.siblings(call)))
+        return self.of((call,), fmt.OUTPUT) if given else []
 
     def sources(self, call: int, module: str, kind: str, occurrence: int, producer: int
                 ) -> list[int]:

@@ -18,7 +18,7 @@ from compare.status import ORIGIN
 from compare.verdict import SPREAD
 from dumper import HookerAndDumper, Injector, perturb
 
-from architectures import cannot_run, run_step
+from architectures import run_step
 from helpers import dump_embedded, read_tensors, require_runnable
 
 pytest.importorskip("transformers")
@@ -58,10 +58,7 @@ CASES = [("same", "gpt2", 1), ("same", "resnet", 4), ("fp64", "lstm", 1), ("fp64
                               for p, a, s in CASES])
 def test_a_localizing_rerun_names_the_planted_module(tmp_path, pair, arch, steps):
     prec_a, prec_b, size = PAIRS[pair]
-    for precision in (prec_a, prec_b):
-        if cannot_run(arch, precision):
-            pytest.skip(f"torch cannot run {arch} at {precision} here: "
-                        f"{cannot_run(arch, precision)}")
+    require_runnable(arch, prec_a, prec_b)
     common = dict(steps=steps, optimizer="adamw", plant_last_only=True)
     a = tmp_path / "a"
     run_step(arch, prec_a, a, dumper_options={"params": True}, **common)

@@ -23,7 +23,7 @@ from compare.verdict import IN_TRANSIT
 from dumper import HookerAndDumper, Injector, perturb
 from dumper.injection import LOCALIZING
 
-from architectures import cannot_run, run_step
+from architectures import run_step
 from helpers import require_runnable
 
 pytest.importorskip("transformers")
@@ -2065,8 +2065,7 @@ def test_a_rerun_at_a_later_step_names_a_backward_error_after_a_replaced_gradien
     (B ran on A's, whose signs it keeps), and an RMSNorm's incoming gradient judged by its
     mean-removed error (an RMSNorm removes no mean), 90x the cast's rounding. The healthy
     re-run names no origin."""
-    if cannot_run("llama", "bfloat16"):
-        pytest.skip(cannot_run("llama", "bfloat16"))
+    require_runnable("llama", "bfloat16")
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     plant = {"include": module, "where": fmt.GRAD_INPUT, "scale": 1.1}
     _trial_steps(arch, "float32", a, params=True)
@@ -2125,8 +2124,7 @@ def test_a_bias_gradient_summed_in_16_bits_is_allowed_that_rounding(tmp_path, pr
     0.4): recomputed, a healthy SegFormer's LayerNorm bias gradients are within the partial
     sums' rounding at the lowest dtype the call is given (both runs dumped with params=True,
     as a recomputation needs; they were "miscomputed" at float32's)."""
-    if cannot_run("segformer", precision):
-        pytest.skip(cannot_run("segformer", precision))
+    require_runnable("segformer", precision)
     for name, run in (("a", "float32"), ("b", precision)):
         run_step("segformer", run, tmp_path / name, seed=3, dumper_options={"params": True})
     result = compare_dumps(tmp_path / "a", tmp_path / "b")
