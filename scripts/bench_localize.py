@@ -41,7 +41,9 @@ injected re-run at that record: no method can tell it from rounding); else *visi
 submodules or ops (or a record of the same tensor), and by injection when the first origin
 does (of the re-run with op records where the first re-run names none: counted apart too).
 Printed per set, step, variant and direction: both counts side by side (every miss listed with
-what was named), the median failing rows per plant, and false alarms on the healthy pairs
+what was named, and the plant against the healthy pair's figures at its record: the *bound*,
+what its inputs' error could hide, and *all it may add*, that and ``SPREAD`` times the rounding
+expected of it), the median failing rows per plant, and false alarms on the healthy pairs
 (two-dump failing rows; injected origins), and whether an identical rerun is all ``equal``.
 """
 from __future__ import annotations
@@ -63,12 +65,14 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from architectures import ARCHITECTURES, HELD_OUT, build, cannot_run, run_step  # noqa: E402
 from compare import compare_dumps, localize, ops_suspects, summarize  # noqa: E402
 from compare import format as fmt  # noqa: E402
 from compare.status import FAILING, ORIGIN  # noqa: E402
+from compare.verdict import SPREAD  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +227,11 @@ def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: P
     healthy_ops = with_ops("b", summarize(healthy_result), healthy_local) or []
     noise_result = compare_dumps(a, healthy_inj)
     hidden = healthy_result.groupby(["module", "kind"])["hidden_rel_error"].max()
+    # what the verdict lets a record add without blame: what its inputs' error could hide and
+    # SPREAD times the rounding expected of it
+    allowed = healthy_result.assign(allowed=np.hypot(
+        healthy_result["hidden_rel_error"], SPREAD * healthy_result["expected_rel_error"])
+    ).groupby(["module", "kind"])["allowed"].max()
     out = {"healthy": [dict(variant=variant, steps=steps, arch=arch, seed=seed,
                             summary=str(summarize(healthy_result).verdict()),
                             ok=summarize(healthy_result).ok,
@@ -261,6 +270,7 @@ def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: P
                 begins_earlier=summary.cannot_tell and first is not None,
                 suspected=module in set(summary.undecided.head(5)["module"]),
                 bound=float(hidden.get((module, where), float("nan"))), size=size,
+                allowed=float(allowed.get((module, where), float("nan"))),
                 injected=_named(_first_origin(table) or (ops_origins or [])[:1], module),
                 with_ops=ops_origins is not None and _named(ops_origins[:1], module),
                 origins=sorted(set(table[table["verdict"] == ORIGIN]["module"])
@@ -326,7 +336,8 @@ def report(outcome: dict) -> None:
                               if p["cannot_tell"] else "NOT cannot tell")
                     print(f"      two-dump miss: {p['arch']} seed {p['seed']} "
                           f"{p['module'] or '<root>'}: named {p['named']}; {honest}; plant "
-                          f"{p['size'] / max(p['bound'], 1e-300):.3g}x the bound there")
+                          f"{p['size'] / max(p['bound'], 1e-300):.3g}x the bound there, "
+                          f"{p['size'] / max(p['allowed'], 1e-300):.3g}x all it may add")
                 if not p["injected"]:
                     print(f"      injected miss: {p['arch']} seed {p['seed']} "
                           f"{p['module'] or '<root>'}: origins {p['origins']}")
@@ -342,7 +353,9 @@ def report(outcome: dict) -> None:
                   f"record fails, saying it may begin earlier: "
                   f"{sum(p['begins_earlier'] for p in missed)}), of which the plant "
                   f"was a suspect {sum(p['suspected'] for p in missed)}; misses of a plant 10x "
-                  f"the bound there or more: {sum(p['size'] >= 10 * p['bound'] for p in missed)}")
+                  f"the bound there or more: {sum(p['size'] >= 10 * p['bound'] for p in missed)}, "
+                  f"10x all a record may add there (the bound and SPREAD times its rounding): "
+                  f"{sum(p['size'] >= 10 * p['allowed'] for p in missed)}")
     print("\nhealthy pairs (two-dump false alarm: any failing row, and how many say they cannot "
           "tell; injected: any origin):")
     healthy = outcome["healthy"]
