@@ -36,11 +36,16 @@ EXACT_LABEL = "none: records of these dtypes are bit-identical in this dump"
 
 
 class Expectation(NamedTuple):
-    """Per row: the expected added error, what it was calibrated on, and the gain allowed."""
+    """Per row: the expected added error, what it was calibrated on, and the gain allowed; of
+    the level, the share that is relative rounding (the rest is the underflow of roundings at
+    the row's scale), and that underflow, relatively (:func:`compare.precision.one_rounding`:
+    ``hypot(unit, underflow)`` is one rounding)."""
 
     level: np.ndarray
     label: np.ndarray
     gain: np.ndarray
+    relative: np.ndarray
+    underflow: np.ndarray
 
 
 def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: np.ndarray,
@@ -58,19 +63,22 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
     pool_key = pd.Series(direction, index=frame.index) + " " + pair + " " + frame["kind"]
     maker = makers(frame)
     group_key = pool_key + " " + maker
-    out = Expectation(np.zeros(len(frame)), np.full(len(frame), "", object),
-                      np.full(len(frame), GAIN))
     # added errors in roundings at each record's own scale (where they underflow, a float16
     # gradient of 5e-8 rounds to 60 % of itself, one of 2e-5 to 0.2 %): comparable records add
     # alike in those units, not in absolute terms
     stored = {side: stored_scale(frame, side) for side in ("a", "b")}
-    rounding = np.ones(len(frame))
+    rounding, unit = np.ones(len(frame)), np.ones(len(frame))
     for _, rows in pair.groupby(pair).groups.items():
         rows = rows.to_numpy()
         low = {"a": dtype_a[rows[0]], "b": dtype_b[rows[0]]}
+        unit[rows] = rounding_of(precision_of(low["a"], low["b"])).unit
         rounding[rows] = one_rounding(
-            rounding_of(precision_of(low["a"], low["b"])).unit,
-            [(rounding_of(low[side]).underflow, stored[side][rows]) for side in low])
+            unit[rows], [(rounding_of(low[side]).underflow, stored[side][rows]) for side in low])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        relative = np.where(rounding > 0, unit / rounding, 1.0)
+    out = Expectation(np.zeros(len(frame)), np.full(len(frame), "", object),
+                      np.full(len(frame), GAIN), relative,
+                      np.sqrt(np.clip(rounding ** 2 - unit ** 2, 0.0, None)))
     with np.errstate(divide="ignore", invalid="ignore"):
         added_s = pd.Series(added / rounding)
     fans = fan_in_out(frame)
@@ -185,10 +193,12 @@ def _sum_rounding(precision: str, k: float) -> float:
 
 
 def _at_least(out: Expectation, i: int, floor: float, label: str) -> None:
-    """Raise row ``i``'s expected added error to ``floor`` (saying why) where it is lower."""
+    """Raise row ``i``'s expected added error to ``floor``, a relative rounding (saying why),
+    where it is lower."""
     if out.level[i] < floor:
         out.level[i] = floor
         out.label[i] = label
+        out.relative[i] = 1.0
 
 
 def fan_in_out(frame: pd.DataFrame) -> dict[tuple, tuple[int, int]]:

@@ -372,11 +372,23 @@ class _Judgement:
 
     def _scale_moves(self, i: int, level: float) -> bool:
         """The scale test (:mod:`compare.scale`): backward records only, where the sources'
-        scales bound it (and the elements pair up: not values in another order)."""
+        scales bound it (and the elements pair up: not values in another order), beyond what
+        the rounding ``level`` allows may move it (:meth:`_rounding_scale`)."""
         r = self.r
         added = r.scale_added[i]
         return (not self._unbounded(i, level) and not r.reordered[i] and math.isfinite(added)
-                and added > max(r.scale_noise[i], level, self._last_bit(i)))
+                and added > max(r.scale_noise[i], self._rounding_scale(i, level),
+                                self._last_bit(i)))
+
+    def _rounding_scale(self, i: int, level: float) -> float:
+        """How far the added error ``level`` allows may move a record's scale: its relative
+        roundings as far as themselves (calibrated errors may be systematic), its underflow
+        not: rounding to nearest on the fixed grid of subnormals is unbiased (Sheppard), but
+        for elements under half the smallest subnormal, flushed to zero, which move the
+        scale by their share of the norm², at most ``underflow²`` (a float16 gradient of rms
+        8e-7 rounds to 4 % of itself, and a 3 % error in its scale is news)."""
+        e = self.expected
+        return level * e.relative[i] + e.underflow[i] ** 2
 
     def _last_bit(self, i: int) -> float:
         """Where no error is expected, the last bits still may differ: vectorised kernels and

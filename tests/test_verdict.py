@@ -250,6 +250,40 @@ def test_the_gradient_of_a_loss_carries_its_logits_absolute_error(tmp_path, one_
     assert (first.row["module"], first.row["kind"]) == (module, "grad_output"), first.row
 
 
+def test_a_scale_error_in_an_underflowing_float16_gradient_is_found(tmp_path, one_thread):
+    """Swin under float16 autocast (a trial at a fresh seed): the gradient arriving at the
+    first LayerNorm has rms 8e-7, where float16 rounds to subnormals 4 % apart relatively, so
+    the rounding level hides a 3 % error in it. But rounding to nearest moves a tensor's
+    scale only by noise (and flushing to zero by underflow², 0.15 %): the scale test finds a
+    gradient scaled by 1.03 there, from two dumps and in the localizing re-run; the healthy
+    pair and its re-run still pass."""
+    require_runnable("swin", "float16")
+    module = "swin.encoder.layers.0.blocks.0.layernorm_before"
+    common = dict(seed=10, steps=1)
+    a = tmp_path / "a"
+    run_step("swin", "float32", a, dumper_options={"params": True}, **common)
+    plant = {"include": [module], "where": "grad_output", "scale": 1.03}
+    runs = {}
+    for name, options in [("b", {}), ("planted", {"plant": plant})]:
+        runs[name] = tmp_path / name
+        run_step("swin", "float16", runs[name], **common, **options)
+        runs[f"{name}-rerun"] = tmp_path / f"{name}-rerun"
+        run_step("swin", "float16", runs[f"{name}-rerun"], **common, **options,
+                 dumper_options={"inject": a})
+    healthy = compare_dumps(a, runs["b"])
+    arriving = healthy[(healthy["module"] == module) & (healthy["kind"] == "grad_output")]
+    assert len(arriving) and (arriving["expected_rel_error"] > 0.03).all(), "no underflow"
+    assert summarize(healthy).first is None, summarize(healthy).verdict()
+    assert not (localize(a, runs["b"], runs["b-rerun"])["verdict"] == ORIGIN).any()
+    first = summarize(compare_dumps(a, runs["planted"])).first
+    assert first is not None, "nothing named"
+    assert (first.row["module"], first.row["kind"]) == (module, "grad_output"), first.row
+    table = localize(a, runs["planted"], runs["planted-rerun"])
+    origins = table[table["verdict"] == ORIGIN]
+    assert len(origins) and (origins.iloc[0]["module"], origins.iloc[0]["kind"]) == (
+        module, "grad_output"), origins
+
+
 def test_a_cast_to_float16_rounds_to_its_subnormals_near_zero():
     """What casting A's value to B's dtype moves it by: the lower precision's unit, and, near
     zero, B's dtype's underflow (half float16's smallest subnormal, 2^-25) at the scale B
