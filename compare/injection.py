@@ -20,7 +20,7 @@ injected values only) is read by values instead: a call counts as injected where
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
 import numpy as np
 import pandas as pd
@@ -40,7 +40,7 @@ PRODUCED = {fmt.OUTPUT: fmt.INPUT, fmt.GRAD_INPUT: fmt.GRAD_OUTPUT}
 DIRECTION_KINDS = {"forward": fmt.FORWARD_KINDS, "backward": fmt.BACKWARD_KINDS}
 KEY = ["epoch", "step", "rank", "module", "cls", "call_idx", "kind", "index", "occurrence"]
 CALL = ["epoch", "step", "rank", "module", "call_idx"]
-JUDGED = ["status", "rel_error", "added_ratio", "reason"]
+JUDGED = ["status", "rel_error", "added_ratio", "reason", "same_as"]
 
 
 def localize(reference: PathLike | Dump, free: PathLike | Dump, injected: PathLike | Dump,
@@ -49,7 +49,8 @@ def localize(reference: PathLike | Dump, free: PathLike | Dump, injected: PathLi
              free_result: Optional[pd.DataFrame] = None) -> pd.DataFrame:
     """One row per record of the injected run that carries local error only (see the module
     docstring), in execution order, with ``local_*`` (injected vs reference) and
-    ``accumulated_*`` (free vs reference) status, rel_error, added_ratio and reason, the
+    ``accumulated_*`` (free vs reference) status, rel_error, added_ratio, reason and same_as
+    (the record of the same tensor judged first, where this is a later one), the
     ``injected`` flag (1: what arrived, replaced by A's value before the module ran), the
     ``call`` number and a ``verdict``: ``origin`` (wrong even from the reference's values),
     ``inherited`` (wrong only in the free run), ``fine``. Records the injected run has and the
@@ -227,12 +228,24 @@ def ops_suspects(frame: pd.DataFrame, shown: int = OPS_SUSPECTS) -> list[str]:
     return list(dict.fromkeys(ordered))[:shown]
 
 
+def same_tensor(frame: pd.DataFrame, origin: Mapping) -> pd.DataFrame:
+    """The rows of :func:`localize`'s ``frame`` that are later records of ``origin``'s tensor
+    in the re-run (a model's logits, which are its head's output: the gradient arriving at
+    them is the head's grad_output too)."""
+    label = fmt.record_label(origin["module"], origin["cls"], origin["call_idx"], origin["kind"],
+                             origin["index"], origin["occurrence"])
+    same_step = (frame["epoch"] == origin["epoch"]) & (frame["step"] == origin["step"]) & (
+        frame["rank"].fillna(-1) == (-1 if pd.isna(origin["rank"]) else origin["rank"]))
+    return frame[same_step & (frame["local_same_as"] == label)]
+
+
 def describe_origins(frame: pd.DataFrame, shown: int = ORIGINS_SHOWN,
                      unexplained: bool = False) -> str:
     """Text: how many records are origins, inherit or are fine; the origins in execution order
-    (at most ``shown``), each with why (the local reason). ``unexplained``: the free run
-    differs from A more than two dumps can explain (it fails, or they cannot tell); where no
-    origin is named then, which modules' own code to dump op by op (:func:`ops_suspects`)."""
+    (at most ``shown``), each with why (the local reason) and the later records of its tensor
+    (:func:`same_tensor`). ``unexplained``: the free run differs from A more than two dumps
+    can explain (it fails, or they cannot tell); where no origin is named then, which modules'
+    own code to dump op by op (:func:`ops_suspects`)."""
     origins = frame[frame["verdict"] == st.ORIGIN]
     lines = [f"{len(frame)} records judged with the reference's values injected: "
              f"{len(origins)} origin, {int((frame['verdict'] == st.INHERITED).sum())} "
@@ -244,10 +257,14 @@ def describe_origins(frame: pd.DataFrame, shown: int = ORIGINS_SHOWN,
                    " (as it arrived: sent back by the code after this module)"
                    if r.kind in fmt.BACKWARD_KINDS else
                    " (as it arrived: made by the code before this module)")
+        aliases = same_tensor(frame, r._asdict())
+        also = "" if aliases.empty else " (the same values as " + ", ".join(
+            fmt.record_label(a.module, a.cls, a.call_idx, a.kind, a.index)
+            for a in aliases.itertuples()) + ")"
         lines.append(f"  origin: step {fmt.step_label(r.epoch, r.step, r.rank)} "
                      f"{fmt.direction_of(r.kind)} "
-                     f"{fmt.record_label(r.module, r.cls, r.call_idx, r.kind, r.index)}{arrived} "
-                     f"local rel error {r.local_rel_error:.3g}{ratio} "
+                     f"{fmt.record_label(r.module, r.cls, r.call_idx, r.kind, r.index)}{also}"
+                     f"{arrived} local rel error {r.local_rel_error:.3g}{ratio} "
                      f"(accumulated {r.accumulated_rel_error:.3g})")
     if len(origins) > shown:
         lines.append(f"  ... {len(origins) - shown} more (compare.localize gives them all)")

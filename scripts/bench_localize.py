@@ -69,7 +69,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from architectures import ARCHITECTURES, HELD_OUT, build, cannot_run, run_step  # noqa: E402
-from compare import compare_dumps, localize, ops_suspects, summarize  # noqa: E402
+from compare import (compare_dumps, localize, ops_suspects, same_tensor,  # noqa: E402
+                     summarize)
 from compare import format as fmt  # noqa: E402
 from compare.status import FAILING, ORIGIN  # noqa: E402
 from compare.verdict import SPREAD  # noqa: E402
@@ -167,8 +168,13 @@ def _overflowed(result) -> str:
 
 
 def _first_origin(table) -> list[str]:
+    """The module of the re-run's first origin, and those of later records of its tensor (a
+    model's logits are its head's output)."""
     origins = table[table["verdict"] == ORIGIN]
-    return [] if origins.empty else [origins.iloc[0]["module"]]
+    if origins.empty:
+        return []
+    first = origins.iloc[0]
+    return [first["module"], *same_tensor(table, first)["module"]]
 
 
 def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: Path,

@@ -518,3 +518,33 @@ def test_an_injected_gradient_carries_its_casts_underflow(tmp_path, one_thread):
         run_step("convnext", "float16", free, plant=plant, **common)
         run_step("convnext", "float16", rerun, plant=plant, dumper_options=inject, **common)
         assert _origins(localize(a, free, rerun)) == {(module, where)}
+
+
+def test_an_origin_names_the_later_records_of_its_tensor(tmp_path, one_thread):
+    """Mamba's logits are its head's output: the gradient arriving at them is the model's
+    grad_output and ``lm_head``'s at once, recorded in either order (float64 against float32
+    at this seed: the model's first). An error planted there makes the first of them the
+    first origin of the re-run; the table (``local_same_as``), :func:`compare.same_tensor`
+    and the CLI's text name the other as the same values."""
+    from compare import same_tensor
+    require_runnable("mamba", "float32")
+    common = dict(seed=11, steps=1)
+    plant = {"plant": {"include": ["lm_head"], "where": "grad_output", "scale": 1 + 1e-3}}
+    run_step("mamba", "float64", tmp_path / "a", dumper_options={"params": True}, **common)
+    run_step("mamba", "float32", tmp_path / "b", **plant, **common)
+    run_step("mamba", "float32", tmp_path / "c", **plant, **common,
+             dumper_options={"inject": tmp_path / "a"})
+    table = localize(tmp_path / "a", tmp_path / "b", tmp_path / "c")
+    origins = table[table["verdict"] == ORIGIN]
+    assert len(origins), "no origin"
+    first = origins.iloc[0]
+    later = same_tensor(table, first)
+    named = {(first["module"], first["kind"]),
+             *later[["module", "kind"]].itertuples(index=False, name=None)}
+    assert named == {("", "grad_output"), ("lm_head", "grad_output")}, (first, later)
+    out = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "b"),
+                                     "--injected", str(tmp_path / "c")])
+    assert out.exit_code == 1, out.output
+    origin_line = next(line for line in out.output.splitlines() if "origin: " in line)
+    other = "lm_head.Linear#0" if first["module"] == "" else "MambaForCausalLM#0"
+    assert f"(the same values as {other} grad_output[" in origin_line, out.output
