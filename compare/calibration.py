@@ -21,7 +21,8 @@ import numpy as np
 import pandas as pd
 
 from . import format as fmt
-from .precision import one_rounding, precision_of, rounding_of, stored_scale
+from .precision import (one_rounding, precision_of, rounding_of, stored_scale,
+                        underflow_at_scale)
 from .sources import STEP_KEY, makers
 
 # How much a record may amplify the relative error of its sources without being blamed: where
@@ -36,10 +37,11 @@ EXACT_LABEL = "none: records of these dtypes are bit-identical in this dump"
 
 
 class Expectation(NamedTuple):
-    """Per row: the expected added error, what it was calibrated on, and the gain allowed; of
-    the level, the share that is relative rounding (the rest is the underflow of roundings at
-    the row's scale), and that underflow, relatively (:func:`compare.precision.one_rounding`:
-    ``hypot(unit, underflow)`` is one rounding)."""
+    """Per row: the expected added error, what it was calibrated on, and the gain allowed; the
+    ratio of a rounding's relative part to the whole rounding the level is counted in
+    (``unit / hypot(unit, underflow)``, 1 where the level is a relative rounding itself), and
+    that rounding's underflow at the row's scale (:func:`compare.precision.one_rounding`; 0
+    where records are expected bit-identical)."""
 
     level: np.ndarray
     label: np.ndarray
@@ -67,18 +69,19 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
     # gradient of 5e-8 rounds to 60 % of itself, one of 2e-5 to 0.2 %): comparable records add
     # alike in those units, not in absolute terms
     stored = {side: stored_scale(frame, side) for side in ("a", "b")}
-    rounding, unit = np.ones(len(frame)), np.ones(len(frame))
+    rounding, unit, underflow = (np.ones(len(frame)), np.ones(len(frame)),
+                                 np.zeros(len(frame)))
     for _, rows in pair.groupby(pair).groups.items():
         rows = rows.to_numpy()
         low = {"a": dtype_a[rows[0]], "b": dtype_b[rows[0]]}
+        sides = [(rounding_of(low[side]).underflow, stored[side][rows]) for side in low]
         unit[rows] = rounding_of(precision_of(low["a"], low["b"])).unit
-        rounding[rows] = one_rounding(
-            unit[rows], [(rounding_of(low[side]).underflow, stored[side][rows]) for side in low])
+        rounding[rows] = one_rounding(unit[rows], sides)
+        underflow[rows] = underflow_at_scale(sides)
     with np.errstate(divide="ignore", invalid="ignore"):
         relative = np.where(rounding > 0, unit / rounding, 1.0)
     out = Expectation(np.zeros(len(frame)), np.full(len(frame), "", object),
-                      np.full(len(frame), GAIN), relative,
-                      np.sqrt(np.clip(rounding ** 2 - unit ** 2, 0.0, None)))
+                      np.full(len(frame), GAIN), relative, underflow)
     with np.errstate(divide="ignore", invalid="ignore"):
         added_s = pd.Series(added / rounding)
     fans = fan_in_out(frame)
@@ -115,6 +118,7 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
                                     f"typical {precision} added error of {what} in this dump")
         if exact:
             out.gain[rows] = np.maximum(out.gain[rows], EXACT_GAIN)
+            out.underflow[rows] = 0.0
             continue
         _at_least_one_rounding(out, rows, rounding[rows], precision)
         _at_least_a_sums_rounding(out, rows, frame, precision)

@@ -119,14 +119,20 @@ def cast_rounding(dtype_a: str, dtype_b: str) -> float:
     return rounding_of(precision_of(dtype_a, dtype_b)).unit if dtype_a != dtype_b else 0.0
 
 
-def one_rounding(unit: float, underflows: list[tuple[float, np.ndarray]]) -> np.ndarray:
+def one_rounding(unit: float | np.ndarray, underflows: list[tuple[float, np.ndarray]]
+                 ) -> np.ndarray:
     """One rounding: ``unit`` relatively, and, near zero, each side's underflow at the scale
     it held its values at (:func:`stored_scale`), the larger: ``hypot(unit, underflow /
     scale)``."""
+    return np.hypot(unit, underflow_at_scale(underflows))
+
+
+def underflow_at_scale(underflows: list[tuple[float, np.ndarray]]) -> np.ndarray:
+    """The near-zero part of :func:`one_rounding`: of each side's ``(underflow, scale)``, the
+    largest ``underflow / scale`` (0 where the scale is not positive)."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        near_zero = np.fmax.reduce([np.where(scale > 0, underflow / scale, 0.0)
-                                    for underflow, scale in underflows])
-    return np.hypot(unit, near_zero)
+        return np.fmax.reduce([np.where(scale > 0, underflow / scale, 0.0)
+                               for underflow, scale in underflows])
 
 
 def cast_rounding_at_scale(frame: pd.DataFrame) -> np.ndarray:

@@ -13,9 +13,10 @@ error of 12 % hides from the relative error (``sqrt(0.12² + 0.1²)`` is within 
 A backward record's *added scale* is how far its ``s`` lies outside the range of its backward
 sources' (0 inside; ``|s|`` without sources: the loss gradient itself). It is news when it
 exceeds ``SCALE_NOISE`` times the relative error the record and its sources carry over the
-square root of its number of elements, and the level its relative error is judged against
-(records at rounding level move ``s`` by as much), and what the scale errors of the forward
-values the backward used may move it by.
+square root of its number of elements, and what the level its relative error is judged
+against may move ``s`` by (records at rounding level move it by as much, but for the underflow
+part of their rounding: :meth:`compare.verdict._Judgement._rounding_scale`), and what the
+scale errors of the forward values the backward used may move it by.
 """
 from __future__ import annotations
 

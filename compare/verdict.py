@@ -14,12 +14,13 @@ error at its scale in the output, :func:`compare.gains.bias_scales`), in quadrat
 data often carry one upstream error, which counts once), and for a gradient sent back, what
 decisions on its call's inputs explain (``sqrt`` of four times the share of an input positive
 on one side only: a ReLU passes those gradients in one run only); for a gradient that comes
-back through a parent's own code (attention, a gate) downstream of an error that is not
-rounding (an inherited or failing source), the gradients' error plus that of the forward
-values the code multiplies them by (one upstream error reaches every factor of a product, and
-the factors' relative errors add). A normalization's input counts with the error of the values
-it normalizes (a LayerNorm, RMSNorm or BatchNorm fed it alone), else with its error after
-centering, as its incoming gradient does (:mod:`compare.centering`);
+back through a parent's own code (attention, a gate), the gradients' error plus that of the
+forward values the code multiplies them by (one upstream error reaches every factor of a
+product, and the factors' relative errors add: the queries, keys and values of attention all
+carry the error of the input they were computed from, in a healthy pair too). A
+normalization's input counts with the error of the values it normalizes (a LayerNorm, RMSNorm
+or BatchNorm fed it alone), else with its error after centering, as its incoming gradient
+does (:mod:`compare.centering`);
 a sum that cancels, with its terms' absolute errors (:mod:`compare.sums`). Its *added error*
 is what it carries beyond that, ``sqrt(max(rel_error² - input_error², 0))``.
 
@@ -42,16 +43,15 @@ A record is
   rounding through B's lowest precision may (:mod:`compare.transit`: an error between
   modules, found exactly); and where B's own computation of a call, recomputed from its
   records (:mod:`compare.recompute`: a ``Linear``, a convolution, an elementwise
-  activation, a normalization, an ``Embedding``, an op of two tensors), is off by more than rounding in the dtype it computed in
-  explains (a bound, not a typical figure: a call recomputed within it is still judged by the
-  rule above, what could hide in it is at most that bound, and, where it passes, what it
-  adds at most its recomputed error, measured; where that error is within what rounding
-  gives, without the margin, the rule's own error is at least it, which may be far more
-  than comparable records add where the terms a call sums cancel, as in a normalization's
-  backward: :meth:`_Judgement._own_rounding`;
-  and where its recomputed
-  error is at most half its error, the rest is its inputs' error through the call, however
-  far beyond the gain: :meth:`_Judgement._amplified`);
+  activation, a normalization, an ``Embedding``, an op of two tensors), is off by more than
+  rounding in the dtype it computed in explains (a bound, not a typical figure: a call
+  recomputed within it is still judged by the rule above, what could hide in it is at most
+  that bound, and, where it passes, what it adds at most its recomputed error, measured;
+  where that error is within what rounding gives, without the margin, the rule's own error
+  is at least it, which may be far more than comparable records add where the terms a call
+  sums cancel, as in a normalization's backward: :meth:`_Judgement._own_rounding`; and where
+  its recomputed error is at most half its error, the rest is its inputs' error through the
+  call, however far beyond the gain: :meth:`_Judgement._amplified`);
 - ``inherited`` when not, but it carries an error from a failing (or inherited) source beyond
   what it would carry from healthy sources;
 - ``close`` otherwise, ``equal`` when bit-identical.
@@ -101,6 +101,9 @@ from .scale import describe as describe_scale
 from .transit import SUM_OF_RECORDS
 
 SPREAD = 6.0    # how far above the typical added error of comparable records one may go
+# values of rms one subnormal spacing or more (half a spacing over the rms at most) round to
+# nearest on that grid without bias in their scale
+SMOOTH_UNDERFLOW = 0.5
 LAST_BITS = 4.0  # units of rounding that differ in the last bits where no error is expected
 LINEAR_MARGIN = 1.3  # the random-error gain of a weight matrix is met within 15 % (tuning set)
 STATS_NOTE = ("; estimated from statistics (a difference that keeps min, max, mean, std and "
@@ -181,8 +184,11 @@ class _Judgement:
         carrying = s[(np.isin(self.status[s], list(st.CARRYING)) | self.tainted[s])
                      & ~r.replaced[s]]
         self.tainted[i] = len(carrying) > 0
-        if self.tainted[i] and r.through_code[i] > self.err_in[i]:
-            # one upstream error in every factor of the parent's code's product
+        if r.through_code[i] > self.err_in[i]:
+            # one upstream error in every factor of the parent's code's product; calibration
+            # keeps the largest, so the typical added error of such records holds some of
+            # this sum too, counted twice: conservative (calibrated on the sum, Whisper's
+            # healthy float64/float32 pair fails at its query's gradient)
             self.err_in[i] = r.through_code[i]
             self.added[i] = math.sqrt(max(r.err[i] ** 2 - self.err_in[i] ** 2, 0.0))
         level = SPREAD * self.expected.level[i]
@@ -383,11 +389,17 @@ class _Judgement:
     def _rounding_scale(self, i: int, level: float) -> float:
         """How far the added error ``level`` allows may move a record's scale: its relative
         roundings as far as themselves (calibrated errors may be systematic), its underflow
-        not: rounding to nearest on the fixed grid of subnormals is unbiased (Sheppard), but
-        for elements under half the smallest subnormal, flushed to zero, which move the
-        scale by their share of the norm², at most ``underflow²`` (a float16 gradient of rms
-        8e-7 rounds to 4 % of itself, and a 3 % error in its scale is news)."""
+        not, where the record's values spread over a subnormal spacing or more (``underflow``
+        at most 1/2): rounding to nearest on that fixed grid is then unbiased (Sheppard's
+        correction: the rounding error of values spread smoothly over the grid is
+        uncorrelated with them), but for elements under half the smallest subnormal, flushed
+        to zero, which move the scale by their share of the norm², at most ``underflow²`` (a
+        float16 gradient of rms 8e-7 rounds to 4 % of itself, and a 3 % error in its scale is
+        news). Values of a few spacings round with a bias of up to ``underflow``: all of
+        ``level``."""
         e = self.expected
+        if e.underflow[i] > SMOOTH_UNDERFLOW:
+            return level
         return level * e.relative[i] + e.underflow[i] ** 2
 
     def _last_bit(self, i: int) -> float:

@@ -250,6 +250,36 @@ def test_the_gradient_of_a_loss_carries_its_logits_absolute_error(tmp_path, one_
     assert (first.row["module"], first.row["kind"]) == (module, "grad_output"), first.row
 
 
+def test_a_gradient_through_attention_code_carries_its_factors_errors_added(tmp_path,
+                                                                           one_thread):
+    """Float64 against float32 (a trial at a fresh seed): SegFormer's key projection gets its
+    gradient from the attention code, whose backward multiplies the incoming gradient by the
+    queries, keys and values, which all carry the error of the input they were computed
+    from: their errors add, 5.5e-7 in the key's gradient, 9 float32 units where the largest
+    of them is 2.6e-7. Counted with the largest alone, that was a false alarm; with the
+    gradient's and the values' errors added, the healthy pair passes, and an error of 1e-3
+    planted there is still found."""
+    module = "segformer.stages.1.blocks.0.attention.k_proj"
+    common = dict(seed=9, steps=1)
+    run_step("segformer", "float64", tmp_path / "a", dumper_options={"params": True}, **common)
+    run_step("segformer", "float32", tmp_path / "b", **common)
+    run_step("segformer", "float32", tmp_path / "planted", **common,
+             plant={"include": [module], "where": "grad_output", "scale": 1 + 1e-3})
+    healthy = compare_dumps(tmp_path / "a", tmp_path / "b")
+    arriving = healthy[(healthy["module"] == module) & (healthy["kind"] == "grad_output")]
+    assert len(arriving) and (arriving["rel_error"] > 8 * 2.0 ** -24).all(), "no longer amplified"
+    # judged against the factors' errors added: more than the largest of them
+    projections = [module.replace("k_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
+    factors = healthy[healthy["module"].isin(projections) & (healthy["kind"] == "output")]
+    assert len(factors) == 3, factors
+    factors = factors["rel_error"]
+    assert (arriving["input_rel_error"] > 1.2 * factors.max()).all(), "the largest alone"
+    assert summarize(healthy).first is None, summarize(healthy).verdict()
+    first = summarize(compare_dumps(tmp_path / "a", tmp_path / "planted")).first
+    assert first is not None, "nothing named"
+    assert (first.row["module"], first.row["kind"]) == (module, "grad_output"), first.row
+
+
 def test_a_scale_error_in_an_underflowing_float16_gradient_is_found(tmp_path, one_thread):
     """Swin under float16 autocast (a trial at a fresh seed): the gradient arriving at the
     first LayerNorm has rms 8e-7, where float16 rounds to subnormals 4 % apart relatively, so
@@ -278,6 +308,7 @@ def test_a_scale_error_in_an_underflowing_float16_gradient_is_found(tmp_path, on
     first = summarize(compare_dumps(a, runs["planted"])).first
     assert first is not None, "nothing named"
     assert (first.row["module"], first.row["kind"]) == (module, "grad_output"), first.row
+    assert "along A's values" in first.row["reason"], first.row["reason"]  # the scale test
     table = localize(a, runs["planted"], runs["planted-rerun"])
     origins = table[table["verdict"] == ORIGIN]
     assert len(origins) and (origins.iloc[0]["module"], origins.iloc[0]["kind"]) == (
