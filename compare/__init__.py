@@ -13,7 +13,7 @@ _EXPORTS = {
     "DumpError": "errors", "format_tree": "inspect", "summarize": "summary", "Summary": "summary",
     "Divergence": "summary", "Tolerance": "tolerance", "pair_tolerance": "tolerance",
     "localize": "injection", "describe_origins": "injection", "ops_suspects": "injection",
-    "same_tensor": "injection",
+    "origin_aliases": "injection",
     "judge": "verdict",
     "NameMapping": "mapping", "Rule": "mapping", "load_mapping": "mapping",
     "suggest_mapping": "suggest",

@@ -228,7 +228,7 @@ def ops_suspects(frame: pd.DataFrame, shown: int = OPS_SUSPECTS) -> list[str]:
     return list(dict.fromkeys(ordered))[:shown]
 
 
-def same_tensor(frame: pd.DataFrame, origin: Mapping) -> pd.DataFrame:
+def origin_aliases(frame: pd.DataFrame, origin: Mapping | pd.Series) -> pd.DataFrame:
     """The rows of :func:`localize`'s ``frame`` that are later records of ``origin``'s tensor
     in the re-run (a model's logits, which are its head's output: the gradient arriving at
     them is the head's grad_output too)."""
@@ -243,7 +243,7 @@ def describe_origins(frame: pd.DataFrame, shown: int = ORIGINS_SHOWN,
                      unexplained: bool = False) -> str:
     """Text: how many records are origins, inherit or are fine; the origins in execution order
     (at most ``shown``), each with why (the local reason) and the later records of its tensor
-    (:func:`same_tensor`). ``unexplained``: the free run differs from A more than two dumps
+    (:func:`origin_aliases`). ``unexplained``: the free run differs from A more than two dumps
     can explain (it fails, or they cannot tell); where no origin is named then, which modules'
     own code to dump op by op (:func:`ops_suspects`)."""
     origins = frame[frame["verdict"] == st.ORIGIN]
@@ -257,14 +257,14 @@ def describe_origins(frame: pd.DataFrame, shown: int = ORIGINS_SHOWN,
                    " (as it arrived: sent back by the code after this module)"
                    if r.kind in fmt.BACKWARD_KINDS else
                    " (as it arrived: made by the code before this module)")
-        aliases = same_tensor(frame, r._asdict())
+        aliases = origin_aliases(frame, r._asdict())
         also = "" if aliases.empty else " (the same values as " + ", ".join(
             fmt.record_label(a.module, a.cls, a.call_idx, a.kind, a.index)
             for a in aliases.itertuples()) + ")"
         lines.append(f"  origin: step {fmt.step_label(r.epoch, r.step, r.rank)} "
                      f"{fmt.direction_of(r.kind)} "
-                     f"{fmt.record_label(r.module, r.cls, r.call_idx, r.kind, r.index)}{also}"
-                     f"{arrived} local rel error {r.local_rel_error:.3g}{ratio} "
+                     f"{fmt.record_label(r.module, r.cls, r.call_idx, r.kind, r.index)}{arrived}"
+                     f"{also} local rel error {r.local_rel_error:.3g}{ratio} "
                      f"(accumulated {r.accumulated_rel_error:.3g})")
     if len(origins) > shown:
         lines.append(f"  ... {len(origins) - shown} more (compare.localize gives them all)")

@@ -69,7 +69,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from architectures import ARCHITECTURES, HELD_OUT, build, cannot_run, run_step  # noqa: E402
-from compare import (compare_dumps, localize, ops_suspects, same_tensor,  # noqa: E402
+from compare import (compare_dumps, localize, ops_suspects, origin_aliases,  # noqa: E402
                      summarize)
 from compare import format as fmt  # noqa: E402
 from compare.status import FAILING, ORIGIN  # noqa: E402
@@ -174,7 +174,7 @@ def _first_origin(table) -> list[str]:
     if origins.empty:
         return []
     first = origins.iloc[0]
-    return [first["module"], *same_tensor(table, first)["module"]]
+    return [first["module"], *origin_aliases(table, first)["module"]]
 
 
 def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: Path,

@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from compare import compare_dumps, format as fmt, load_dump, localize, summarize
+from compare import compare_dumps, format as fmt, load_dump, localize, origin_aliases, summarize
 from compare.cli import main as h5cmp
 from compare.errors import DumpError
 from compare.status import ORIGIN
@@ -524,9 +524,8 @@ def test_an_origin_names_the_later_records_of_its_tensor(tmp_path, one_thread):
     """Mamba's logits are its head's output: the gradient arriving at them is the model's
     grad_output and ``lm_head``'s at once, recorded in either order (float64 against float32
     at this seed: the model's first). An error planted there makes the first of them the
-    first origin of the re-run; the table (``local_same_as``), :func:`compare.same_tensor`
+    first origin of the re-run; the table (``local_same_as``), :func:`compare.origin_aliases`
     and the CLI's text name the other as the same values."""
-    from compare import same_tensor
     require_runnable("mamba", "float32")
     common = dict(seed=11, steps=1)
     plant = {"plant": {"include": ["lm_head"], "where": "grad_output", "scale": 1 + 1e-3}}
@@ -538,7 +537,7 @@ def test_an_origin_names_the_later_records_of_its_tensor(tmp_path, one_thread):
     origins = table[table["verdict"] == ORIGIN]
     assert len(origins), "no origin"
     first = origins.iloc[0]
-    later = same_tensor(table, first)
+    later = origin_aliases(table, first)
     named = {(first["module"], first["kind"]),
              *later[["module", "kind"]].itertuples(index=False, name=None)}
     assert named == {("", "grad_output"), ("lm_head", "grad_output")}, (first, later)

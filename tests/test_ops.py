@@ -503,8 +503,8 @@ def test_a_rerun_that_names_no_origin_names_the_code_to_dump_op_by_op(tmp_path):
     """Swin at its fourth AdamW step, float32 against float16 autocast: noise of 3 % of the
     gradient arriving at one attention's ``k_proj`` (between its own code and the projection;
     scaled by 1.03 instead, the scale test finds it from two dumps) hides in what attention's
-    functional backward adds there, for two dumps and for a
-    localizing re-run, which is only judged as all code between modules together. The re-run
+    functional backward adds there, for two dumps and for a localizing re-run, which is only
+    judged as all code between modules together. The re-run
     names the attention as the module whose own code added the most; dumped again with its ops
     (and the views between them, which link them), the gradient is the origin."""
     require = architectures.cannot_run("swin", "float16")
