@@ -430,16 +430,18 @@ def compiled_modules(attrs: dict) -> list[str]:
 # dtypes bit-identically from equal inputs. The world size is one of them: collectives (a
 # data-parallel all-reduce of gradients, FSDP's reduce-scatter) add up in another order, and
 # sharded parameters are computed on as views of other buffers, over another number of ranks.
+# The TF32 flags only choose CUDA kernels (a CPU run's cuDNN flag is torch's default or not).
 KERNEL_ATTRS = ("torch_version", "device", "tf32_matmul", "tf32_cudnn", "float32_matmul_precision",
                 "world_size")
+CUDA_ONLY_ATTRS = ("tf32_matmul", "tf32_cudnn")
 
 
 def same_kernels(attrs_a: dict, attrs_b: dict) -> bool:
     """Whether two steps (their root attributes) compute bit-identically (see KERNEL_ATTRS)."""
     def kernels(attrs):
-        values = [attrs.get(k) for k in KERNEL_ATTRS]
-        values[KERNEL_ATTRS.index("device")] = str(attrs.get("device", "")).split(":")[0]
-        return values
+        device = str(attrs.get("device", "")).split(":")[0]
+        return [device if k == "device" else None if k in CUDA_ONLY_ATTRS and device != "cuda"
+                else attrs.get(k) for k in KERNEL_ATTRS]
     deterministic = all(str(a.get("device", "")).startswith("cpu")
                         or a.get("deterministic_algorithms") for a in (attrs_a, attrs_b))
     return deterministic and kernels(attrs_a) == kernels(attrs_b)

@@ -333,3 +333,18 @@ def test_a_small_parameter_beside_a_large_output_gets_no_summation_allowance(tmp
     assert result.exit_code == 1, result.output
     assert result.stdout.startswith("B diverges from A: first at step 0:0 backward in gate "
                                     "(param_grad[0])"), result.output
+
+
+def test_tf32_flags_choose_no_kernel_on_the_cpu():
+    """cuDNN's TF32 flag is on by default and only a CUDA run uses it: two CPU runs, one with
+    it turned off, still compute bit-identically (a benchmark's reference ran with torch's
+    default and its B with TF32 off, so a 1e-3 plant in a Whisper gradient after 3 AdamW
+    steps hid in a calibrated level); two CUDA runs that differ in it do not."""
+    cpu = {"torch_version": "2.13.0", "device": "cpu", "tf32_matmul": False,
+           "tf32_cudnn": True, "float32_matmul_precision": "highest", "world_size": 1}
+    assert fmt.same_kernels(cpu, {**cpu, "tf32_cudnn": False})
+    assert fmt.same_kernels(cpu, {**cpu, "tf32_matmul": True})
+    cuda = {**cpu, "device": "cuda:0", "deterministic_algorithms": True}
+    assert fmt.same_kernels(cuda, {**cuda, "device": "cuda:1"})
+    assert not fmt.same_kernels(cuda, {**cuda, "tf32_cudnn": False})
+    assert not fmt.same_kernels(cuda, {**cuda, "tf32_matmul": True})
