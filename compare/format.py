@@ -7,6 +7,7 @@ This module is torch-free; the dumper writes with it and the compare side reads 
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from typing import Iterable, NamedTuple, Optional, Union
 
@@ -117,6 +118,27 @@ def record_label(module: str, cls: str, call_idx: int, kind: str, index: int,
     where = f"{module_key(module, cls)}#{call_idx}" if op is None else \
         f"{op[0]}#{call_idx}{OP_SEPARATOR}{op[1]}"
     return f"{where} {kind}[{index}]{repeat}"
+
+
+def row_label(row) -> str:
+    """:func:`record_label` of a result row (any mapping with the record's columns)."""
+    return record_label(row["module"], row["cls"], row["call_idx"], row["kind"], row["index"],
+                        row["occurrence"])
+
+
+def in_step_of(frame, row):
+    """Which rows of ``frame`` are of ``row``'s step and rank (rank NaN: not distributed)."""
+    rank = row["rank"]
+    rank = -1 if rank is None or (isinstance(rank, float) and math.isnan(rank)) else rank
+    return ((frame["epoch"] == row["epoch"]) & (frame["step"] == row["step"])
+            & (frame["rank"].fillna(-1) == rank))
+
+
+def later_records(frame, row, same_as: str = "same_as"):
+    """The rows of ``frame`` that are later records of ``row``'s tensor: of its step and rank,
+    with ``row``'s label in their ``same_as`` column (the verdict's, or a re-run table's
+    ``local_same_as``)."""
+    return frame[in_step_of(frame, row) & (frame[same_as] == row_label(row))]
 
 
 def module_matches(path: str, cls: str, patterns) -> bool:

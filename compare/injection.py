@@ -232,11 +232,7 @@ def origin_aliases(frame: pd.DataFrame, origin: Mapping | pd.Series) -> pd.DataF
     """The rows of :func:`localize`'s ``frame`` that are later records of ``origin``'s tensor
     in the re-run (a model's logits, which are its head's output: the gradient arriving at
     them is the head's grad_output too)."""
-    label = fmt.record_label(origin["module"], origin["cls"], origin["call_idx"], origin["kind"],
-                             origin["index"], origin["occurrence"])
-    same_step = (frame["epoch"] == origin["epoch"]) & (frame["step"] == origin["step"]) & (
-        frame["rank"].fillna(-1) == (-1 if pd.isna(origin["rank"]) else origin["rank"]))
-    return frame[same_step & (frame["local_same_as"] == label)]
+    return fmt.later_records(frame, origin, "local_same_as")
 
 
 def describe_origins(frame: pd.DataFrame, shown: int = ORIGINS_SHOWN,

@@ -29,12 +29,6 @@ SETTLE = ("re-run B on A's values to settle it: HookerAndDumper(..., inject=A) i
           "(A dumped with params=True), then h5cmp A B --injected C")
 
 
-def record_label(row) -> str:
-    """:func:`compare.format.record_label` of a result row."""
-    return fmt.record_label(row["module"], row["cls"], row["call_idx"], row["kind"], row["index"],
-                            row["occurrence"])
-
-
 def _ratio(value: float) -> str:
     """An added error in units of the expected one, e.g. ``31x``; "new" where none is expected."""
     return "new" if not np.isfinite(value) else f"{value:.0f}x" if value >= 10 else f"{value:.1f}x"
@@ -131,7 +125,7 @@ class Divergence:
         lines += [f"  {hint}" for hint in (_loss_scale_overflow(r), _loss_scale_ratio(r)) if hint]
         if len(self.aliases):
             lines.append("  the same tensor is also " + ", ".join(
-                record_label(a) for _, a in self.aliases.iterrows()))
+                fmt.row_label(a) for _, a in self.aliases.iterrows()))
         if self.verdict == st.ORIGIN:
             lines.append(f"  the error starts in this {'op' if op is not None else 'module'} "
                          f"(its own computation)")
@@ -156,7 +150,7 @@ class Divergence:
             carried = self._carried()
             if carried is not None and not str(r["reason"]).startswith(IN_TRANSIT):
                 lines.append(f"  but it is sent back from records that already differ "
-                             f"({record_label(carried)}: {carried['rel_error']:.3g}), and code "
+                             f"({fmt.row_label(carried)}: {carried['rel_error']:.3g}), and code "
                              f"that sums them (attention's backward, over positions) may amplify "
                              f"that beyond the gain allowed here, as far as two dumps can tell"
                              f"{'; ' + SETTLE if advise_rerun else ''}")
@@ -434,7 +428,7 @@ def summarize(result: pd.DataFrame) -> Summary:
     later = weights is not None and (weights["epoch"], weights["step"]) != (0, 0)
     suspects = failing[failing["status"] == st.DIFF].sort_values(
         ["added_ratio", "added_rel_error"], ascending=False, kind="stable")
-    suspects = suspects.assign(label=[record_label(r) for _, r in suspects.iterrows()])
+    suspects = suspects.assign(label=[fmt.row_label(r) for _, r in suspects.iterrows()])
     from_stats = int((result["rel_l2_err"].isna() & result["rel_err_from_stats"].notna()
                       & ~weight_rows).sum())
     # (not a record whose own computation, recomputed from its records on every sample,
@@ -456,7 +450,7 @@ def summarize(result: pd.DataFrame) -> Summary:
     undecided = result[candidates]
     undecided = undecided.sort_values(["added_ratio", "hidden_rel_error"], ascending=False,
                                       kind="stable")
-    undecided = undecided.assign(label=[record_label(r) for _, r in undecided.iterrows()])
+    undecided = undecided.assign(label=[fmt.row_label(r) for _, r in undecided.iterrows()])
     arguments = pd.DataFrame(list(result.attrs.get(ARGUMENTS, ())), columns=ARGUMENT_COLUMNS)
     inert = _in_identical_steps(arguments, result)
     return Summary(counts, len(result), first, precision, suspects, largest, weights, later,
@@ -499,11 +493,10 @@ def _before(result: pd.DataFrame, row: pd.Series) -> pd.Series:
 
 
 def _diagnose(result: pd.DataFrame, row: pd.Series) -> Divergence:
-    same_step = result[(result["epoch"] == row["epoch"]) & (result["step"] == row["step"])
-                       & (result["rank"].fillna(-1) == (-1 if pd.isna(row["rank"]) else row["rank"]))]
+    same_step = result[fmt.in_step_of(result, row)]
     position = same_step.index.get_loc(row.name)
     upstream = same_step.iloc[earlier_sources(same_step)[position]]
-    aliases = same_step[same_step["same_as"] == record_label(row)]
+    aliases = fmt.later_records(same_step, row)
     if fmt.holds_weights(row["kind"], row["producer"]):
         return Divergence(row, st.WEIGHTS, upstream, aliases=aliases)
     if row["kind"] in (fmt.INPUT, fmt.GRAD_OUTPUT):
