@@ -111,9 +111,10 @@ def pair_records(rows_a: pd.DataFrame, rows_b: pd.DataFrame) -> pd.DataFrame:
     (``both``, ``a_only``, ``b_only``), in execution order (step, then A's sequence, else B's)."""
     a = rows_a[KEY + SIDE_COLUMNS]
     b = rows_b[KEY + SIDE_COLUMNS]
-    merged = a.merge(b, on=KEY, how="outer", suffixes=("_a", "_b"), indicator="side")
-    merged["side"] = merged["side"].map({"both": "both", "left_only": "a_only",
-                                         "right_only": "b_only"}).astype(str)
+    # (one block per column out of the merge: copied into few before columns are added)
+    merged = a.merge(b, on=KEY, how="outer", suffixes=("_a", "_b")).copy()
+    in_a, in_b = merged["seq_a"].notna(), merged["seq_b"].notna()  # every record has a seq
+    merged["side"] = np.where(in_a & in_b, "both", np.where(in_a, "a_only", "b_only"))
     merged["order"] = merged["seq_a"].fillna(merged["seq_b"])
     merged = merged.sort_values(["epoch", "step", "rank", "order"], kind="stable")
     return merged.drop(columns="order").reset_index(drop=True)
