@@ -29,7 +29,7 @@ from .metrics import METRIC_COLUMNS, ErrorAccumulator, rows_measured
 from .prefetch import prefetched
 from .pairing import (KEY, align_ranks, at_rank, outside_compiled_regions, pair_records,
                       recorded_on_both_sides, select, tensor_rows, unlike_forms)
-from .statistics import (compare_stats, described, sketch_of_chunks, stats_of_chunks,
+from .statistics import (compare_stats, described, sketch_of_chunks, sketch_sums, stats_of_chunks,
                          unscaled_stats)
 from .status import (CLOSE, DROPPED, EQUAL, HASH_MISMATCH, MISSING_IN_A, MISSING_IN_B,
                      OP_ONLY_IN_A, OP_ONLY_IN_B, REPLICA_MISMATCH, SHAPE_MISMATCH, UNSUPPORTED)
@@ -446,7 +446,7 @@ def _compare_described(side_a: _Side, side_b: _Side, r: _PairRef, chunk_elements
         return {"status": SHAPE_MISMATCH, "rtol": tol.rtol, "atol": tol.atol}
     sides, sketches = [], []
     # the sides known by statistics all have a sketch: sketch the sides with values as well
-    sketched = all(not any(map(math.isnan, sketch)) for dataset, sketch in (
+    sketched = all(sketch_sums(sketch) for dataset, sketch in (
         (r.dataset_a, r.sketch_a), (r.dataset_b, r.sketch_b)) if not dataset)
     for ds, dtype, encoding, checksum, scale, stats, sketch in (
             (datasets[0], r.dtype_a, r.encoding_a, r.checksum_a, r.grad_scale_a, r.stats_a,

@@ -27,7 +27,7 @@ from .formulas import allowed as recompute_allowance
 from .routing import moved_rows
 from .scale import added_scale, scale_noise
 from .sources import STEP_KEY, code_values, earlier_sources, loss_values
-from .statistics import STATS_RESOLUTION
+from .statistics import STATS_RESOLUTION, sketch_bound
 from .sums import CallRows, cancelled
 from .transit import SUM_OF_RECORDS
 
@@ -108,7 +108,8 @@ class Evidence:
         self.params = np.asarray(fmt.holds_weights(frame["kind"], frame["producer"]), bool)
         self.label = labels(frame)
         self.dtypes = list(zip(frame["dtype_a"], frame["dtype_b"]))
-        self.sketched = (frame["sketched"] == 1).to_numpy()
+        sums = frame["sketched"].fillna(0).to_numpy(float).astype(int)  # of sketches compared
+        self.sketched = sums > 0
         # integer records: indices, masks, routing
         self.discrete = np.array([rounding_of(a).unit == 0 and rounding_of(b).unit == 0
                                   for a, b in self.dtypes])
@@ -144,7 +145,8 @@ class Evidence:
         self.replaced = (frame["injected"] == 1).to_numpy()
         cast = cast_rounding_at_scale(frame) * amplified
         # as a source, weights count WEIGHT_GAIN times their error, a bias its error at its
-        # scale in the output (times STATS_GAIN more when estimated from their sketch)
+        # scale in the output; estimated from their sketch, times what that estimate may fall
+        # short by (sketch_bound of its sums), from statistics alone STATS_GAIN
         data = np.where(np.isnan(seen) | ~forward, err,
                         np.where(exact, seen, np.fmax(err, seen)))
         # five statistics do not see an error random in sign (rounding's: it moves a norm by
@@ -158,8 +160,10 @@ class Evidence:
             data[unseen] = np.fmax(data[unseen], np.fmax(*units)[unseen])
         bias_scale = bias_scales(frame)
         param_error = err * np.where(np.isnan(bias_scale), WEIGHT_GAIN, bias_scale)
+        estimated = np.where(self.sketched, [sketch_bound(k) if k else 1.0 for k in sums],
+                             STATS_GAIN)
         self.given = np.where(self.replaced, cast, np.where(
-            self.params, param_error * np.where(self.from_stats, STATS_GAIN, 1), data))
+            self.params, param_error * np.where(self.from_stats, estimated, 1), data))
         self.err_in = np.array([self.combined(self.given, s) for s in self.sources])
         # the largest error of the data (not the weights) a record is computed from
         plain = np.where(self.replaced, cast, err)

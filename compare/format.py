@@ -14,18 +14,19 @@ from typing import Iterable, NamedTuple, Optional, Union
 import numpy as np
 
 FORMAT_NAME = "h5cmp-dump"
-FORMAT_VERSION = 11
+FORMAT_VERSION = 12
 # version 1: no sketch columns (read as NaN); versions 1-2: no data checksums, no `incomplete`;
 # versions 1-4: no `micro_batch` (read as NO_MICRO_BATCH); versions 1-5: no `injected` (read as
 # 0) and no `injected_from` attribute (read as ""); versions 1-6: no `digest` (read as
 # NO_DIGEST); versions 1-7: no sharding columns (read as "": not sharded); versions 7-8: hash
 # mode's parameter rows hold statistics and a sketch besides their digest, other modes' no
 # digest (all read as they are: see comparison._PairRef.hashed); versions 1-9: no `addends`
-# (read as ""); versions 1-10: no `grad_scale` (read as 1.0: no loss scale). Files of any
-# version may lack the normalization eps rows (EPS_PATH, written since 2026-11-26) and the
+# (read as ""); versions 1-10: no `grad_scale` (read as 1.0: no loss scale); versions 2-11: 8
+# sketch sums, not SKETCH_SIZE (the others read as NaN; compare.statistics.sketch_sums). Files
+# of any version may lack the normalization eps rows (EPS_PATH, written since 2026-11-26) and the
 # convolution geometry rows (CONV_PATH, since 2026-11-27).
 # Version 3 (a development version of 2026-11-23, crc32 data checksums) is not read.
-SUPPORTED_VERSIONS = frozenset({1, 2, 4, 5, 6, 7, 8, 9, 10, 11})
+SUPPORTED_VERSIONS = frozenset({1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12})
 
 # ---- files -------------------------------------------------------------------------
 FILE_SUFFIX = ".hdf5"
@@ -302,8 +303,8 @@ INDEX_COLUMNS: tuple[tuple[str, str], ...] = (
     ("stat_inf", "float64"),  # number of +-Inf elements
     ("stat_zero", "float64"),  # number of zero elements
     # Sketch (parameter statistics; NaN where not computed): SKETCH_SIZE signed sums, see
-    # compare.statistics.sketch_of_chunks. Since format version 2.
-    *((f"sketch_{k}", "float64") for k in range(8)),
+    # compare.statistics.sketch_of_chunks. The first 8 since format version 2, 32 since 12.
+    *((f"sketch_{k}", "float64") for k in range(32)),
     # the dataset's checksum (data_checksum), -1 for a row without a dataset. Since version 4.
     ("checksum", "int64"),
     # the tensor's digest, the `checksum` its dataset would have (data_checksum of its bytes),
@@ -322,9 +323,9 @@ INDEX_COLUMNS: tuple[tuple[str, str], ...] = (
 STAT_COLUMNS = tuple(name for name, _ in INDEX_COLUMNS if name.startswith("stat_"))
 SKETCH_COLUMNS = tuple(name for name, _ in INDEX_COLUMNS if name.startswith("sketch_"))
 # the version that added a column (absent: version 1); older indexes lack it
-COLUMN_SINCE = {**{name: 2 for name in SKETCH_COLUMNS}, "checksum": 4, "micro_batch": 5,
-                "injected": 6, "digest": 7, "mesh_shape": 8, "placements": 8, "global_shape": 8,
-                "offsets": 8, "addends": 10, "grad_scale": 11}
+COLUMN_SINCE = {**{name: 2 if k < 8 else 12 for k, name in enumerate(SKETCH_COLUMNS)},
+                "checksum": 4, "micro_batch": 5, "injected": 6, "digest": 7, "mesh_shape": 8,
+                "placements": 8, "global_shape": 8, "offsets": 8, "addends": 10, "grad_scale": 11}
 SHARDING_COLUMNS = ("mesh_shape", "placements", "global_shape", "offsets")
 PLACEMENT_SEPARATOR = ";"  # a placement's own text may hold a comma: _S(0, 2)
 NO_CHECKSUM = -1  # `checksum` of a row without a dataset, or of a file older than version 4

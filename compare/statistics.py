@@ -20,10 +20,14 @@ STAT_NAMES = tuple(column.removeprefix("stat_") for column in fmt.STAT_COLUMNS)
 # The sketch of a tensor: SKETCH_SIZE sums of its elements with pseudo-random signs,
 #   sketch_k = sum_i  R[k, i % SKETCH_COLUMNS_P] * T[k, (i // SKETCH_COLUMNS_P) % SKETCH_ROWS_Q] * x_i
 # over the elements x_i in C order (float64; complex tensors by magnitude). For two tensors a and
-# b, mean_k (sketch_k(b) - sketch_k(a))^2 estimates ||b - a||^2 whatever the difference's shape
-# (a drift of weights, a scale): from SKETCH_SIZE = 8 numbers, the estimate of ||b - a|| is
-# within a factor of 2.5 of it but in one case in a thousand (a chi-square of 8 degrees).
+# b, each sum of b - a has signs independent in pairs, so mean square ||b - a||^2, whatever the
+# difference's shape (a drift of weights, a scale): the mean of k sums' squares is, for a
+# difference spread over many elements, ||b - a||^2 times a chi-square of k degrees over k
+# (sketch_bound says how far below it may fall). Row k's signs do not depend on SKETCH_SIZE:
+# the 8 sums of format versions 2 to 11 are the first 8 of today's.
 SKETCH_SIZE = len(fmt.SKETCH_COLUMNS)
+# an estimate from a sketch falls below ||b - a|| / sketch_bound(k) once in 1 / SKETCH_MISS
+SKETCH_MISS = 1e-4
 SKETCH_COLUMNS_P, SKETCH_ROWS_Q = 1021, 1019  # primes: element i sits at (i // P, i % P)
 
 
@@ -59,15 +63,53 @@ def sketch_of_chunks(chunks: Iterable[np.ndarray]) -> tuple[float, ...]:
     return tuple(float(v) for v in total)
 
 
+def sketch_sums(sketch: tuple) -> int:
+    """How many sums of ``sketch`` are known: its leading ones that are not NaN (none for a
+    tensor with NaN or Inf elements, 8 in a file of format versions 2 to 11, whose other
+    columns read as NaN)."""
+    return next((k for k, v in enumerate(sketch) if math.isnan(v)), len(sketch))
+
+
 def sketch_rel_error(sketch_a: tuple, sketch_b: tuple, norm_a: float) -> float:
-    """``||b - a|| / ||a||`` estimated from the two tensors' sketches; NaN if either is missing."""
-    a, b = np.asarray(sketch_a, float), np.asarray(sketch_b, float)
-    if np.isnan(a).any() or np.isnan(b).any():
+    """``||b - a|| / ||a||`` estimated from the sums both sketches know; NaN if either knows
+    none."""
+    k = min(sketch_sums(sketch_a), sketch_sums(sketch_b))
+    if not k:
         return math.nan
+    a, b = np.asarray(sketch_a[:k], float), np.asarray(sketch_b[:k], float)
     spread = math.sqrt(float(np.mean((b - a) ** 2)))
     if not norm_a:
         return 0.0 if spread == 0 else math.inf
     return spread / norm_a
+
+
+@functools.cache
+def sketch_bound(sums: int) -> float:
+    """How many times its estimate from ``sums`` sums of their sketches ``||b - a||`` is at
+    most, but once in ``1 / SKETCH_MISS``: ``sqrt(k / q)`` with ``q`` the ``SKETCH_MISS``
+    quantile of a chi-square of ``k = sums`` degrees (1.76 for 32 sums, 4.15 for 8)."""
+    low, high = 0.0, float(sums)  # the quantile, by bisection of the chi-square's CDF
+    for _ in range(100):
+        middle = (low + high) / 2
+        low, high = (middle, high) if _chi_square_cdf(middle, sums) < SKETCH_MISS \
+            else (low, middle)
+    return math.sqrt(sums / high)
+
+
+def _chi_square_cdf(x: float, degrees: int) -> float:
+    """``P(X <= x)`` for a chi-square of ``degrees`` degrees: the regularized lower incomplete
+    gamma function ``P(degrees / 2, x / 2)`` by its series (x below the degrees: it converges
+    fast)."""
+    s, z = degrees / 2, x / 2
+    if z <= 0:
+        return 0.0
+    term = math.exp(s * math.log(z) - z - math.lgamma(s + 1))
+    total, n = term, 0
+    while term > 1e-17 * total:
+        n += 1
+        term *= z / (s + n)
+        total += term
+    return total
 
 
 def stats_from_sums(lo: float, hi: float, total: float, sumsq: float, n: int, nan: float,
@@ -152,7 +194,7 @@ def compare_stats(a: tuple, b: tuple, tol: Tolerance, sketch_a: tuple = (),
     ``stat_rel_diff``, the largest ``|b - a| / max(|a|, atol)`` over those five;
     ``norm_rel_diff``, ``| ||b|| - ||a|| | / ||a||``; and ``rel_err_from_stats``, the verdict's
     estimate of the relative L2 error: from the two sides' sketches where both have one
-    (``sketched`` is then 1; :func:`sketch_rel_error`), else the largest of ``norm_rel_diff``,
+    (``sketched`` is then the number of sums both know, :func:`sketch_rel_error`; else 0), else the largest of ``norm_rel_diff``,
     the changes of std and mean relative to A's root mean square, and of min and max relative
     to their own size (at least the root mean square): a rough one, which a change that keeps
     those five numbers escapes. ``rel_l2_err`` itself cannot be known from statistics and stays
@@ -179,14 +221,13 @@ def compare_stats(a: tuple, b: tuple, tol: Tolerance, sketch_a: tuple = (),
                norm_rel_diff=abs(sb["norm"] - norm_a) / norm_a if norm_a else math.nan,
                rms_a=math.hypot(sa["mean"], sa["std"]),
                rel_err_from_stats=_estimate(sa, sb))
-    from_sketch = sketch_rel_error(sketch_a, sketch_b, norm_a) if sketch_a and sketch_b \
-        else math.nan
-    out["sketched"] = float(not math.isnan(from_sketch))
-    if out["sketched"]:
-        out["rel_err_from_stats"] = from_sketch
+    sums = min(sketch_sums(sketch_a), sketch_sums(sketch_b))
+    out["sketched"] = float(sums)
+    if sums:
+        out["rel_err_from_stats"] = sketch_rel_error(sketch_a, sketch_b, norm_a)
         # the same statistics, other sketches: the same values in other places (a transposed
         # weight) are not equal
-        equal = equal and tuple(sketch_a) == tuple(sketch_b)
+        equal = equal and tuple(sketch_a[:sums]) == tuple(sketch_b[:sums])
     if (sa["nan"], sa["inf"]) != (sb["nan"], sb["inf"]):
         out["status"] = NAN_MISMATCH
     else:

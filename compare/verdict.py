@@ -66,7 +66,9 @@ sketch, as in format version 1 dumps, or looked up by indices: a module's weight
 own code gets integers, as its inputs or from its children); and what is computed from data
 (not weights) off by ``UNRELATED`` of its size or more (B's inputs are no longer A's with an
 error, so no gain bounds what code makes of them: a loss from logits 118 % off, after runs
-diverged). Weights known by their sketch count with ``STATS_GAIN`` times their estimate.
+diverged). Weights known by their sketch count with what its estimate may fall short by
+(:func:`compare.statistics.sketch_bound` of its sums), by five statistics alone ``STATS_GAIN``
+times their estimate.
 
 With user-given ``rtol``/``atol`` a record within them (every element ``|b - a| <= atol +
 rtol |b|``, or, known by statistics, each statistic) is ``close``; outside them it is

@@ -83,7 +83,7 @@ def test_a_hash_dump_holds_digests_and_no_values(runs):
     assert (tensors[tensors["status"] == "ok"]["digest"] >= 0).all()
     params = tensors[tensors["kind"] == "param"]
     assert len(params) and params["stat_nan"].isna().all()  # weights: a digest only, too
-    assert params[[f"sketch_{k}" for k in range(8)]].isna().all().all()
+    assert params[list(fmt.SKETCH_COLUMNS)].isna().all().all()
 
 
 @pytest.mark.parametrize("run", ["values", "stats"])

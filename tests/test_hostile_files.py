@@ -203,7 +203,7 @@ def test_text_that_is_not_utf8_is_refused(reference, copy):
     ("tf32_matmul", 7, "root attribute 'tf32_matmul' is 7, not a boolean"),
     (fmt.ATTR_FORMAT_VERSION, "4", "dump format version '4' is not supported"),
     (fmt.ATTR_FORMAT_VERSION, 3, "version 3 is not supported by this h5cmp "
-                                 "(reads [1, 2, 4, 5, 6, 7, 8, 9, 10, 11]); dump this step again"),
+                                 "(reads [1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12]); dump this step again"),
 ])
 def test_a_missing_or_mistyped_root_attribute_is_refused(reference, copy, name, value, says):
     """A version-3 file without its checksum attribute cannot pass unchecked."""
