@@ -244,6 +244,14 @@ class _Step:
             and not any(c > call and self.may_use(c, call) for c in self.siblings(call)))
         return self.of((call,), fmt.OUTPUT) if given else []
 
+    def loss_inputs(self, call: int) -> list[int]:
+        """For the root call, the outputs of its children that its own code gets (a model
+        given labels computes its loss from its head's logits: :meth:`loss_values`); else
+        none."""
+        if self.parent[call] is not None:
+            return []
+        return [row for child in self.children[call] for row in self.loss_values(child)]
+
     def sources(self, call: int, module: str, kind: str, occurrence: int, producer: int
                 ) -> list[int]:
         fwd = (call,)
@@ -316,6 +324,14 @@ def loss_values(frame: pd.DataFrame) -> list[np.ndarray]:
     the outputs it is computed from (a subset of its sources); empty for every other row."""
     return _per_row(frame, lambda step, call, module, kind, *_: (
         step.loss_values(call) if kind == fmt.GRAD_OUTPUT else []))
+
+
+def loss_inputs(frame: pd.DataFrame) -> list[np.ndarray]:
+    """For each output row of the root call (the user's loss, beside its logits), the rows of
+    its children's outputs that the root's own code computes from (:meth:`_Step.loss_inputs`,
+    a subset of its sources); empty for every other row."""
+    return _per_row(frame, lambda step, call, module, kind, *_: (
+        step.loss_inputs(call) if kind == fmt.OUTPUT else []))
 
 
 def earlier_sources(frame: pd.DataFrame) -> list[np.ndarray]:

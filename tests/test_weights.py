@@ -384,6 +384,63 @@ def test_a_small_parameter_beside_a_large_output_gets_no_summation_allowance(tmp
                                     "(param_grad[0])"), result.output
 
 
+class _Classifier(torch.nn.Module):
+    """Token ids -> Embedding -> Linear -> tanh -> a vocabulary head; returns the mean
+    cross-entropy (times ``plant``) beside the logits, as a Hugging Face model given labels."""
+
+    def __init__(self, plant: float = 1.0):
+        super().__init__()
+        self.emb = torch.nn.Embedding(96, 32)
+        self.body = torch.nn.Linear(32, 32)
+        self.lm_head = torch.nn.Linear(32, 96)
+        self.plant = plant
+
+    def forward(self, ids, labels):
+        logits = self.lm_head(torch.tanh(self.body(self.emb(ids))))
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, 96), labels.view(-1))
+        return {"loss": loss * self.plant, "logits": logits}
+
+
+def _drifted_along_the_gradient(directory, dtype, drift: float, plant: float = 1.0):
+    """A step-1 dump of ``_Classifier`` in ``dtype`` whose head's weight moved ``drift``
+    times its float64 gradient (what training does), confident logits (rms ~5)."""
+    torch.manual_seed(0)
+    model = _Classifier(plant).to(dtype)
+    gen = torch.Generator().manual_seed(1)
+    ids, labels = (torch.randint(0, 96, (4, 6), generator=gen) for _ in range(2))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)
+    exact = _Classifier().double()
+    exact.load_state_dict(model.state_dict())
+    exact(ids, labels)["loss"].backward()
+    with torch.no_grad():
+        model.lm_head.weight.sub_((drift * exact.lm_head.weight.grad).to(dtype))
+    dumper = HookerAndDumper(directory, steps=[1])
+    with dumper.hooks(model, 0, 1):
+        model(ids, labels)["loss"].backward()
+    dumper.close()
+    return directory
+
+
+def test_a_loss_moved_by_its_logits_drift_is_not_blamed_and_an_error_in_it_is_found(tmp_path):
+    """Weights drift along the gradient, so the logits' error moves their cross-entropy more
+    than its relative share: 2e-6 of logits moves the loss by 5e-6. The loss moves by at most
+    twice the logits' largest error, and is not blamed for that (it was a false alarm); a 1e-3
+    error in the loss itself is found."""
+    a = _drifted_along_the_gradient(tmp_path / "a", torch.float64, 0.0)
+    b = _drifted_along_the_gradient(tmp_path / "b", torch.float32, 1e-4)
+    result = compare_dumps(a, b)
+    loss, logits = (result[(result["module"] == "") & (result["path"] == f"output['{name}']")]
+                    .iloc[0] for name in ("loss", "logits"))
+    assert loss["rel_error"] > 2 * logits["rel_error"] and loss["status"] == st.INHERITED
+    assert loss["input_rel_error"] >= 2 * logits["max_abs_err"] / loss["rms_a"]
+    run = CliRunner().invoke(main, [str(a), str(b)])
+    assert run.exit_code == 0 and "B agrees with A within float32 rounding" in run.output
+    planted = _drifted_along_the_gradient(tmp_path / "p", torch.float32, 1e-4, plant=1.001)
+    run = CliRunner().invoke(main, [str(a), str(planted)])
+    assert run.exit_code == 1 and "first at step 0:1 forward in <root> (output[0])" in run.output
+
+
 def test_tf32_flags_choose_no_kernel_on_the_cpu():
     """cuDNN's TF32 flag is on by default and only a CUDA run uses it: two CPU runs, one with
     it turned off, still compute bit-identically (a benchmark's reference ran with torch's
