@@ -49,6 +49,8 @@ DECIDING_SHARE = 0.25  # least share of an input a ReLU-like decision passes gra
 # error a drift makes in a module's output can exceed the drift's share of the weights: up to
 # 2x in 99 %, 12x at most of 121 drifted Linear/Embedding records (5 architectures, 4 steps).
 WEIGHT_GAIN = 4.0
+# Losses of logits that log-sum-exp them (modules and op records): Evidence._cross_entropy
+CROSS_ENTROPIES = frozenset({"CrossEntropyLoss", "NLLLoss", "cross_entropy", "nll_loss"})
 # Error propagation by gains is first-order: inputs off by their own size are other values.
 UNRELATED = 1.0
 
@@ -352,22 +354,33 @@ class Evidence:
         return out
 
     def _cross_entropy(self, frame: pd.DataFrame) -> np.ndarray:
-        """For a scalar the root call returns (the user's loss), what its logits' largest
-        error gives it if it is their cross-entropy, ``mean_t (logsumexp(z_t) - z_t[y_t])``:
-        a log-sum-exp moves by at most the largest change of its arguments, so the loss by at
-        most twice the logits' largest absolute change (:func:`compare.sources.loss_inputs`,
-        ``max_abs_err``, of records with values), ``2 max|dz| / |L|`` relatively, whatever
-        the change's shape (Funnel's float32 logits, 3.6e-7 off from drifted weights but
-        1.6e-5 at most and along the gradient, move their loss of 13.2 by 1.1e-5, 8.2e-7 of
-        it). A loss summed over tokens, or not a cross-entropy, gets what other rules give."""
+        """For the loss, what its logits' largest error gives it if it is their cross-entropy,
+        ``mean_t (logsumexp(z_t) - z_t[y_t])``: a log-sum-exp moves by at most the largest
+        change of its arguments, so the loss by at most twice the logits' largest absolute
+        change (``max_abs_err``, of records with values), ``2 max|dz| / |L|`` relatively,
+        whatever the change's shape (Funnel's float32 logits, 3.6e-7 off from drifted weights
+        but 1.6e-5 at most and along the gradient, move their loss of 13.2 by 1.1e-5, 8.2e-7
+        of it). The loss: the first output of the root call where it is a scalar (a model
+        given labels returns it first; its logits: :func:`compare.sources.loss_inputs`), and
+        the scalar output of a call of a cross-entropy (``CROSS_ENTROPIES``: a module, an op
+        record), its logits its inputs. A loss summed over tokens, or not a cross-entropy,
+        gets what other rules give."""
         scale = np.abs(frame["rms_a"].to_numpy(float))
         largest = frame["max_abs_err"].to_numpy(float)
         numel = frame["numel"].to_numpy(float)
+        kind = frame["kind"].to_numpy(object)
+        losses = frame["cls"].isin(list(CROSS_ENTROPIES)).to_numpy()
+        scalar = (kind == fmt.OUTPUT) & (numel == 1) & (scale > 0)
+        first = (frame["index"] == 0).to_numpy()
         out = np.zeros(self.n)
-        for i, logits in enumerate(loss_inputs(frame)):
-            logits = np.intersect1d(logits, self.sources[i])
+        for i, given in enumerate(loss_inputs(frame)):
+            s = self.sources[i]
+            if not scalar[i]:
+                continue
+            logits = (s[(kind[s] == fmt.INPUT) & (numel[s] > 1)] if losses[i]
+                      else np.intersect1d(given, s) if first[i] else s[:0])
             logits = logits[np.isfinite(largest[logits])]
-            if len(logits) and numel[i] == 1 and scale[i] > 0:
+            if len(logits):
                 out[i] = 2 * largest[logits].max() / scale[i]
         return out
 

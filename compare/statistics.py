@@ -64,10 +64,12 @@ def sketch_of_chunks(chunks: Iterable[np.ndarray]) -> tuple[float, ...]:
 
 
 def sketch_sums(sketch: tuple) -> int:
-    """How many sums of ``sketch`` are known: its leading ones that are not NaN (none for a
-    tensor with NaN or Inf elements, 8 in a file of format versions 2 to 11, whose other
-    columns read as NaN)."""
-    return next((k for k, v in enumerate(sketch) if math.isnan(v)), len(sketch))
+    """How many sums of ``sketch`` are known: its leading ones that are not NaN, where all
+    after them are (8 in a file of format versions 2 to 11, whose other columns read as
+    NaN); none where a NaN sits among known sums (a tensor with NaN elements, or with both
+    +Inf and -Inf, which cancel to NaN in some sums only)."""
+    known = next((k for k, v in enumerate(sketch) if math.isnan(v)), len(sketch))
+    return known if all(math.isnan(v) for v in sketch[known:]) else 0
 
 
 def sketch_rel_error(sketch_a: tuple, sketch_b: tuple, norm_a: float) -> float:

@@ -2,6 +2,7 @@
 still found, and their drift is not blamed on the modules they feed."""
 from __future__ import annotations
 
+import math
 import zlib
 
 import h5py
@@ -16,7 +17,7 @@ from compare import status as st
 from compare.status import FAILING
 from compare.cli import main
 from compare.statistics import (SKETCH_MISS, SKETCH_SIZE, _chi_square_cdf, sketch_bound,
-                                sketch_of_chunks, sketch_rel_error)
+                                sketch_of_chunks, sketch_rel_error, sketch_sums)
 from compare import localize
 from compare.errors import DumpError
 from dumper import HookerAndDumper, Injector
@@ -73,6 +74,18 @@ def test_the_sketch_falls_short_of_a_drift_as_a_chi_square_says():
     for sums, one_percent in ((8, 1.646), (32, 16.362)):
         short = np.mean(np.array(ratios[sums]) < np.sqrt(one_percent / sums))
         assert 0.005 < short < 0.02, (sums, short)
+
+
+def test_a_sketch_with_nan_among_its_known_sums_knows_none():
+    """+Inf and -Inf elements cancel to NaN in the sums where their signs differ, so a
+    sketch may hold NaN among known sums: it knows none (a file of versions 2 to 11 knows
+    its first 8, the rest NaN)."""
+    t = torch.zeros(3000, dtype=torch.float64)
+    t[5], t[2000] = math.inf, -math.inf
+    sketch = tensor_sketch(t)
+    assert 0 < sum(map(math.isnan, sketch)) < len(sketch)
+    assert sketch_sums(sketch) == 0
+    assert sketch_sums(tensor_sketch(torch.ones(3000))[:8] + (math.nan,) * 24) == 8
 
 
 def _train(directory, lr, plant_at=None, params=False, steps=2):
@@ -165,7 +178,6 @@ def test_version_11_dumps_have_8_sketch_sums_and_their_weights_count_more(tmp_pa
         ratio = params["rel_err_from_stats"] / drift.loc[params.index]
         assert ((1 / sketch_bound(sums) < ratio) & (ratio < sketch_bound(sums))).all(), ratio
         assert not result[result["kind"] != "param"]["status"].isin(FAILING).any()
-    assert not old["input_rel_error"].lt(new["input_rel_error"] - 1e-12).any()
     run = CliRunner().invoke(main, [str(a), str(b)])  # one precision: weights must be equal
     assert run.exit_code == 1 and "first at step 0:1 forward in inp (param[0])" in run.output
 
@@ -386,26 +398,30 @@ def test_a_small_parameter_beside_a_large_output_gets_no_summation_allowance(tmp
 
 class _Classifier(torch.nn.Module):
     """Token ids -> Embedding -> Linear -> tanh -> a vocabulary head; returns the mean
-    cross-entropy (times ``plant``) beside the logits, as a Hugging Face model given labels."""
+    cross-entropy (times ``plant``) beside the logits, as a Hugging Face model given labels;
+    with ``criterion``, computed by a ``CrossEntropyLoss`` module."""
 
-    def __init__(self, plant: float = 1.0):
+    def __init__(self, plant: float = 1.0, criterion: bool = False):
         super().__init__()
         self.emb = torch.nn.Embedding(96, 32)
         self.body = torch.nn.Linear(32, 32)
         self.lm_head = torch.nn.Linear(32, 96)
+        self.criterion = torch.nn.CrossEntropyLoss() if criterion else None
         self.plant = plant
 
     def forward(self, ids, labels):
         logits = self.lm_head(torch.tanh(self.body(self.emb(ids))))
-        loss = torch.nn.functional.cross_entropy(logits.view(-1, 96), labels.view(-1))
+        loss = (self.criterion or torch.nn.functional.cross_entropy)(logits.view(-1, 96),
+                                                                       labels.view(-1))
         return {"loss": loss * self.plant, "logits": logits}
 
 
-def _drifted_along_the_gradient(directory, dtype, drift: float, plant: float = 1.0):
+def _drifted_along_the_gradient(directory, dtype, drift: float, plant: float = 1.0,
+                                criterion: bool = False):
     """A step-1 dump of ``_Classifier`` in ``dtype`` whose head's weight moved ``drift``
     times its float64 gradient (what training does), confident logits (rms ~5)."""
     torch.manual_seed(0)
-    model = _Classifier(plant).to(dtype)
+    model = _Classifier(plant, criterion).to(dtype)
     gen = torch.Generator().manual_seed(1)
     ids, labels = (torch.randint(0, 96, (4, 6), generator=gen) for _ in range(2))
     with torch.no_grad():
@@ -422,21 +438,28 @@ def _drifted_along_the_gradient(directory, dtype, drift: float, plant: float = 1
     return directory
 
 
-def test_a_loss_moved_by_its_logits_drift_is_not_blamed_and_an_error_in_it_is_found(tmp_path):
+@pytest.mark.parametrize("criterion", [False, True], ids=["by-the-root", "by-a-module"])
+def test_a_loss_moved_by_its_logits_drift_is_not_blamed_and_an_error_in_it_is_found(
+        tmp_path, criterion):
     """Weights drift along the gradient, so the logits' error moves their cross-entropy more
     than its relative share: 2e-6 of logits moves the loss by 5e-6. The loss moves by at most
-    twice the logits' largest error, and is not blamed for that (it was a false alarm); a 1e-3
-    error in the loss itself is found."""
-    a = _drifted_along_the_gradient(tmp_path / "a", torch.float64, 0.0)
-    b = _drifted_along_the_gradient(tmp_path / "b", torch.float32, 1e-4)
+    twice the logits' largest error, and is not blamed for that (it was a false alarm), be it
+    computed by the root's own code or by a ``CrossEntropyLoss``; a 1e-3 error in the loss
+    itself is found."""
+    a = _drifted_along_the_gradient(tmp_path / "a", torch.float64, 0.0, criterion=criterion)
+    b = _drifted_along_the_gradient(tmp_path / "b", torch.float32, 1e-4, criterion=criterion)
     result = compare_dumps(a, b)
     loss, logits = (result[(result["module"] == "") & (result["path"] == f"output['{name}']")]
                     .iloc[0] for name in ("loss", "logits"))
-    assert loss["rel_error"] > 2 * logits["rel_error"] and loss["status"] == st.INHERITED
-    assert loss["input_rel_error"] >= 2 * logits["max_abs_err"] / loss["rms_a"]
+    losses = result[(result["kind"] == "output") & (result["numel"] == 1)]
+    assert len(losses) == 1 + criterion and (losses["status"] == st.INHERITED).all()
+    assert loss["rel_error"] > 2 * logits["rel_error"]
+    computed = losses.iloc[0]  # by the code that computes it (the root's is then the same)
+    assert computed["input_rel_error"] >= 2 * logits["max_abs_err"] / loss["rms_a"]
     run = CliRunner().invoke(main, [str(a), str(b)])
     assert run.exit_code == 0 and "B agrees with A within float32 rounding" in run.output
-    planted = _drifted_along_the_gradient(tmp_path / "p", torch.float32, 1e-4, plant=1.001)
+    planted = _drifted_along_the_gradient(tmp_path / "p", torch.float32, 1e-4, plant=1.001,
+                                          criterion=criterion)
     run = CliRunner().invoke(main, [str(a), str(planted)])
     assert run.exit_code == 1 and "first at step 0:1 forward in <root> (output[0])" in run.output
 
