@@ -178,6 +178,9 @@ def test_version_11_dumps_have_8_sketch_sums_and_their_weights_count_more(tmp_pa
         ratio = params["rel_err_from_stats"] / drift.loc[params.index]
         assert ((1 / sketch_bound(sums) < ratio) & (ratio < sketch_bound(sums))).all(), ratio
         assert not result[result["kind"] != "param"]["status"].isin(FAILING).any()
+    # both known by their statistics: the sums both have
+    both_old = compare_dumps(_train(tmp_path / "s", 0.05), b)
+    assert (both_old.loc[both_old["kind"] == "param", "sketched"] == 8).all()
     run = CliRunner().invoke(main, [str(a), str(b)])  # one precision: weights must be equal
     assert run.exit_code == 1 and "first at step 0:1 forward in inp (param[0])" in run.output
 
