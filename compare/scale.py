@@ -62,14 +62,25 @@ def scale_noise(frame: pd.DataFrame, sources: list[np.ndarray], err: np.ndarray,
     its own and its sources' relative error over the square root of its element count, and
     ``FORWARD_SCALE_GAIN`` times the largest scale error of its forward sources (the values
     the backward was computed from: a BatchNorm fed 1.05 times its input sends back 1/1.05
-    times the gradient)."""
+    times the gradient). A gradient arriving as a part of another (a later sibling's
+    grad_input of another element count: code between them sliced or concatenated it, as a
+    ViT's patch embeddings beside the class token; a reshape or a permutation keeps the
+    scale) may move as far as its sources' error: only an error random in sign keeps a
+    part's scale the whole's, and an error from upstream
+    (drifted weights) is not (the class token's gradient carries nearly all of the whole's
+    norm, and its scale moved by -0.0064 where the patches' moved by +0.0038)."""
     numel = frame["numel"].to_numpy(float)
     scale = np.abs(np.nan_to_num(frame["scale_err"].to_numpy(float)))
-    forward = frame["kind"].isin(list(fmt.FORWARD_KINDS)).to_numpy()
+    kind = frame["kind"].to_numpy(object)
+    forward = np.isin(kind, list(fmt.FORWARD_KINDS))
     moved = np.array([scale[s[forward[s]]].max() if forward[s].any() else 0.0
                       for s in sources])
     with np.errstate(divide="ignore", invalid="ignore"):
         noise = SCALE_NOISE * np.fmax(err, err_in) / np.sqrt(np.where(numel > 0, numel, np.nan))
+    part = np.array([kind[i] == fmt.GRAD_OUTPUT and np.any(
+        (kind[s] == fmt.GRAD_INPUT) & (numel[s] > 0) & (numel[s] != numel[i]))
+        for i, s in enumerate(sources)])
+    noise = np.where(part, np.fmax(noise, err_in), noise)
     return np.fmax(noise, FORWARD_SCALE_GAIN * moved)
 
 
