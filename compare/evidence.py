@@ -375,10 +375,10 @@ class Evidence:
         out = np.zeros(self.n)
         for i, given in enumerate(loss_inputs(frame)):
             s = self.sources[i]
-            if not scalar[i]:
+            if not scalar[i] or not (losses[i] or first[i]):
                 continue
-            logits = (s[(kind[s] == fmt.INPUT) & (numel[s] > 1)] if losses[i]
-                      else np.intersect1d(given, s) if first[i] else s[:0])
+            logits = s[(kind[s] == fmt.INPUT) & (numel[s] > 1)] if losses[i] \
+                else np.intersect1d(given, s)
             logits = logits[np.isfinite(largest[logits])]
             if len(logits):
                 out[i] = 2 * largest[logits].max() / scale[i]
