@@ -268,6 +268,21 @@ HELD_OUT: dict[str, Arch] = {
                        d_model=48, n_head=4, d_head=12, d_inner=96, hidden_dropout=0.0,
                        attention_dropout=0.0, activation_dropout=0.0, num_decoder_layers=1),
                    _masked_tokens(), _hf_loss),
+    # added 2026-12-02 (twenty-eighth session), chosen and built before any result of theirs
+    # was looked at: an ALBERT (one layer's modules shared by every depth: each called once per
+    # layer; factorized embeddings), a Phi (partial rotary embedding, attention and
+    # feed-forward in parallel off one LayerNorm) and a DINOv2 (layer scale, SwiGLU
+    # feed-forward)
+    "albert": Arch(_hf("AlbertConfig", "AlbertForMaskedLM", vocab_size=96, embedding_size=16,
+                       hidden_size=48, num_hidden_layers=3, num_hidden_groups=1,
+                       num_attention_heads=4, intermediate_size=96, max_position_embeddings=32,
+                       classifier_dropout_prob=0.0, **_NO_DROPOUT_BERT), _tokens(), _hf_loss),
+    "phi": Arch(_hf("PhiConfig", "PhiForCausalLM", partial_rotary_factor=0.5, resid_pdrop=0.0,
+                    embd_pdrop=0.0, attention_dropout=0.0, **_TINY), _tokens(), _hf_loss),
+    "dinov2": Arch(_hf("Dinov2Config", "Dinov2ForImageClassification", image_size=16,
+                       patch_size=4, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                       mlp_ratio=2, use_swiglu_ffn=True, layerscale_value=0.1, drop_path_rate=0.0,
+                       num_labels=10, **_NO_DROPOUT_BERT), _vit_batch, _hf_loss),
 }
 ARCHITECTURES.update(HELD_OUT)
 
