@@ -4,8 +4,10 @@ Records are comparable when they have the same direction (forward or backward), 
 (the code that computed them, :func:`compare.sources.makers`: a module's class for what it
 computes, the consumers' classes or the parent's own code for a gradient arriving at an output)
 and the dtypes they were computed in (:func:`compare.precision.computed_in`). A record's
-expected added error is the lower quartile of the others' added errors (of all records of that
-kind and dtype pair when fewer than ``MIN_GROUP`` are comparable), each counted in roundings of
+expected added error is the lower quartile of the added errors of comparable records of other
+modules (a shared module's other calls left out: :func:`_typical_of_others`; of all records of
+that kind and dtype pair when, the record included, fewer than ``MIN_GROUP`` are comparable),
+each counted in roundings of
 the lower precision at its own scale (``hypot(unit, underflow / rms)``, the rms a side held its
 values at, loss scale included: where float16 gradients underflow, a tensor of rms 5e-8 rounds
 to 60 % of itself, one of 2e-5 to 0.2 %), at least one such rounding. Where both runs ran the
@@ -64,6 +66,7 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
     pair = dtype_a + "/" + dtype_b
     pool_key = pd.Series(direction, index=frame.index) + " " + pair + " " + frame["kind"]
     maker = makers(frame)
+    module = frame["module"].to_numpy(object)
     group_key = pool_key + " " + maker
     # added errors in roundings at each record's own scale (where they underflow, a float16
     # gradient of 5e-8 rounds to 60 % of itself, one of 2e-5 to 0.2 %): comparable records add
@@ -97,7 +100,6 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
             prows = prows.to_numpy()
             pool = added_s[prows[calibrating[prows]]]
             pool = pool[(pool > 0) & np.isfinite(pool)]
-            pooled = len(pool) >= MIN_GROUP
             for _, grows in group_key[prows].groupby(group_key[prows]).groups.items():
                 grows = grows.to_numpy()
                 gains = ratio[grows[calibrating[grows]]]
@@ -107,15 +109,17 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
                                           MAX_GAIN)
                 members = added_s[grows[calibrating[grows]]]
                 members = members[(members > 0) & np.isfinite(members)]
-                own = len(members) >= MIN_GROUP
+                level, others = _typical_of_others(members, grows, module)
+                own = others >= MIN_GROUP - 1
+                if not own.all():  # the kind's records of every maker, for the others
+                    level[~own], others = _typical_of_others(pool, grows[~own], module)
+                    level[~own] *= others >= MIN_GROUP - 1
                 kind = frame.at[grows[0], "kind"]
-                what = (f"{kind} records made by {maker[grows[0]]}" if own
-                        else f"{kind} records")
-                out.level[grows] = rounding[grows] * (
-                    0.0 if exact else _typical_of_others(members, grows) if own
-                    else _typical_of_others(pool, grows) if pooled else 0.0)
-                out.label[grows] = (EXACT_LABEL if exact else
-                                    f"typical {precision} added error of {what} in this dump")
+                what = {True: f"{kind} records made by {maker[grows[0]]}",
+                        False: f"{kind} records"}
+                out.level[grows] = rounding[grows] * (0.0 if exact else level)
+                out.label[grows] = (EXACT_LABEL if exact else [
+                    f"typical {precision} added error of {what[o]} in this dump" for o in own])
         if exact:
             out.gain[rows] = np.maximum(out.gain[rows], EXACT_GAIN)
             out.underflow[rows] = 0.0
@@ -250,35 +254,28 @@ def _at_least_one_rounding(out: Expectation, rows: np.ndarray, floor: np.ndarray
     out.label[rows[at_floor]] = f"{precision} rounding at this tensor's scale"
 
 
-def _typical(added: pd.Series) -> float:
-    """The typical added error of comparable records: their lower quartile. Where one large
-    error runs through most of a small model, what its consequences seem to add (its
-    amplification fluctuating) contaminates the upper half; the lower quartile still shows the
-    records' own rounding, which varies little between healthy records of one kind."""
-    return float(added.quantile(TYPICAL_QUANTILE))
-
-
-def _typical_of_others(members: pd.Series, rows: np.ndarray) -> np.ndarray:
-    """Per row of ``rows``, the typical added error (:func:`_typical`) of ``members`` (indexed
-    by row) less the row's own: a record is judged against the others, not against itself (in
-    a group of five, one planted error raised the lower quartile it was judged by 6-fold)."""
+def _typical_of_others(members: pd.Series, rows: np.ndarray, module: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``rows``, the typical added error (:func:`_typical`) of the ``members``
+    (indexed by row) of other modules than the row's, and how many those are. A record is
+    judged against the others, not against itself (in a group of five, one planted error
+    raised the lower quartile it was judged by 6-fold), nor against other calls of its module
+    (``module``: each row's path; a layer shared by every depth, as ALBERT's, repeats one
+    computation, and an error in it, in each of its calls, set the level it was judged by).
+    The typical is the lower quartile: where one large error runs through most of a small
+    model, what its consequences seem to add (its amplification fluctuating) contaminates the
+    upper half; the lower quartile still shows the records' own rounding, which varies little
+    between healthy records of one kind."""
     values = members.to_numpy(float)
-    order = np.argsort(values, kind="stable")
-    v, n = values[order], len(values)
-    out = np.full(len(rows), _typical(members))
-    rank = pd.Series(np.arange(n), index=members.index[order]).reindex(rows).to_numpy()
-    own = np.isfinite(rank)
-    if n < 2 or not own.any():
-        return out
-    r = rank[own].astype(int)
-    position = TYPICAL_QUANTILE * (n - 2)  # linear interpolation, as Series.quantile does
-    low = int(math.floor(position))
-    high = min(low + 1, n - 2)
-
-    def of_others(k: int) -> np.ndarray:  # the k-th smallest of the others
-        return np.where(k < r, v[k], v[min(k + 1, n - 1)])
-    out[own] = of_others(low) + (position - low) * (of_others(high) - of_others(low))
-    return out
+    of = module[members.index.to_numpy()]
+    level, count = np.zeros(len(rows)), np.zeros(len(rows), int)
+    codes, paths = pd.factorize(module[rows])
+    for code, path in enumerate(paths):
+        others = values[of != path]
+        at = codes == code
+        count[at] = len(others)
+        level[at] = np.quantile(others, TYPICAL_QUANTILE) if len(others) else 0.0
+    return level, count
 
 
 def _mostly_exact(err: np.ndarray, err_in: np.ndarray, rows: np.ndarray) -> bool:
