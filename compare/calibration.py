@@ -32,7 +32,7 @@ from .sources import STEP_KEY, makers
 # amplification), and where none is expected (amplification is all there is to allow for).
 GAIN, EXACT_GAIN = 1.1, 2.0
 MAX_GAIN = 4.0  # the most amplification calibrated for a kind of record
-MIN_GROUP = 5   # comparable records needed to calibrate a group of its own
+MIN_GROUP = 5   # comparable records, the record included, to calibrate a group of its own
 TYPICAL_QUANTILE = 0.25  # of the added errors of comparable records: the expected level
 EXACT_SHARE = 0.5  # share of bit-identical records (with identical sources) for an exact pair
 EXACT_LABEL = "none: records of these dtypes are bit-identical in this dump"
@@ -112,8 +112,8 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
                 level, others = _typical_of_others(members, grows, module)
                 own = others >= MIN_GROUP - 1
                 if not own.all():  # the kind's records of every maker, for the others
-                    level[~own], others = _typical_of_others(pool, grows[~own], module)
-                    level[~own] *= others >= MIN_GROUP - 1
+                    pooled, in_pool = _typical_of_others(pool, grows[~own], module)
+                    level[~own] = np.where(in_pool >= MIN_GROUP - 1, pooled, 0.0)
                 kind = frame.at[grows[0], "kind"]
                 what = {True: f"{kind} records made by {maker[grows[0]]}",
                         False: f"{kind} records"}
@@ -256,25 +256,44 @@ def _at_least_one_rounding(out: Expectation, rows: np.ndarray, floor: np.ndarray
 
 def _typical_of_others(members: pd.Series, rows: np.ndarray, module: np.ndarray
                        ) -> tuple[np.ndarray, np.ndarray]:
-    """Per row of ``rows``, the typical added error (:func:`_typical`) of the ``members``
-    (indexed by row) of other modules than the row's, and how many those are. A record is
+    """Per row of ``rows``, the typical added error of the ``members`` (indexed by row) of
+    other modules than the row's, and how many those are (0 and 0 where none are). A record is
     judged against the others, not against itself (in a group of five, one planted error
     raised the lower quartile it was judged by 6-fold), nor against other calls of its module
     (``module``: each row's path; a layer shared by every depth, as ALBERT's, repeats one
     computation, and an error in it, in each of its calls, set the level it was judged by).
-    The typical is the lower quartile: where one large error runs through most of a small
-    model, what its consequences seem to add (its amplification fluctuating) contaminates the
-    upper half; the lower quartile still shows the records' own rounding, which varies little
-    between healthy records of one kind."""
+    The typical is the lower quartile (linear interpolation, as ``Series.quantile``): where
+    one large error runs through most of a small model, what its consequences seem to add (its
+    amplification fluctuating) contaminates the upper half; the lower quartile still shows the
+    records' own rounding, which varies little between healthy records of one kind."""
     values = members.to_numpy(float)
-    of = module[members.index.to_numpy()]
-    level, count = np.zeros(len(rows)), np.zeros(len(rows), int)
-    codes, paths = pd.factorize(module[rows])
-    for code, path in enumerate(paths):
-        others = values[of != path]
-        at = codes == code
-        count[at] = len(others)
-        level[at] = np.quantile(others, TYPICAL_QUANTILE) if len(others) else 0.0
+    order = np.argsort(values, kind="stable")
+    v, n = values[order], len(values)
+    of = module[members.index.to_numpy()]  # each member's path
+    calls = pd.Series(of, dtype=object).value_counts()
+    path = module[rows]
+    own = calls.reindex(path).fillna(0).to_numpy(int)  # members of the row's module
+    count = n - own
+    level = np.zeros(len(rows))
+    # a module of one member at most: the quantile of the sorted values, its own skipped
+    # (sorted position r; n where it has none), in one pass for every such row
+    simple = (own <= 1) & (count > 0)
+    if simple.any():
+        sorted_path = pd.Series(np.arange(n), index=of[order])
+        r = sorted_path[~sorted_path.index.duplicated()].reindex(path[simple]).fillna(n)
+        r = r.to_numpy(int)
+        m = count[simple]
+        position = TYPICAL_QUANTILE * (m - 1)
+        low = np.floor(position).astype(int)
+        high = np.minimum(low + 1, m - 1)
+
+        def kth(k: np.ndarray) -> np.ndarray:  # the k-th smallest of the others
+            return np.where(k < r, v[k], v[np.minimum(k + 1, n - 1)])
+        level[simple] = kth(low) + (position - low) * (kth(high) - kth(low))
+    shared = (own > 1) & (count > 0)  # a module called several times: a pass per module
+    for shared_path in pd.unique(path[shared]):
+        at = shared & (path == shared_path)
+        level[at] = np.quantile(values[of != shared_path], TYPICAL_QUANTILE)
     return level, count
 
 

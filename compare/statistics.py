@@ -199,8 +199,8 @@ def compare_stats(a: tuple, b: tuple, tol: Tolerance, sketch_a: tuple = (),
     (:func:`sketch_rel_error`; ``sketched`` is the number of sums both know, else 0), else
     the largest of ``norm_rel_diff``, the changes of std and mean relative to A's root mean
     square, and of min and max relative to their own size (at least the root mean square): a
-    rough one, which a change that keeps those five numbers escapes. ``rel_l2_err`` itself cannot be known from statistics and stays
-    NaN.
+    rough one, which a change that keeps those five numbers escapes. ``rel_l2_err`` itself
+    cannot be known from statistics and stays NaN.
     """
     sa, sb = dict(zip(STAT_NAMES, a)), dict(zip(STAT_NAMES, b))
     values = ("min", "max", "mean", "std", "norm")
