@@ -21,10 +21,11 @@ carry the error of the input they were computed from, in a healthy pair too). A
 normalization's input counts with the error of the values it normalizes (a LayerNorm, RMSNorm
 or BatchNorm fed it alone), else with its error after centering, as its incoming gradient
 does (:mod:`compare.centering`);
-a sum that cancels, with its terms' absolute errors (:mod:`compare.sums`); the loss, with
-twice its logits' largest absolute error over its scale (a cross-entropy moves by no more),
-and a gradient the loss gives, with its logits' absolute error (it exponentiates them:
-:meth:`compare.evidence.Evidence._cross_entropy`, ``_exponentiated``). Its *added error*
+a sum that cancels, with its terms' absolute errors, and an input code between modules
+computes, with the largest absolute error of the outputs it alone took (:mod:`compare.sums`);
+the loss, with twice its logits' largest absolute error over its scale (a cross-entropy moves
+by no more), and a gradient the loss gives, with its logits' absolute error (it exponentiates
+them: :meth:`compare.evidence.Evidence._cross_entropy`, ``_exponentiated``). Its *added error*
 is what it carries beyond that, ``sqrt(max(rel_error² - input_error², 0))``.
 
 The *expected* added error of a record is calibrated from the dump (:mod:`compare.calibration`):

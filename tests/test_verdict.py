@@ -356,6 +356,39 @@ def test_an_error_in_a_shared_layer_is_not_calibrated_by_its_own_calls(tmp_path,
     assert (first.row["module"], first.row["kind"]) == (ffn, "output"), first.row
 
 
+def test_attention_code_hands_on_its_sources_absolute_error(tmp_path, one_thread):
+    """Bloom (a held-out trial, fourth AdamW step, float64 against float32): its attention's
+    own code averages the values' third of the fused query-key-value output (1.3e-6 off, rms
+    0.145) into a context of rms 0.083 that carries 2.8e-6, within the output's absolute
+    error at the context's scale; judged by relative errors alone it was a false alarm that
+    also took the first divergence from a 0.1 % plant downstream. An error of the attention's
+    code itself (its probabilities 0.1 % off where no hooked module computes them) is named
+    at the context."""
+    common = dict(seed=17, steps=4, optimizer="adamw", plant_last_only=True)
+    attention = "transformer.h.0.self_attention"
+    dense_4h_to_h = "transformer.h.0.mlp.dense_4h_to_h"
+    a, b, planted = tmp_path / "a", tmp_path / "b", tmp_path / "planted"
+    run_step("bloom", "float64", a, dumper_options={"params": True}, **common)
+    run_step("bloom", "float32", b, **common)
+    run_step("bloom", "float32", planted, **common,
+             plant={"include": [dense_4h_to_h], "where": "output", "scale": 1.001})
+    healthy = summarize(compare_dumps(a, b))
+    assert healthy.first is None, healthy.verdict()
+    first = summarize(compare_dumps(a, planted)).first
+    assert first is not None, "nothing named"
+    assert (first.row["module"], first.row["kind"]) == (dense_4h_to_h, "output"), first.row
+    # the probabilities' module not hooked: what it returns is the attention code's
+    unhooked = {"exclude": [f"{attention}.attention_dropout"]}
+    code_a, code_b = tmp_path / "code_a", tmp_path / "code_b"
+    run_step("bloom", "float64", code_a, dumper_options={"params": True, **unhooked}, **common)
+    run_step("bloom", "float32", code_b, dumper_options=unhooked, **common,
+             plant={"include": [f"{attention}.attention_dropout"], "where": "output",
+                    "scale": 1.001})
+    first = summarize(compare_dumps(code_a, code_b)).first
+    assert first is not None, "nothing named"
+    assert (first.row["module"], first.row["kind"]) == (f"{attention}.dense", "input"), first.row
+
+
 def test_a_cast_to_float16_rounds_to_its_subnormals_near_zero():
     """What casting A's value to B's dtype moves it by: the lower precision's unit, and, near
     zero, B's dtype's underflow (half float16's smallest subnormal, 2^-25) at the scale B
