@@ -20,7 +20,7 @@ from .precision import (cast_rounding, cast_rounding_at_scale, lowest, rounding_
                         stored_scale)
 from .gains import bias_scales, linear_gains
 from .metrics import REORDERED_MARGIN
-from .formulas import (ELEMENTWISE, OVER_DIM, TWO_TENSORS, near_zero_roundings,
+from .formulas import (ELEMENTWISE, GATHERS, OVER_DIM, TWO_TENSORS, near_zero_roundings,
                        rounds_operands)
 from .formulas import ALLOWANCE as RECOMPUTE_MARGIN
 from .formulas import allowed as recompute_allowance
@@ -161,11 +161,11 @@ class Evidence:
                      for side in computed]
             data[unseen] = np.fmax(data[unseen], np.fmax(*units)[unseen])
         bias_scale = bias_scales(frame)
-        param_error = err * np.where(np.isnan(bias_scale), WEIGHT_GAIN, bias_scale)
         estimated = np.where(self.sketched, [sketch_bound(k) if k else 1.0 for k in sums],
                              STATS_GAIN)
-        self.given = np.where(self.replaced, cast, np.where(
-            self.params, param_error * np.where(self.from_stats, estimated, 1), data))
+        weight_error = err * np.where(self.from_stats, estimated, 1)
+        param_error = weight_error * np.where(np.isnan(bias_scale), WEIGHT_GAIN, bias_scale)
+        self.given = np.where(self.replaced, cast, np.where(self.params, param_error, data))
         self.err_in = np.array([self.combined(self.given, s) for s in self.sources])
         # the largest error of the data (not the weights) a record is computed from
         plain = np.where(self.replaced, cast, err)
@@ -176,6 +176,9 @@ class Evidence:
                                       cancelled(frame, self.sources, self.first, self.given),
                                       self._exponentiated(frame),
                                       self._cross_entropy(frame)])
+        # an Embedding's output gets what its lookup gives, exactly bounded, not a gain
+        self.looked_up = _looked_up(frame, weight_error)
+        self.err_in = np.where(np.isnan(self.looked_up), self.err_in, self.looked_up)
         with np.errstate(invalid="ignore"):  # inf - inf: a non-finite record, judged apart
             self.added = np.sqrt(np.clip(err ** 2 - self.err_in ** 2, 0.0, None))
         self.added[np.isnan(self.added)] = np.inf
@@ -448,10 +451,33 @@ class Evidence:
             elif np.any(unknown[moved]):
                 out[i] = ("its weights differ by an amount their five statistics cannot "
                           "tell")
-            elif any(_selects(module[j], kind[j], owner) for owner in set(module[moved])
-                     for j in integers):
+            elif np.isnan(self.looked_up[i]) and any(
+                    _selects(module[j], kind[j], owner) for owner in set(module[moved])
+                    for j in integers):
                 out[i] = "drifted weights it gets are looked up by indices"
         return out
+
+
+def _looked_up(frame: pd.DataFrame, weight_error: np.ndarray) -> np.ndarray:
+    """For the output of an ``Embedding`` (:data:`compare.formulas.GATHERS`), the error its
+    weights' error (``weight_error``: as far as known, an estimate's shortfall included) gives
+    it through the lookup, ``sqrt(c) · e_W · ||W|| / ||y||``: ``y = W[x]`` holds row ``r`` as
+    often as ``x`` names it, ``c_r`` times, so ``||dy||² = Σ_r c_r ||dW_r||² <= c ||dW||²``,
+    with ``c`` the most times one id occurs (``index_count`` of its input; training moves the
+    rows it looks up, whose share of ``||W||`` this takes as all). NaN for other rows, and
+    where the count or the weights are not known."""
+    rms = frame["rms_a"].to_numpy(float)
+    numel = frame["numel"].to_numpy(float)
+    count = frame["index_count"].to_numpy(float)
+    rows = CallRows(frame)
+    out = np.full(len(frame), np.nan)
+    for i in np.flatnonzero((frame["cls"].isin(GATHERS) & (frame["kind"] == fmt.OUTPUT)
+                             & (frame["index"] == 0)).to_numpy()):
+        x, w = rows.of_call(i, fmt.INPUT), rows.of_call(i, fmt.PARAM)
+        if x is not None and w is not None and rms[i] > 0:
+            out[i] = math.sqrt(count[x]) * weight_error[w] * rms[w] * math.sqrt(
+                numel[w] / numel[i]) / rms[i]
+    return out
 
 
 def _selects(module: str, kind: str, owner: str) -> bool:

@@ -13,6 +13,9 @@ Definitions (a = reference side A, b = side B; sums over elements finite on both
   mismatches    elements with |b - a| > atol + rtol |b|, plus non-finite positions that differ
   max_tol_ratio max |b - a| / (atol + rtol |b|): above 1 is outside tolerance (inf if exact)
   sign_flips    elements positive on one side only (what a ReLU or a max decides differs)
+  index_count   of an integer tensor, the most times one value occurs in A's (the rows an
+                embedding's most repeated id looks up that often); NaN for floating tensors
+                and past MAX_COUNTED distinct values
   centered_rel_err  ||d_c|| / ||a_c||, each normalization group's mean removed: the error a
                 normalization fed this tensor sees (:mod:`compare.centering`; NaN unless asked)
   normalized_rel_err  the error of the normalized values (each group's centered values
@@ -51,7 +54,7 @@ from .tolerance import Tolerance
 
 METRIC_COLUMNS = ("numel", "rms_a", "max_abs_err", "mean_abs_err", "max_rel_err", "rel_l2_err", "cosine",
                   "scale_err", "rmse", "mismatches", "mismatch_frac", "max_tol_ratio", "nan_a", "nan_b",
-                  "inf_a", "inf_b", "sign_flips", "stat_rel_diff", "norm_rel_diff",
+                  "inf_a", "inf_b", "sign_flips", "index_count", "stat_rel_diff", "norm_rel_diff",
                   "rel_err_from_stats", "sketched", "centered_rel_err", "normalized_rel_err",
                   "reordered_rel_err")
 # A tensor this far off element by element, whose norm B keeps, is also compared with its
@@ -152,6 +155,7 @@ def _paired_distance(a: np.ndarray, b: np.ndarray, window: int) -> float:
 FILLS = np.array(sorted({sign * form.largest for form in BINARY_FORMATS.values()
                          for sign in (1.0, -1.0)}))
 FILLS_FROM = float(np.abs(FILLS).min()) ** 2  # a block whose sum of squares may hold one
+MAX_COUNTED = 1 << 16  # distinct values index_count keeps count of (memory stays bounded)
 BLOCK = 1 << 15  # elements per computation block: a block's float64 buffers (5 x 256 KiB) stay
 # in a core's L2 cache (2 MiB here) through the ~20 passes over it
 
@@ -241,6 +245,9 @@ class ErrorAccumulator:
     row: int = 0
     # both sides, where the tensor is far off element by element (reordered_rel_err)
     whole: Optional[tuple[np.ndarray, np.ndarray]] = None
+    # A's distinct integer values and how often each occurs (index_count); None: not counted
+    values: Optional[tuple[np.ndarray, np.ndarray]] = field(
+        default_factory=lambda: (np.empty(0, np.int64), np.empty(0)))
 
     def update(self, a: np.ndarray, b: np.ndarray) -> None:
         """Add aligned flat chunks ``a`` and ``b`` (any numeric dtypes, same size): the
@@ -268,6 +275,7 @@ class ErrorAccumulator:
 
     def _add_values(self, a: np.ndarray, b: np.ndarray, offset: int) -> None:
         n = a.size
+        self._count_values(a)
         if a.dtype.kind in "iu" and b.dtype.kind in "iu" and _beyond_float64(a, b):
             self._add_exact_integers(a, b)
             if self.centering is not None:
@@ -288,6 +296,22 @@ class ErrorAccumulator:
             return
         with np.errstate(over="ignore"):  # values near float64's limit (masks filled with its
             self._add_finite(wa, wb, ws, n, sums, offset)  # minimum) sum to infinity
+
+    def _count_values(self, a: np.ndarray) -> None:
+        """Add A's block to :attr:`values` (given up for floating blocks and past
+        ``MAX_COUNTED`` distinct values)."""
+        if self.values is None:
+            return
+        if a.dtype.kind not in "iu":
+            self.values = None
+            return
+        known, counts = self.values
+        found, times = np.unique(a, return_counts=True)
+        merged, at = np.unique(np.concatenate([known, found.astype(known.dtype)]),
+                               return_inverse=True)
+        self.values = (merged, np.bincount(at, np.concatenate([counts, times])))
+        if len(merged) > MAX_COUNTED:
+            self.values = None
 
     def _narrowed(self, a: np.ndarray, b: np.ndarray) -> tuple:
         """``a``, ``b`` (what is left of a block) and their sums: the centering, which needs
@@ -409,6 +433,8 @@ class ErrorAccumulator:
             rms_a=math.sqrt(self.ssa / n) if n else 0.0,
             mismatches=self.mismatches,
             sign_flips=self.sign_flips,
+            index_count=(math.nan if self.values is None or not self.numel
+                         else float(self.values[1].max())),
             mismatch_frac=self.mismatches / self.numel if self.numel else 0.0,
             max_tol_ratio=math.inf if self.nonfinite_mismatches else self.max_tol_ratio,
             **self.counts,

@@ -67,7 +67,8 @@ even on injected inputs), and what such records select (unless B ran on A's, inj
 what differing weights feed where
 how much the weights used differ is unknown (weights known by their five statistics but no
 sketch, as in format version 1 dumps, or looked up by indices: a module's weights where its
-own code gets integers, as its inputs or from its children); and what is computed from data
+own code gets integers, as its inputs or from its children, but for an ``Embedding`` whose
+ids were counted: :func:`compare.evidence._looked_up`); and what is computed from data
 (not weights) off by ``UNRELATED`` of its size or more (B's inputs are no longer A's with an
 error, so no gain bounds what code makes of them: a loss from logits 118 % off, after runs
 diverged). Weights known by their sketch count with what its estimate may fall short by

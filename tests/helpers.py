@@ -58,13 +58,24 @@ class Planted(torch.nn.Module):
         return self.out(self.relu(h))
 
 
-class Embedded(torch.nn.Module):
-    """Token ids -> Embedding(64, 16) -> Linear -> (times ``between``, code between modules)
-    -> Linear."""
+class Indexed(torch.nn.Module):
+    """A lookup of its own code, ``weight[ids]``: no rule knows what its rows' drift gives."""
 
-    def __init__(self, between: float = 1.0):
+    def __init__(self, rows: int, width: int):
         super().__init__()
-        self.emb = torch.nn.Embedding(64, 16)
+        self.weight = torch.nn.Parameter(torch.randn(rows, width))
+
+    def forward(self, ids):
+        return self.weight[ids]
+
+
+class Embedded(torch.nn.Module):
+    """Token ids -> Embedding(64, 16) (or, ``indexed``, :class:`Indexed`) -> Linear -> (times
+    ``between``, code between modules) -> Linear."""
+
+    def __init__(self, between: float = 1.0, indexed: bool = False):
+        super().__init__()
+        self.emb = (Indexed if indexed else torch.nn.Embedding)(64, 16)
         self.lin1 = torch.nn.Linear(16, 16)
         self.lin2 = torch.nn.Linear(16, 4)
         self.between = between
@@ -74,14 +85,14 @@ class Embedded(torch.nn.Module):
 
 
 def dump_embedded(directory, dtype: torch.dtype, *, drift: float = 0.0, plant: float = 1.0,
-                  between: float = 1.0, step: int = 3, **options):
-    """Dump one step (labelled ``step``) of :class:`Embedded` in ``dtype`` on ids naming 12 of
-    its 64 rows; ``drift``: every weight off by that much (relative, random), as after
-    training; ``plant``: the embedding's output scaled so (``dumper.perturb``). ``options``
-    go to ``HookerAndDumper``."""
+                  between: float = 1.0, step: int = 3, indexed: bool = False, **options):
+    """Dump one step (labelled ``step``) of :class:`Embedded` (``indexed``: its lookup one of
+    its own code) in ``dtype`` on ids naming 12 of its 64 rows; ``drift``: every weight off by
+    that much (relative, random), as after training; ``plant``: the embedding's output scaled
+    so (``dumper.perturb``). ``options`` go to ``HookerAndDumper``."""
     from dumper import HookerAndDumper, perturb
     torch.manual_seed(0)
-    model = Embedded(between)
+    model = Embedded(between, indexed)
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for p in model.parameters():

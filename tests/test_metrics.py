@@ -306,3 +306,19 @@ def test_a_masks_fill_values_are_no_data(dtype_a, dtype_b):
     unmasked = b.copy()
     unmasked[np.flatnonzero(masked)[0]] = 0.0
     assert compare_chunks([(a, unmasked)], TOL)["status"] == "DIFF"
+
+
+def test_index_count_is_the_most_times_one_value_occurs_in_a_streamed():
+    """Of A's integers, however they are chunked (and whatever B holds); NaN for floating
+    tensors and past MAX_COUNTED distinct values."""
+    from compare.metrics import MAX_COUNTED
+    rng = np.random.default_rng(3)
+    ids = rng.integers(-5, 300, 100_000)
+    b = ids + (rng.random(ids.size) < 0.01)
+    cuts = [0, 7, 40_000, 40_001, 100_000]
+    got = compare_chunks([(ids[i:j], b[i:j]) for i, j in zip(cuts, cuts[1:])], TOL)
+    assert got["index_count"] == np.unique(ids, return_counts=True)[1].max()
+    assert math.isnan(compare_chunks([(ids.astype(np.float32), b.astype(np.float32))],
+                                     TOL)["index_count"])
+    many = np.arange(MAX_COUNTED + 1)
+    assert math.isnan(compare_chunks([(many, many)], TOL)["index_count"])

@@ -885,15 +885,14 @@ def test_a_gradient_through_attention_code_carries_its_values_error(tmp_path):
     assert summary.first is not None or summary.cannot_tell
 
 
-def test_a_gradient_attention_code_amplified_says_two_dumps_cannot_bound_it(tmp_path):
+def test_an_embedding_error_that_attention_code_amplifies_is_named_at_the_embedding(tmp_path):
     """A 10 % error in Llama's token embeddings at the fourth AdamW step (bfloat16 autocast):
     the gradient it leaves in ``o_proj``'s grad_input comes back to ``v_proj`` through
     attention's sums over positions, amplified 2-3x, beyond the gain allowed there. It was
-    named the first divergence (a wrong place, exit 1), with a note that the gradients it
-    was sent back from already differ. Judged against the other comparable records (not
-    itself) and with ``k_proj``'s and ``q_proj``'s gradients no longer taken to come from
-    ``v_proj``'s, the verdict says it cannot tell and names the embedding among the suspects;
-    the re-run names the embedding."""
+    named the first divergence (a wrong place), then, judged against other records, a
+    "cannot tell" with the embedding among the suspects (its drifted weights had no bound).
+    Bounded by its lookup (its most repeated id), the embedding is named by the two dumps,
+    and by the re-run."""
     common = dict(seed=1, steps=4, optimizer="adamw", plant_last_only=True)
     plant = {"include": ["model.embed_tokens"], "where": "output", "scale": 1.1}
     run_step("llama", "float32", tmp_path / "a", dumper_options={"params": True}, **common)
@@ -901,11 +900,9 @@ def test_a_gradient_attention_code_amplified_says_two_dumps_cannot_bound_it(tmp_
     run_step("llama", "bfloat16", tmp_path / "c", plant=plant,
              dumper_options={"inject": tmp_path / "a"}, **common)
     out = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "b")])
-    assert out.exit_code == 0, out.output
-    assert "two dumps cannot tell" in out.output, out.output
-    assert "first divergence" not in out.output, out.output
-    assert "forward  model.embed_tokens.Embedding#0 output[0]" in out.output, out.output
-    assert "re-run B on A's values to settle it" in out.output
+    assert out.exit_code == 1, out.output
+    assert ("B diverges from A: first at step 0:3 forward in model.embed_tokens (output[0])"
+            in out.output), out.output
     rerun = CliRunner().invoke(h5cmp, [str(tmp_path / "a"), str(tmp_path / "b"),
                                        "--injected", str(tmp_path / "c")])
     assert "origin: step 0:3 forward model.embed_tokens.Embedding#0 output[0]" in rerun.output
@@ -1264,9 +1261,9 @@ def test_a_gradient_at_a_residual_fork_is_judged_against_the_whole_block(tmp_pat
 def test_integers_beside_an_attention_leave_its_projections_bounded(tmp_path):
     """At the fourth AdamW step (bfloat16 autocast) a Llama attention gets integer position
     ids beside its hidden states, and its projections' weights drifted. Weights are looked up
-    by integers (no bound on what a drift adds) only where their own module gets them, as
-    the embedding does; the attention's output projection had no bound either (a plant
-    there: "cannot tell", no size given). Now it has one, and a 30 % error there is found."""
+    by integers only where their own module gets them, as the embedding does (bounded by its
+    lookup); the attention's output projection had no bound (a plant there: "cannot tell",
+    no size given). Now it has one, and a 30 % error there is found."""
     require_runnable("llama", "bfloat16")
     common = dict(seed=1, steps=4, optimizer="adamw", plant_last_only=True)
     o_proj = "model.layers.0.self_attn.o_proj"
@@ -1280,7 +1277,7 @@ def test_integers_beside_an_attention_leave_its_projections_bounded(tmp_path):
                  & (result["dtype_b"] == "int64")]
     assert len(ids)  # the integers beside it
     assert np.isfinite(outputs[o_proj]) and outputs[o_proj] < 0.3
-    assert np.isinf(outputs["model.embed_tokens"])
+    assert np.isfinite(outputs["model.embed_tokens"])  # an Embedding: its lookup's bound
     first = summarize(compare_dumps(tmp_path / "a", tmp_path / "c")).first
     assert _named(first, o_proj) and first.row["kind"] == fmt.OUTPUT, first
 
@@ -1857,21 +1854,50 @@ def test_wrong_integers_nothing_rounded_are_named_under_autocast(tmp_path, wrong
         ("", fmt.INPUT) if wrong == "ids" else ("pemb", fmt.INPUT))
 
 
-def test_an_outlier_two_dumps_cannot_bound_is_never_agreement(tmp_path):
+def test_an_embeddings_drift_is_bounded_by_its_most_repeated_id(tmp_path):
     """At a later step an Embedding's weights drifted (B float32 against A float64, B's
-    weights known by statistics only): which rows its ids pick, and how far those drifted,
-    two dumps cannot say, so its output has no bound. A 10 % error planted there is still
+    weights known by their sketch): a row its ids name c times holds c times its drift in
+    the output, so the output's error is at most sqrt(c) times the weights' at the output's
+    scale, with c the most times one id occurs. The drift alone agrees; a 10 % error planted
+    in the lookup is named there."""
+    from helpers import dump_embedded, read_tensors
+    from compare.statistics import sketch_bound
+    a = dump_embedded(tmp_path / "a", torch.float64, params=True)
+    healthy = summarize(compare_dumps(a, dump_embedded(tmp_path / "b", torch.float32,
+                                                       drift=1e-3)))
+    assert healthy.ok and healthy.first is None, healthy.verdict()
+    planted = compare_dumps(a, dump_embedded(tmp_path / "p", torch.float32, drift=1e-3,
+                                             plant=1.1))
+    first = summarize(planted).first
+    assert first is not None and (first.row["module"], first.row["kind"]) == ("emb", "output")
+    ids = read_tensors(tmp_path / "a")[("emb", 0, "input", 0)]
+    count = int(torch.bincount(ids.flatten()).max())
+    assert count > 1
+    weight = planted[(planted["module"] == "emb") & (planted["kind"] == "param")].iloc[0]
+    estimate = weight["rel_error"] * sketch_bound(int(weight["sketched"]))
+    by_hand = math.sqrt(count) * estimate * weight["rms_a"] * math.sqrt(
+        weight["numel"] / first.row["numel"]) / first.row["rms_a"]
+    assert first.row["input_rel_error"] == pytest.approx(by_hand, rel=1e-9)
+    assert first.row["unbounded"] == ""
+
+
+def test_an_outlier_two_dumps_cannot_bound_is_never_agreement(tmp_path):
+    """At a later step the weights of a lookup of a module's own code (``weight[ids]``)
+    drifted (B float32 against A float64, B's weights known by statistics only): which rows
+    its ids pick, and how far those drifted, two dumps cannot say (of an ``Embedding``
+    they can), so its output has no bound. A 10 % error planted there is still
     no agreement: it adds 10^5 times what comparable records do, so the verdict says two
     dumps cannot tell and names it (exit 0); where a later record fails (code between the
     Linears scales their tensor), the first divergence is that record, and the verdict says
     it may begin at the embedding instead (exit 1). The drift alone stays agreement."""
     from helpers import dump_embedded
-    a = dump_embedded(tmp_path / "a", torch.float64, params=True)
+    a = dump_embedded(tmp_path / "a", torch.float64, params=True, indexed=True)
     healthy = summarize(compare_dumps(a, dump_embedded(tmp_path / "b", torch.float32,
-                                                       drift=1e-3)))
+                                                       drift=1e-3, indexed=True)))
     assert healthy.ok and "emb" not in set(healthy.undecided["module"]), healthy.verdict()
-    label = "emb.Embedding#0 output[0]"
-    planted = dump_embedded(tmp_path / "p", torch.float32, drift=1e-3, plant=1.1)
+    label = "emb.Indexed#0 output[0]"
+    planted = dump_embedded(tmp_path / "p", torch.float32, drift=1e-3, plant=1.1,
+                            indexed=True)
     summary = summarize(compare_dumps(a, planted))
     assert summary.ok and summary.cannot_tell
     worst = summary.undecided.iloc[0]
@@ -1884,7 +1910,8 @@ def test_an_outlier_two_dumps_cannot_bound_is_never_agreement(tmp_path):
     out = CliRunner().invoke(h5cmp, [str(a), str(planted)])
     assert out.exit_code == 0 and f"forward  {label} (added" in out.output, out.output
     assert "any error could hide" in out.output
-    later = dump_embedded(tmp_path / "q", torch.float32, drift=1e-3, plant=1.1, between=1.1)
+    later = dump_embedded(tmp_path / "q", torch.float32, drift=1e-3, plant=1.1, between=1.1,
+                          indexed=True)
     summary = summarize(compare_dumps(a, later))
     assert (summary.first.row["module"], summary.first.row["kind"]) == ("lin2", "input")
     assert summary.cannot_tell and summary.undecided.iloc[0]["label"] == label
@@ -1896,23 +1923,25 @@ def test_an_outlier_two_dumps_cannot_bound_is_never_agreement(tmp_path):
 
 
 def test_an_earlier_outlier_is_one_that_ran_before(tmp_path):
-    """The embedding's 10 % error planted at step 3, code between the Linears wrong at step 4
+    """The lookup's 10 % error planted at step 3, code between the Linears wrong at step 4
     (both after drift): the first divergence is step 4's; where it may begin instead is the
     outlier of step 3, named with its step. Within one step, an outlier on another rank did
     not run before the failure: not named (the result's ranks relabelled as a two-rank run's
     would be)."""
     from helpers import dump_embedded
     for step in (3, 4):
-        a = dump_embedded(tmp_path / "a", torch.float64, params=True, step=step)
-    dump_embedded(tmp_path / "b", torch.float32, drift=1e-3, plant=1.1, step=3)
-    b = dump_embedded(tmp_path / "b", torch.float32, drift=1e-3, between=1.1, step=4)
+        a = dump_embedded(tmp_path / "a", torch.float64, params=True, step=step,
+                          indexed=True)
+    dump_embedded(tmp_path / "b", torch.float32, drift=1e-3, plant=1.1, step=3, indexed=True)
+    b = dump_embedded(tmp_path / "b", torch.float32, drift=1e-3, between=1.1, step=4,
+                      indexed=True)
     summary = summarize(compare_dumps(a, b))
     assert summary.verdict().startswith(
         "B diverges from A: first at step 0:4 forward in lin2 (input[0]); two dumps cannot tell "
-        "whether it begins earlier: step 0:3 emb.Embedding#0 output[0] (forward) adds "), \
+        "whether it begins earlier: step 0:3 emb.Indexed#0 output[0] (forward) adds "), \
         summary.verdict()
     one_step = compare_dumps(tmp_path / "a", dump_embedded(
-        tmp_path / "c", torch.float32, drift=1e-3, plant=1.1, between=1.1))
+        tmp_path / "c", torch.float32, drift=1e-3, plant=1.1, between=1.1, indexed=True))
     one_step = one_step[one_step["step"] == 3]
     assert "emb" in set(summarize(one_step).undecided["module"])
     ranks = summarize(one_step.assign(rank=[1.0 if m == "emb" else 0.0
