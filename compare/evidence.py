@@ -28,7 +28,7 @@ from .routing import moved_rows
 from .scale import added_scale, scale_noise
 from .sources import STEP_KEY, code_values, earlier_sources, loss_inputs, loss_values
 from .statistics import STATS_RESOLUTION, sketch_bound
-from .sums import CallRows, cancelled
+from .sums import CallRows, at_scale, cancelled
 from .transit import SUM_OF_RECORDS
 
 # Errors estimated from statistics (min, max: single elements) scatter around the true one by
@@ -177,7 +177,7 @@ class Evidence:
                                       self._exponentiated(frame),
                                       self._cross_entropy(frame)])
         # an Embedding's output gets what its lookup gives, exactly bounded, not a gain
-        self.looked_up = _looked_up(frame, weight_error)
+        self.looked_up = _looked_up(frame, np.where(self.replaced, cast, weight_error))
         self.err_in = np.where(np.isnan(self.looked_up), self.err_in, self.looked_up)
         with np.errstate(invalid="ignore"):  # inf - inf: a non-finite record, judged apart
             self.added = np.sqrt(np.clip(err ** 2 - self.err_in ** 2, 0.0, None))
@@ -428,7 +428,8 @@ class Evidence:
         module docstring). Weights are looked up by indices where their module's own code
         gets integers: as its inputs (an embedding's token ids) or from its children (a
         router's choice of experts whose weights the parent holds); another module's integers
-        (the position ids an attention's projections never see) select nothing of them."""
+        (the position ids an attention's projections never see) select nothing of them. An
+        ``Embedding``'s lookup has a bound where its ids were counted (:func:`_looked_up`)."""
         # (a call's own weights: a parameter handed on is not looked up by that call's indices)
         drifted = ((self.weight_status == st.INHERITED) & ~self.replaced
                    & (self.frame["kind"] == fmt.PARAM).to_numpy())
@@ -460,23 +461,27 @@ class Evidence:
 
 def _looked_up(frame: pd.DataFrame, weight_error: np.ndarray) -> np.ndarray:
     """For the output of an ``Embedding`` (:data:`compare.formulas.GATHERS`), the error its
-    weights' error (``weight_error``: as far as known, an estimate's shortfall included) gives
-    it through the lookup, ``sqrt(c) · e_W · ||W|| / ||y||``: ``y = W[x]`` holds row ``r`` as
-    often as ``x`` names it, ``c_r`` times, so ``||dy||² = Σ_r c_r ||dW_r||² <= c ||dW||²``,
-    with ``c`` the most times one id occurs (``index_count`` of its input; training moves the
-    rows it looks up, whose share of ``||W||`` this takes as all). NaN for other rows, and
-    where the count or the weights are not known."""
+    weights' error (``weight_error``: as far as known, an estimate's shortfall included; where
+    B ran on A's weights, what the cast moves them by) gives it through the lookup, ``sqrt(c)
+    · e_W · ||W|| / ||y||``: ``y = W[x]`` holds row ``r`` as often as ``x`` names it, ``c_r``
+    times, so ``||dy||² = Σ_r c_r ||dW_r||² <= c ||dW||²``, with ``c`` the most times one id
+    occurs (``index_count`` of its input; loose where that id is a padding row, which does not
+    train, and where training moved rows it does not look up). NaN for other rows, and where
+    the count or the weights (of the module, recorded at any of its calls) are not known."""
     rms = frame["rms_a"].to_numpy(float)
     numel = frame["numel"].to_numpy(float)
     count = frame["index_count"].to_numpy(float)
+    module = frame["module"].to_numpy(object)
     rows = CallRows(frame)
+    weights: dict[tuple, int] = {}
+    for j in np.flatnonzero(((frame["kind"] == fmt.PARAM) & (frame["index"] == 0)).to_numpy()):
+        weights.setdefault((*rows.keys[j][:3], module[j]), j)
     out = np.full(len(frame), np.nan)
     for i in np.flatnonzero((frame["cls"].isin(GATHERS) & (frame["kind"] == fmt.OUTPUT)
                              & (frame["index"] == 0)).to_numpy()):
-        x, w = rows.of_call(i, fmt.INPUT), rows.of_call(i, fmt.PARAM)
+        x, w = rows.of_call(i, fmt.INPUT), weights.get((*rows.keys[i][:3], module[i]))
         if x is not None and w is not None and rms[i] > 0:
-            out[i] = math.sqrt(count[x]) * weight_error[w] * rms[w] * math.sqrt(
-                numel[w] / numel[i]) / rms[i]
+            out[i] = math.sqrt(count[x]) * weight_error[w] * at_scale(rms, numel, w, i)
     return out
 
 

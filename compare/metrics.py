@@ -15,7 +15,7 @@ Definitions (a = reference side A, b = side B; sums over elements finite on both
   sign_flips    elements positive on one side only (what a ReLU or a max decides differs)
   index_count   of an integer tensor, the most times one value occurs in A's (the rows an
                 embedding's most repeated id looks up that often); NaN for floating tensors
-                and past MAX_COUNTED distinct values
+                and for values below 0 or from MAX_COUNTED on (ids index rows from 0)
   centered_rel_err  ||d_c|| / ||a_c||, each normalization group's mean removed: the error a
                 normalization fed this tensor sees (:mod:`compare.centering`; NaN unless asked)
   normalized_rel_err  the error of the normalized values (each group's centered values
@@ -155,7 +155,7 @@ def _paired_distance(a: np.ndarray, b: np.ndarray, window: int) -> float:
 FILLS = np.array(sorted({sign * form.largest for form in BINARY_FORMATS.values()
                          for sign in (1.0, -1.0)}))
 FILLS_FROM = float(np.abs(FILLS).min()) ** 2  # a block whose sum of squares may hold one
-MAX_COUNTED = 1 << 16  # distinct values index_count keeps count of (memory stays bounded)
+MAX_COUNTED = 1 << 21  # index_count counts values below this (8 bytes each at most: 16 MiB)
 BLOCK = 1 << 15  # elements per computation block: a block's float64 buffers (5 x 256 KiB) stay
 # in a core's L2 cache (2 MiB here) through the ~20 passes over it
 
@@ -245,9 +245,8 @@ class ErrorAccumulator:
     row: int = 0
     # both sides, where the tensor is far off element by element (reordered_rel_err)
     whole: Optional[tuple[np.ndarray, np.ndarray]] = None
-    # A's distinct integer values and how often each occurs (index_count); None: not counted
-    values: Optional[tuple[np.ndarray, np.ndarray]] = field(
-        default_factory=lambda: (np.empty(0, np.int64), np.empty(0)))
+    # how often each of A's integer values occurs, by value (index_count); None: not counted
+    counts_of: Optional[np.ndarray] = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def update(self, a: np.ndarray, b: np.ndarray) -> None:
         """Add aligned flat chunks ``a`` and ``b`` (any numeric dtypes, same size): the
@@ -298,20 +297,16 @@ class ErrorAccumulator:
             self._add_finite(wa, wb, ws, n, sums, offset)  # minimum) sum to infinity
 
     def _count_values(self, a: np.ndarray) -> None:
-        """Add A's block to :attr:`values` (given up for floating blocks and past
-        ``MAX_COUNTED`` distinct values)."""
-        if self.values is None:
+        """Add A's block to :attr:`counts_of` (given up for floating blocks and for values
+        outside ``[0, MAX_COUNTED)``)."""
+        if self.counts_of is None:
             return
-        if a.dtype.kind not in "iu":
-            self.values = None
+        if a.dtype.kind not in "iu" or (a.size and not 0 <= a.min() <= a.max() < MAX_COUNTED):
+            self.counts_of = None
             return
-        known, counts = self.values
-        found, times = np.unique(a, return_counts=True)
-        merged, at = np.unique(np.concatenate([known, found.astype(known.dtype)]),
-                               return_inverse=True)
-        self.values = (merged, np.bincount(at, np.concatenate([counts, times])))
-        if len(merged) > MAX_COUNTED:
-            self.values = None
+        found = np.bincount(a.astype(np.int64, copy=False), minlength=len(self.counts_of))
+        found[:len(self.counts_of)] += self.counts_of
+        self.counts_of = found
 
     def _narrowed(self, a: np.ndarray, b: np.ndarray) -> tuple:
         """``a``, ``b`` (what is left of a block) and their sums: the centering, which needs
@@ -433,8 +428,8 @@ class ErrorAccumulator:
             rms_a=math.sqrt(self.ssa / n) if n else 0.0,
             mismatches=self.mismatches,
             sign_flips=self.sign_flips,
-            index_count=(math.nan if self.values is None or not self.numel
-                         else float(self.values[1].max())),
+            index_count=(math.nan if self.counts_of is None or not self.numel
+                         else float(self.counts_of.max())),
             mismatch_frac=self.mismatches / self.numel if self.numel else 0.0,
             max_tol_ratio=math.inf if self.nonfinite_mismatches else self.max_tol_ratio,
             **self.counts,

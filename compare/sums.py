@@ -17,20 +17,22 @@ error ``err_j`` and scale ``rms_j`` (over ``n_j`` elements) gives a record of sc
   call's incoming gradient and each such child's grad_input. Terms that cannot add up to the
   record (one larger than the record and the others together: an attention's output is not
   its input plus anything) are no sum; without the call's own, its children's may be;
-- an input that its parent's own code computes (no recorded call output it) from its
-  earlier children's outputs that no recorded call consumed (the code their only consumer):
-  code that slices, sums or averages them hands on an output's absolute error, whole at most
-  (a slice of a fused projection may hold all of its error; an average of values that
-  partly cancel is smaller than they are), so the largest one's at the record's scale
-  (data that reached the code through a recorded call counts by its relative error, as
-  everywhere). Bloom's attention context, of rms 0.083, averages the values' third of a
-  query-key-value output of rms 0.145 with the attention probabilities: the values carry
-  1.9e-6 where the whole output carries 1.3e-6, and the context 2.8e-6, within the output's
-  3.9e-6 at its scale. Not a bound for averages that give a few positions most of the weight
-  (attention's probabilities may stretch a norm by up to the square root of the positions:
-  1.4 there).
+- an input that its parent's own code computes (no recorded call output it) from the
+  outputs of its earlier children that no recorded call took an output of (the code their
+  only consumer): code that slices, sums or averages them hands on their absolute errors,
+  whole at most (a slice of a fused projection may hold all of its output's error, counted
+  as for a slice of ``1 / PARTS`` of it at most; an average of values that partly cancel is
+  smaller than they are), in quadrature, at the record's scale (data that reached the code
+  through a recorded call counts by its relative error, as everywhere). Bloom's attention
+  context, of rms 0.083, averages the values' third of a query-key-value output of rms
+  0.145 with the attention probabilities: the values carry 1.9e-6 where the whole output
+  carries 1.3e-6, and the context 2.8e-6, within the output's 3.9e-6 at its scale. Not a
+  bound for averages that give a few positions most of the weight (attention's
+  probabilities may stretch a norm by up to the square root of the positions: 1.4 there).
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pandas as pd
@@ -38,6 +40,10 @@ import pandas as pd
 from . import format as fmt
 
 CANCELLATION = 100.0  # a gradient this much smaller than the sum of its terms' scale cancels
+# The most parts of one output that code between modules is taken to slice apart and use one
+# of (a fused projection's query, key and value, or gate and up): a part may hold all of the
+# output's error; a smaller slice (a class token of 256 positions) is charged this much.
+PARTS = 4
 
 
 class CallRows:
@@ -68,23 +74,29 @@ def cancelled(frame: pd.DataFrame, sources: list[np.ndarray], same: np.ndarray,
         s = sources[i][incoming[sources[i]]]
         if not len(s) or not rms[i] > 0 or not numel[i] > 0:
             continue
-        at_scale = rms[s] * np.sqrt(numel[s] / numel[i]) / rms[i]
-        big = at_scale >= CANCELLATION
+        scaled = at_scale(rms, numel, s, i)
+        big = scaled >= CANCELLATION
         if big.any():
-            out[i] = float(np.max(at_scale[big] * given[s][big]))
-    for i, terms in summed_terms(frame, sources, same).items():
+            out[i] = float(np.max(scaled[big] * given[s][big]))
+    rows = CallRows(frame)
+    consumed = consumed_calls(frame, rows.keys)
+    for i, terms in summed_terms(frame, sources, same, rows, consumed).items():
         if rms[i] > 0:
             out[i] = max(out[i], float(np.hypot.reduce(rms[terms] * given[terms])) / rms[i])
-    keys = CallRows(frame).keys
-    consumed = consumed_calls(frame, keys)
     computed = (kind == fmt.INPUT) & (frame["producer"].to_numpy() == fmt.NO_PRODUCER)
     for i in np.flatnonzero(computed & (rms > 0) & (numel > 0)):
         s = np.array([j for j in sources[i] if kind[j] == fmt.OUTPUT
-                      and (*keys[j][:3], keys[j][3]) not in consumed], dtype=np.int64)
-        if len(s):
-            at_scale = rms[s] * np.sqrt(numel[s] / numel[i]) / rms[i]
-            out[i] = max(out[i], float(np.max(at_scale * given[s])))
+                      and rows.keys[j][:4] not in consumed], dtype=np.int64)
+        if len(s):  # (a slice of an output of more than PARTS times its size: PARTS)
+            scaled = np.fmin(at_scale(rms, numel, s, i), math.sqrt(PARTS) * rms[s] / rms[i])
+            out[i] = max(out[i], float(np.hypot.reduce(np.nan_to_num(scaled * given[s]))))
     return out
+
+
+def at_scale(rms: np.ndarray, numel: np.ndarray, rows, i: int) -> np.ndarray:
+    """What relative errors of ``rows`` are at row ``i``'s scale, ``rms_j · sqrt(n_j / n) /
+    rms``: their absolute errors over ``i``'s norm (``rms``, ``numel``: of every row)."""
+    return rms[rows] * np.sqrt(numel[rows] / numel[i]) / rms[i]
 
 
 def consumed_calls(frame: pd.DataFrame, keys: list[tuple]) -> set[tuple]:
@@ -93,15 +105,13 @@ def consumed_calls(frame: pd.DataFrame, keys: list[tuple]) -> set[tuple]:
     return {(*k[:3], p) for k, p in zip(keys, frame["producer"]) if k[4] == fmt.INPUT}
 
 
-def summed_terms(frame: pd.DataFrame, sources: list[np.ndarray], same: np.ndarray
-                 ) -> dict[int, np.ndarray]:
+def summed_terms(frame: pd.DataFrame, sources: list[np.ndarray], same: np.ndarray,
+                 rows: CallRows, consumed: set[tuple]) -> dict[int, np.ndarray]:
     """Per output or grad_input that a call's own code may add up, its terms (the module
-    docstring's second case)."""
-    rows = CallRows(frame)
+    docstring's second case; ``consumed``: :func:`consumed_calls`)."""
     key = rows.keys
     module = frame["module"].to_numpy(object)
     numel = frame["numel"].to_numpy(float)
-    consumed = consumed_calls(frame, key)
 
     def child(j: int, i: int) -> bool:
         return module[j] != module[i] and module[j].startswith(

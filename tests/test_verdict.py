@@ -1881,6 +1881,36 @@ def test_an_embeddings_drift_is_bounded_by_its_most_repeated_id(tmp_path):
     assert first.row["unbounded"] == ""
 
 
+class _LookedUpTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(64, 16), nn.Linear(16, 4)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids) + self.emb(ids.flip(-1) // 2))
+
+
+def test_every_call_of_an_embedding_gets_its_lookups_bound(tmp_path):
+    """Weights are recorded at a module's first call: its second call's lookup is bounded by
+    them too."""
+    ids = torch.randint(0, 64, (4, 6), generator=torch.Generator().manual_seed(1))
+    for name, dtype, drift, options in (("a", torch.float64, 0.0, {"params": True}),
+                                        ("b", torch.float32, 1e-3, {})):
+        torch.manual_seed(0)
+        model = _LookedUpTwice()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + drift * torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
+        model = model.to(dtype)
+        with HookerAndDumper(tmp_path / name, **options).hooks(model, 0, 3):
+            model(ids).pow(2).mean().backward()
+    result = compare_dumps(tmp_path / "a", tmp_path / "b")
+    lookups = result[(result["module"] == "emb") & (result["kind"] == fmt.OUTPUT)]
+    assert list(lookups["call_idx"]) == [0, 1]
+    assert (lookups["unbounded"] == "").all(), lookups["unbounded"]
+    assert (lookups["input_rel_error"] > 0).all() and np.isfinite(lookups["input_rel_error"]).all()
+
+
 def test_an_outlier_two_dumps_cannot_bound_is_never_agreement(tmp_path):
     """At a later step the weights of a lookup of a module's own code (``weight[ids]``)
     drifted (B float32 against A float64, B's weights known by statistics only): which rows
