@@ -342,18 +342,26 @@ def test_an_error_in_a_shared_layer_is_not_calibrated_by_its_own_calls(tmp_path,
     there, added in each of its three calls, and those three were half the Linear outputs
     adding any error, so they set the level each of them was judged by (0.018 %): "cannot
     tell". Judged against other modules' records it is named."""
-    common = dict(seed=17, steps=4, optimizer="adamw", plant_last_only=True)
+    _healthy_agrees_and_plant_is_named(
+        tmp_path, "albert", "albert.encoder.albert_layer_groups.0.albert_layers.0.ffn")
+
+
+_LATER_STEP = dict(seed=17, steps=4, optimizer="adamw", plant_last_only=True)
+
+
+def _healthy_agrees_and_plant_is_named(tmp_path, arch: str, module: str) -> None:
+    """At the fourth AdamW step of seed 17, float64 against float32: the healthy pair has no
+    failing record, and a 0.1 % error in ``module``'s output is named there."""
     a, b, planted = tmp_path / "a", tmp_path / "b", tmp_path / "planted"
-    ffn = "albert.encoder.albert_layer_groups.0.albert_layers.0.ffn"
-    run_step("albert", "float64", a, dumper_options={"params": True}, **common)
-    run_step("albert", "float32", b, **common)
-    run_step("albert", "float32", planted, **common,
-             plant={"include": [ffn], "where": "output", "scale": 1.001})
+    run_step(arch, "float64", a, dumper_options={"params": True}, **_LATER_STEP)
+    run_step(arch, "float32", b, **_LATER_STEP)
+    run_step(arch, "float32", planted, **_LATER_STEP,
+             plant={"include": [module], "where": "output", "scale": 1.001})
     healthy = summarize(compare_dumps(a, b))
     assert healthy.first is None, healthy.verdict()
     first = summarize(compare_dumps(a, planted)).first
     assert first is not None, "nothing named"
-    assert (first.row["module"], first.row["kind"]) == (ffn, "output"), first.row
+    assert (first.row["module"], first.row["kind"]) == (module, "output"), first.row
 
 
 def test_attention_code_hands_on_its_sources_absolute_error(tmp_path, one_thread):
@@ -364,24 +372,14 @@ def test_attention_code_hands_on_its_sources_absolute_error(tmp_path, one_thread
     also took the first divergence from a 0.1 % plant downstream. An error of the attention's
     code itself (its probabilities 0.1 % off where no hooked module computes them) is named
     at the context."""
-    common = dict(seed=17, steps=4, optimizer="adamw", plant_last_only=True)
-    attention = "transformer.h.0.self_attention"
-    dense_4h_to_h = "transformer.h.0.mlp.dense_4h_to_h"
-    a, b, planted = tmp_path / "a", tmp_path / "b", tmp_path / "planted"
-    run_step("bloom", "float64", a, dumper_options={"params": True}, **common)
-    run_step("bloom", "float32", b, **common)
-    run_step("bloom", "float32", planted, **common,
-             plant={"include": [dense_4h_to_h], "where": "output", "scale": 1.001})
-    healthy = summarize(compare_dumps(a, b))
-    assert healthy.first is None, healthy.verdict()
-    first = summarize(compare_dumps(a, planted)).first
-    assert first is not None, "nothing named"
-    assert (first.row["module"], first.row["kind"]) == (dense_4h_to_h, "output"), first.row
+    _healthy_agrees_and_plant_is_named(tmp_path, "bloom", "transformer.h.0.mlp.dense_4h_to_h")
     # the probabilities' module not hooked: what it returns is the attention code's
+    attention = "transformer.h.0.self_attention"
     unhooked = {"exclude": [f"{attention}.attention_dropout"]}
     code_a, code_b = tmp_path / "code_a", tmp_path / "code_b"
-    run_step("bloom", "float64", code_a, dumper_options={"params": True, **unhooked}, **common)
-    run_step("bloom", "float32", code_b, dumper_options=unhooked, **common,
+    run_step("bloom", "float64", code_a, dumper_options={"params": True, **unhooked},
+             **_LATER_STEP)
+    run_step("bloom", "float32", code_b, dumper_options=unhooked, **_LATER_STEP,
              plant={"include": [f"{attention}.attention_dropout"], "where": "output",
                     "scale": 1.001})
     first = summarize(compare_dumps(code_a, code_b)).first
