@@ -346,16 +346,27 @@ def test_an_error_in_a_shared_layer_is_not_calibrated_by_its_own_calls(tmp_path,
         tmp_path, "albert", "albert.encoder.albert_layer_groups.0.albert_layers.0.ffn")
 
 
-_LATER_STEP = dict(seed=17, steps=4, optimizer="adamw", plant_last_only=True)
+def test_amplified_errors_do_not_set_the_level_they_are_judged_by(tmp_path, one_thread):
+    """ALBERT again (seed 19): the same 0.1 % error, 235x its bound, and then the only
+    forward outputs adding any error beside it were its GELU's, which passed it on 1.026
+    times and so "added" 0.02 %: as the level of every output, they let it pass for
+    typical ("cannot tell"). An added error that amplification by ``GAIN`` explains does
+    not calibrate."""
+    _healthy_agrees_and_plant_is_named(
+        tmp_path, "albert", "albert.encoder.albert_layer_groups.0.albert_layers.0.ffn", seed=19)
 
 
-def _healthy_agrees_and_plant_is_named(tmp_path, arch: str, module: str) -> None:
-    """At the fourth AdamW step of seed 17, float64 against float32: the healthy pair has no
+_LATER_STEP = dict(steps=4, optimizer="adamw", plant_last_only=True)
+
+
+def _healthy_agrees_and_plant_is_named(tmp_path, arch: str, module: str, seed: int = 17
+                                       ) -> None:
+    """At the fourth AdamW step of ``seed``, float64 against float32: the healthy pair has no
     failing record, and a 0.1 % error in ``module``'s output is named there."""
     a, b, planted = tmp_path / "a", tmp_path / "b", tmp_path / "planted"
-    run_step(arch, "float64", a, dumper_options={"params": True}, **_LATER_STEP)
-    run_step(arch, "float32", b, **_LATER_STEP)
-    run_step(arch, "float32", planted, **_LATER_STEP,
+    run_step(arch, "float64", a, dumper_options={"params": True}, seed=seed, **_LATER_STEP)
+    run_step(arch, "float32", b, seed=seed, **_LATER_STEP)
+    run_step(arch, "float32", planted, seed=seed, **_LATER_STEP,
              plant={"include": [module], "where": "output", "scale": 1.001})
     healthy = summarize(compare_dumps(a, b))
     assert healthy.first is None, healthy.verdict()
@@ -378,8 +389,8 @@ def test_attention_code_hands_on_its_sources_absolute_error(tmp_path, one_thread
     unhooked = {"exclude": [f"{attention}.attention_dropout"]}
     code_a, code_b = tmp_path / "code_a", tmp_path / "code_b"
     run_step("bloom", "float64", code_a, dumper_options={"params": True, **unhooked},
-             **_LATER_STEP)
-    run_step("bloom", "float32", code_b, dumper_options=unhooked, **_LATER_STEP,
+             seed=17, **_LATER_STEP)
+    run_step("bloom", "float32", code_b, dumper_options=unhooked, seed=17, **_LATER_STEP,
              plant={"include": [f"{attention}.attention_dropout"], "where": "output",
                     "scale": 1.001})
     first = summarize(compare_dumps(code_a, code_b)).first
