@@ -177,7 +177,8 @@ class Evidence:
                                       self._exponentiated(frame),
                                       self._cross_entropy(frame)])
         # an Embedding's output gets what its lookup gives, exactly bounded, not a gain
-        self.looked_up = _looked_up(frame, np.where(self.replaced, cast, weight_error))
+        self.looked_up = _looked_up(frame, self.all_sources,
+                                    np.where(self.replaced, cast, weight_error))
         self.err_in = np.where(np.isnan(self.looked_up), self.err_in, self.looked_up)
         with np.errstate(invalid="ignore"):  # inf - inf: a non-finite record, judged apart
             self.added = np.sqrt(np.clip(err ** 2 - self.err_in ** 2, 0.0, None))
@@ -459,7 +460,8 @@ class Evidence:
         return out
 
 
-def _looked_up(frame: pd.DataFrame, weight_error: np.ndarray) -> np.ndarray:
+def _looked_up(frame: pd.DataFrame, sources: list[np.ndarray], weight_error: np.ndarray
+               ) -> np.ndarray:
     """For the output of an ``Embedding`` (:data:`compare.formulas.GATHERS`), the error its
     weights' error (``weight_error``: as far as known, an estimate's shortfall included; where
     B ran on A's weights, what the cast moves them by) gives it through the lookup, ``sqrt(c)
@@ -467,21 +469,19 @@ def _looked_up(frame: pd.DataFrame, weight_error: np.ndarray) -> np.ndarray:
     times, so ``||dy||² = Σ_r c_r ||dW_r||² <= c ||dW||²``, with ``c`` the most times one id
     occurs (``index_count`` of its input; loose where that id is a padding row, which does not
     train, and where training moved rows it does not look up). NaN for other rows, and where
-    the count or the weights (of the module, recorded at any of its calls) are not known."""
+    the count or the weights (among its ``sources``: the module's, recorded at any of its
+    calls) are not known."""
     rms = frame["rms_a"].to_numpy(float)
     numel = frame["numel"].to_numpy(float)
     count = frame["index_count"].to_numpy(float)
-    module = frame["module"].to_numpy(object)
+    weight = ((frame["kind"] == fmt.PARAM) & (frame["index"] == 0)).to_numpy()
     rows = CallRows(frame)
-    weights: dict[tuple, int] = {}
-    for j in np.flatnonzero(((frame["kind"] == fmt.PARAM) & (frame["index"] == 0)).to_numpy()):
-        weights.setdefault((*rows.keys[j][:3], module[j]), j)
     out = np.full(len(frame), np.nan)
     for i in np.flatnonzero((frame["cls"].isin(GATHERS) & (frame["kind"] == fmt.OUTPUT)
                              & (frame["index"] == 0)).to_numpy()):
-        x, w = rows.of_call(i, fmt.INPUT), weights.get((*rows.keys[i][:3], module[i]))
-        if x is not None and w is not None and rms[i] > 0:
-            out[i] = math.sqrt(count[x]) * weight_error[w] * at_scale(rms, numel, w, i)
+        x, w = rows.of_call(i, fmt.INPUT), sources[i][weight[sources[i]]]
+        if x is not None and len(w) and rms[i] > 0:
+            out[i] = math.sqrt(count[x]) * weight_error[w[0]] * at_scale(rms, numel, w[0], i)
     return out
 
 

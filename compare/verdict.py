@@ -22,7 +22,7 @@ normalization's input counts with the error of the values it normalizes (a Layer
 or BatchNorm fed it alone), else with its error after centering, as its incoming gradient
 does (:mod:`compare.centering`);
 a sum that cancels, with its terms' absolute errors, and an input code between modules
-computes, with the largest absolute error of the outputs it alone took (:mod:`compare.sums`);
+computes, with the absolute errors of the outputs it alone took (:mod:`compare.sums`);
 the loss, with twice its logits' largest absolute error over its scale (a cross-entropy moves
 by no more), and a gradient the loss gives, with its logits' absolute error (it exponentiates
 them: :meth:`compare.evidence.Evidence._cross_entropy`, ``_exponentiated``). Its *added error*
