@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Iterator
 from .errors import DumpError
 
 CONNECT_TIMEOUT = "20s"  # how long connect() waits for the scheduler
+STALL_TIMEOUT = 600.0  # seconds run_on() waits for the next work unit before giving up
 
 
 def connect(address: str) -> Any:
@@ -37,11 +38,19 @@ def worker_count(client: Any) -> int:
 
 def run_on(client: Any, fn: Callable, tasks: Iterable) -> Iterator:
     """``fn(task)`` for each task on the cluster's workers, results as they complete. A task
-    that raises raises here (the remaining ones are cancelled)."""
-    from distributed import as_completed
-    futures = client.map(fn, list(tasks), pure=False)
+    that raises raises here; when no task finishes for :data:`STALL_TIMEOUT` seconds (workers
+    gone or stuck) :class:`DumpError` says so. Either way the remaining tasks are cancelled."""
+    from distributed import wait
+    pending = client.map(fn, list(tasks), pure=False)
     try:
-        for _, result in as_completed(futures, with_results=True):
-            yield result
+        while pending:
+            done, pending = wait(pending, timeout=STALL_TIMEOUT, return_when="FIRST_COMPLETED")
+            for future in done:
+                yield future.result()
+    except TimeoutError as exc:
+        raise DumpError(f"--scheduler {client.scheduler.address}: no work unit finished in "
+                        f"{STALL_TIMEOUT:g} s ({len(pending)} waiting; workers: "
+                        f"{len(client.scheduler_info().get('workers', {}))}); the workers are "
+                        f"gone, stuck or busy: check the cluster") from exc
     finally:
-        client.cancel(futures)
+        client.cancel(list(pending))

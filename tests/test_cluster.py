@@ -55,3 +55,15 @@ def test_an_unreachable_scheduler_is_one_line_and_exit_2(dumps, monkeypatch):
     assert result.exit_code == 2
     assert result.output.startswith("h5cmp: error: --scheduler tcp://127.0.0.1:9: cannot reach "
                                     "the Dask scheduler") and result.output.count("\n") == 1
+
+
+def test_a_scheduler_without_workers_is_one_line_and_exit_2(dumps, monkeypatch):
+    monkeypatch.setattr("compare.cluster.STALL_TIMEOUT", 1.0)
+    with distributed.LocalCluster(n_workers=0, processes=False, dashboard_address=":0",
+                                  silence_logs=logging.ERROR) as idle:
+        result = CliRunner().invoke(h5cmp, [str(dumps[0]), str(dumps[1]), "--scheduler",
+                                            idle.scheduler_address])
+    assert result.exit_code == 2
+    assert result.output.startswith(f"h5cmp: error: --scheduler {idle.scheduler_address}: no "
+                                    "work unit finished in 1 s") and result.output.count("\n") == 1
+    assert "workers: 0" in result.output
