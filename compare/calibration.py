@@ -5,10 +5,10 @@ Records are comparable when they have the same direction (forward or backward), 
 computes, the consumers' classes or the parent's own code for a gradient arriving at an output)
 and the dtypes they were computed in (:func:`compare.precision.computed_in`). A record's
 expected added error is the lower quartile of the added errors of comparable records of other
-modules that add more than amplifying their inputs' error by ``GAIN`` explains (a shared
-module's other calls left out: :func:`_typical_of_others`; of all records of
-that kind and dtype pair when, the record included, fewer than ``MIN_GROUP`` are comparable),
-each counted in roundings of
+modules (a shared module's other calls left out; an added error that amplifying its record's
+input error by ``GAIN`` explains only where it is below the others' typical:
+:func:`_typical_of_others`; of all records of that kind and dtype pair when, the record
+included, fewer than ``MIN_GROUP`` are comparable), each counted in roundings of
 the lower precision at its own scale (``hypot(unit, underflow / rms)``, the rms a side held its
 values at, loss scale included: where float16 gradients underflow, a tensor of rms 5e-8 rounds
 to 60 % of itself, one of 2e-5 to 0.2 %), at least one such rounding. Where both runs ran the
@@ -86,10 +86,11 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
         relative = np.where(rounding > 0, unit / rounding, 1.0)
     out = Expectation(np.zeros(len(frame)), np.full(len(frame), "", object),
                       np.full(len(frame), GAIN), relative, underflow)
-    # an added error that amplification by GAIN explains says nothing of what records add
-    # (ALBERT's GELU passes on a 3 % error planted upstream 1.026 times: it "adds" 0.7 %)
+    # where amplification by GAIN explains a record's error, its added error only bounds what
+    # it adds (ALBERT's GELU passes on a 3 % error planted upstream 1.026 times: it "adds" 0.7 %)
     with np.errstate(divide="ignore", invalid="ignore"):
-        added_s = pd.Series(np.where(err > GAIN * err_in, added / rounding, 0.0))
+        added_s = pd.Series(added / rounding)
+    bounded = ~(err > GAIN * err_in)
     fans = fan_in_out(frame)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = pd.Series(np.where((err_in > 0) & (added <= err_in), err / err_in, np.nan))
@@ -101,8 +102,7 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
             err, err_in, rows[calibrating[rows]])
         for _, prows in pool_key[rows].groupby(pool_key[rows]).groups.items():
             prows = prows.to_numpy()
-            pool = added_s[prows[calibrating[prows]]]
-            pool = pool[(pool > 0) & np.isfinite(pool)]
+            pool = _members(added_s, prows[calibrating[prows]])
             for _, grows in group_key[prows].groupby(group_key[prows]).groups.items():
                 grows = grows.to_numpy()
                 gains = ratio[grows[calibrating[grows]]]
@@ -110,12 +110,11 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
                 if len(gains) >= MIN_GROUP:  # their amplification, with GAIN's margin
                     out.gain[grows] = min(max(float(gains.quantile(0.75)), 1.0) * GAIN,
                                           MAX_GAIN)
-                members = added_s[grows[calibrating[grows]]]
-                members = members[(members > 0) & np.isfinite(members)]
-                level, others = _typical_of_others(members, grows, module)
+                members = _members(added_s, grows[calibrating[grows]])
+                level, others = _typical_of_others(members, bounded, grows, module)
                 own = others >= MIN_GROUP - 1
                 if not own.all():  # the kind's records of every maker, for the others
-                    pooled, in_pool = _typical_of_others(pool, grows[~own], module)
+                    pooled, in_pool = _typical_of_others(pool, bounded, grows[~own], module)
                     level[~own] = np.where(in_pool >= MIN_GROUP - 1, pooled, 0.0)
                 kind = frame.at[grows[0], "kind"]
                 what = {True: f"{kind} records made by {maker[grows[0]]}",
@@ -257,47 +256,48 @@ def _at_least_one_rounding(out: Expectation, rows: np.ndarray, floor: np.ndarray
     out.label[rows[at_floor]] = f"{precision} rounding at this tensor's scale"
 
 
-def _typical_of_others(members: pd.Series, rows: np.ndarray, module: np.ndarray
-                       ) -> tuple[np.ndarray, np.ndarray]:
-    """Per row of ``rows``, the typical added error of the ``members`` (indexed by row) of
-    other modules than the row's, and how many those are (0 and 0 where none are). A record is
-    judged against the others, not against itself (in a group of five, one planted error
-    raised the lower quartile it was judged by 6-fold), nor against other calls of its module
-    (``module``: each row's path; a layer shared by every depth, as ALBERT's, repeats one
-    computation, and an error in it, in each of its calls, set the level it was judged by).
+def _typical_of_others(members: pd.Series, bounded: np.ndarray, rows: np.ndarray,
+                       module: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``rows``, the typical added error of the ``members`` (indexed by row: the
+    positive finite added errors, in roundings) of other modules than the row's, and how many
+    members it was taken from (0 and 0 where none tell). A record is judged against the
+    others, not against itself (in a group of five, one planted error raised the lower
+    quartile it was judged by 6-fold), nor against other calls of its module (``module``: each
+    row's path; a layer shared by every depth, as ALBERT's, repeats one computation, and an
+    error in it, in each of its calls, set the level it was judged by).
+
+    A member that is ``bounded`` (per row of the frame: amplifying its input's error by
+    ``GAIN`` explains its error) only bounds what its record adds: it tells only where it is
+    at most the lower quartile of the others' unbounded members (the record adds no more than
+    that, below the typical). A bound above it says nothing (ALBERT's GELU passes on a 0.1 %
+    error planted upstream 1.026 times and so "adds" 0.02 %); dropping the low ones too
+    raised the level of a T5 value projection's gradient and hid a 10 % error planted in it.
+    Where no other module's member is unbounded, none tells.
+
     The typical is the lower quartile (linear interpolation, as ``Series.quantile``): where
     one large error runs through most of a small model, what its consequences seem to add (its
     amplification fluctuating) contaminates the upper half; the lower quartile still shows the
     records' own rounding, which varies little between healthy records of one kind."""
     values = members.to_numpy(float)
-    order = np.argsort(values, kind="stable")
-    v, n = values[order], len(values)
     of = module[members.index.to_numpy()]  # each member's path
-    calls = pd.Series(of, dtype=object).value_counts()
+    is_bound = bounded[members.index.to_numpy()]
     path = module[rows]
-    own = calls.reindex(path).fillna(0).to_numpy(int)  # members of the row's module
-    count = n - own
-    level = np.zeros(len(rows))
-    # a module of one member at most: the quantile of the sorted values, its own skipped
-    # (sorted position r; n where it has none), in one pass for every such row
-    simple = (own <= 1) & (count > 0)
-    if simple.any():
-        sorted_path = pd.Series(np.arange(n), index=of[order])
-        r = sorted_path[~sorted_path.index.duplicated()].reindex(path[simple]).fillna(n)
-        r = r.to_numpy(int)
-        m = count[simple]
-        position = TYPICAL_QUANTILE * (m - 1)
-        low = np.floor(position).astype(int)
-        high = np.minimum(low + 1, m - 1)
-
-        def kth(k: np.ndarray) -> np.ndarray:  # the k-th smallest of the others
-            return np.where(k < r, v[k], v[np.minimum(k + 1, n - 1)])
-        level[simple] = kth(low) + (position - low) * (kth(high) - kth(low))
-    shared = (own > 1) & (count > 0)  # a module called several times: a pass per module
-    for shared_path in pd.unique(path[shared]):
-        at = shared & (path == shared_path)
-        level[at] = np.quantile(values[of != shared_path], TYPICAL_QUANTILE)
+    level, count = np.zeros(len(rows)), np.zeros(len(rows), int)
+    for each in pd.unique(path):
+        others = of != each
+        free = values[others & ~is_bound]
+        if not len(free):
+            continue
+        at = path == each
+        told = values[others & (~is_bound | (values <= np.quantile(free, TYPICAL_QUANTILE)))]
+        level[at], count[at] = np.quantile(told, TYPICAL_QUANTILE), len(told)
     return level, count
+
+
+def _members(added: pd.Series, rows: np.ndarray) -> pd.Series:
+    """The added errors of ``rows`` that can calibrate: positive and finite."""
+    values = added[rows]
+    return values[(values > 0) & np.isfinite(values)]
 
 
 def _mostly_exact(err: np.ndarray, err_in: np.ndarray, rows: np.ndarray) -> bool:

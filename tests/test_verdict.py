@@ -414,22 +414,32 @@ def test_a_cast_to_float16_rounds_to_its_subnormals_near_zero():
     np.testing.assert_allclose(cast_rounding_at_scale(frame), expected, rtol=1e-12)
 
 
-def test_each_record_is_calibrated_by_the_lower_quartile_of_other_modules_records():
+@pytest.mark.parametrize("share_bounded", [0.0, 0.5, 1.0])
+def test_each_record_is_calibrated_by_the_lower_quartile_of_other_modules_records(
+        share_bounded):
     """A record's typical is the lower quartile of the added errors of the members that are no
     call of its module, as pandas computes it without them, and their count (rows of no
-    member's module get all members')."""
+    member's module get all members'); of the bounded members (amplification explains their
+    error), only those at most the lower quartile of the others' unbounded ones count, and
+    none where no other is unbounded."""
     from compare.calibration import _typical_of_others
     rng = np.random.default_rng(0)
     for n in (0, 1, 2, 3, 5, 8, 31):
         members = pd.Series(rng.lognormal(size=n), index=rng.permutation(100)[:n])
+        bounded = rng.random(1001) < share_bounded
         module = np.array([f"m{rng.integers(3)}" if k % 2 else f"p{k}" for k in range(1001)],
                           dtype=object)  # odd rows: calls of three shared modules
         rows = np.array([*members.index, 1000, 999, 997, 995], dtype=int)
-        others = [members[module[members.index] != module[r]] for r in rows]
-        level, count = _typical_of_others(members, rows, module)
-        np.testing.assert_allclose(level, [o.quantile(0.25) if len(o) else 0.0 for o in others],
+        told = []
+        for r in rows:
+            others = members[module[members.index] != module[r]]
+            free = others[~bounded[others.index]]
+            told.append(others[~bounded[others.index] | (others <= free.quantile(0.25))]
+                        if len(free) else free)
+        level, count = _typical_of_others(members, bounded, rows, module)
+        np.testing.assert_allclose(level, [t.quantile(0.25) if len(t) else 0.0 for t in told],
                                    rtol=1e-12)
-        assert list(count) == [len(o) for o in others]
+        assert list(count) == [len(t) for t in told]
 
 
 @pytest.mark.parametrize("arch, seed, module, loss_scale", [
