@@ -28,7 +28,7 @@ from .routing import moved_rows
 from .scale import added_scale, scale_noise
 from .sources import STEP_KEY, code_values, earlier_sources, loss_inputs, loss_values
 from .statistics import STATS_RESOLUTION, sketch_bound
-from .sums import CallRows, at_scale, cancelled
+from .sums import CallRows, at_scale, terms_error
 from .transit import SUM_OF_RECORDS
 
 # Errors estimated from statistics (min, max: single elements) scatter around the true one by
@@ -173,7 +173,7 @@ class Evidence:
                                  for s in self.sources])
         self.err_in = np.fmax.reduce([np.hypot(self.err_in, self._decided(frame)),
                                       self._normalized_backward(frame),
-                                      cancelled(frame, self.sources, self.first, self.given),
+                                      terms_error(frame, self.sources, self.first, self.given),
                                       self._exponentiated(frame),
                                       self._cross_entropy(frame)])
         # an Embedding's output gets what its lookup gives, exactly bounded, not a gain

@@ -60,8 +60,8 @@ class CallRows:
         return self._row.get((*self.keys[i][:4], kind, self.keys[i][5]))
 
 
-def cancelled(frame: pd.DataFrame, sources: list[np.ndarray], same: np.ndarray,
-              given: np.ndarray) -> np.ndarray:
+def terms_error(frame: pd.DataFrame, sources: list[np.ndarray], same: np.ndarray,
+                given: np.ndarray) -> np.ndarray:
     """Per row, the relative error its terms' errors ``given`` give it where it is a sum of
     them or what code between modules made of them (see the module docstring), else 0.
     ``sources``: each row's source rows; ``same``: each row's first row of the same tensor."""
