@@ -257,11 +257,13 @@ def describe_origins(frame: pd.DataFrame, shown: int = ORIGINS_SHOWN,
         also = "" if aliases.empty else " (the same values as " + ", ".join(
             fmt.record_label(a.module, a.cls, a.call_idx, a.kind, a.index)
             for a in aliases.itertuples()) + ")"
+        nonfinite = ("" if np.isfinite(r.local_rel_error) or not r.local_reason
+                     else f": {r.local_reason}")
         lines.append(f"  origin: step {fmt.step_label(r.epoch, r.step, r.rank)} "
                      f"{fmt.direction_of(r.kind)} "
                      f"{fmt.record_label(r.module, r.cls, r.call_idx, r.kind, r.index)}{arrived}"
                      f"{also} local rel error {r.local_rel_error:.3g}{ratio} "
-                     f"(accumulated {r.accumulated_rel_error:.3g})")
+                     f"(accumulated {r.accumulated_rel_error:.3g}){nonfinite}")
     if len(origins) > shown:
         lines.append(f"  ... {len(origins) - shown} more (compare.localize gives them all)")
     suspects = ops_suspects(frame) if unexplained else []

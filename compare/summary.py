@@ -122,7 +122,9 @@ class Divergence:
                          f"{int(r['shard_rank'])}'s shard")
         if r["reason"]:
             lines.append(f"  why: {r['reason']}")
-        lines += [f"  {hint}" for hint in (_loss_scale_overflow(r), _loss_scale_ratio(r)) if hint]
+        hint = _loss_scale_ratio(r)
+        if hint:
+            lines.append(f"  {hint}")
         if len(self.aliases):
             lines.append("  the same tensor is also " + ", ".join(
                 fmt.row_label(a) for _, a in self.aliases.iterrows()))
@@ -172,21 +174,6 @@ class Divergence:
 
 
 LOSS_SCALE_FROM = 2.0 ** 8  # the least loss scale a report names (GradScaler starts at 2^16)
-
-
-def _loss_scale_overflow(row: pd.Series) -> str:
-    """For a gradient record with NaN/Inf on one side only, where that side's values carry a
-    loss scale: that it overflowed there (what a GradScaler then does); else ""."""
-    if row["status"] != st.NAN_MISMATCH or row["kind"] not in fmt.BACKWARD_KINDS:
-        return ""
-    for side, name in (("b", "B"), ("a", "A")):
-        scale = row.get(f"grad_scale_{side}", fmt.NO_GRAD_SCALE)
-        if pd.notna(scale) and scale != fmt.NO_GRAD_SCALE and (
-                row[f"nan_{side}"] + row[f"inf_{side}"] > 0):
-            return (f"{name}'s gradients carry a loss scale of {scale:.6g}: they overflow "
-                    f"{row[f'dtype_{side}']} here (a GradScaler skips such a step and lowers "
-                    f"its scale; compare a step it did not skip)")
-    return ""
 
 
 def _loss_scale_ratio(row: pd.Series) -> str:

@@ -425,7 +425,8 @@ class _Judgement:
         level, label, source = self.expected.level[i], self.expected.label[i], self.source[i]
         if r.measured[i] == st.NAN_MISMATCH:
             return ("NaN/Inf at other places than in A, and none of its sources has that"
-                    + (f" (largest source: {source})" if source else ""))
+                    + (f" (largest source: {source})" if source else "")
+                    + loss_scale_overflow(r.frame.loc[i]))
         if r.user_tol:
             return (f"outside the given tolerance, with sources within it (rel error {err:.3g}, "
                     f"inputs {err_in:.3g})")
@@ -478,3 +479,20 @@ class _Judgement:
             **{k: np.where(r.compared, v, np.nan) for k, v in numbers.items()})
         out.attrs[USER_TOLERANCE] = r.user_tol
         return out
+
+
+def loss_scale_overflow(row: pd.Series) -> str:
+    """For a gradient record with NaN/Inf where the side that has them carries a loss scale:
+    that it overflowed there, and what a GradScaler then does (an injected re-run of a float16
+    run puts A's gradients in at its own scale, where they may overflow though B's did not);
+    else ""."""
+    if row["kind"] not in fmt.BACKWARD_KINDS:
+        return ""
+    for side, name in (("b", "B"), ("a", "A")):
+        scale = row.get(f"grad_scale_{side}", fmt.NO_GRAD_SCALE)
+        if pd.notna(scale) and scale != fmt.NO_GRAD_SCALE and (
+                row[f"nan_{side}"] + row[f"inf_{side}"] > 0):
+            return (f"; {name}'s gradients carry a loss scale of {scale:.6g}: they overflow "
+                    f"{row[f'dtype_{side}']} here (a GradScaler skips such a step and lowers "
+                    f"its scale; compare a step it did not skip)")
+    return ""

@@ -14,8 +14,8 @@ Variants (A, B, planted sizes):
     bf16      A float32,  B bfloat16 autocast (CPU),         plant 0.1
     fp16      A float32,  B float16 autocast (CPU),          plant 3e-2
     fp16-scaled  as fp16, B's loss scaled by a GradScaler (2^10), plant 3e-2; a case whose
-              healthy B's gradients overflow there (a step the GradScaler skips) has no
-              healthy pair: listed apart, not judged
+              healthy B's gradients, or those of its re-run on A's values, overflow there
+              (a step the GradScaler skips) has no healthy pair: listed apart, not judged
     gpu       A float32 on the CPU, B float32 on CUDA, TF32 off, plant 1e-3 (--variants ...)
     tf32      as gpu, with TF32 matmuls and convolutions,    plant 3e-2
     gpu-bf16  A float32 on the CPU, B bfloat16 autocast on CUDA, plant 0.1
@@ -155,15 +155,16 @@ def _named(modules: list[str], planted: str) -> bool:
     return any(planted == "" or m == planted or fmt.contains(planted, m) for m in modules)
 
 
-def _overflowed(result) -> str:
-    """Where B's gradients (of a scaled loss) are not finite where A's are: the first such
-    record, which a GradScaler finds, skipping the step; "" where none is."""
+def _overflowed(result, run: str) -> str:
+    """Where the gradients of ``run`` (``"B's"``, or B's re-run on A's values, which puts A's
+    gradients in at B's loss scale) are not finite where A's are: the first such record,
+    which a GradScaler finds, skipping the step; "" where none is."""
     grads = result[result["kind"].isin(list(fmt.BACKWARD_KINDS))]
     nonfinite = grads[(grads["nan_b"] + grads["inf_b"] > grads["nan_a"] + grads["inf_a"])]
     if nonfinite.empty:
         return ""
     r = nonfinite.iloc[0]
-    return (f"B's gradients overflow float16 at its loss scale, first in {r['module']} "
+    return (f"{run} gradients overflow float16 at B's loss scale, first in {r['module']} "
             f"{r['kind']}[{r['index']}] (a GradScaler skips such a step)")
 
 
@@ -225,13 +226,13 @@ def run_case(arch: str, variant: str, steps: int, seed: int, plants: int, tmp: P
         return list(found.loc[found["verdict"] == ORIGIN, "module"])
 
     healthy, healthy_inj = run_b(root / "b"), run_b(root / "b-inj", **inject)
-    healthy_result = compare_dumps(a, healthy)
-    overflow = _overflowed(healthy_result) if v.loss_scale else ""
-    if overflow:  # no healthy pair, nothing to localize: B's step is one a GradScaler skips
-        return {"overflowed": [f"{case}: {overflow}"]}
+    healthy_result, noise_result = compare_dumps(a, healthy), compare_dumps(a, healthy_inj)
+    for run, result in (("B's", healthy_result), ("the re-run of B on A's values:", noise_result)):
+        overflow = _overflowed(result, run) if v.loss_scale else ""
+        if overflow:  # no healthy pair, nothing to localize: a step a GradScaler skips
+            return {"overflowed": [f"{case}: {overflow}"]}
     healthy_local = localize(a, healthy, healthy_inj, free_result=healthy_result)
     healthy_ops = with_ops("b", summarize(healthy_result), healthy_local) or []
-    noise_result = compare_dumps(a, healthy_inj)
     hidden = healthy_result.groupby(["module", "kind"])["hidden_rel_error"].max()
     # what the verdict lets a record add without blame: what its inputs' error could hide and
     # SPREAD times the rounding expected of it

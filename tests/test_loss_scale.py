@@ -202,6 +202,22 @@ def test_gradients_that_overflow_at_their_loss_scale_are_reported_so(tmp_path):
             in run.output), run.output
 
 
+def test_a_rerun_that_overflows_at_its_loss_scale_says_so_at_its_origin(tmp_path):
+    """A localizing re-run puts A's gradients in at B's loss scale, where they may overflow
+    float16 (MobileNetV2 at a fourth step, a loss scale of 128 and A's BatchNorm gradient of
+    rms 112): its origin says the loss scale made it overflow, not only "NaN/Inf"."""
+    _train(tmp_path / "a", "float32", scaler=False, dumped=0)
+    for name, inject in (("b", None), ("c", tmp_path / "a")):
+        _train(tmp_path / name, "float16", scaler=True, dumped=0, scale=2.0 ** 30,
+               inject=inject)
+    run = CliRunner().invoke(h5cmp, [str(tmp_path / name) for name in ("a", "b")]
+                             + ["--injected", str(tmp_path / "c")])
+    assert run.exit_code == 1, run.output
+    origins = [line for line in run.output.splitlines() if line.startswith("  origin: ")]
+    assert origins and ("B's gradients carry a loss scale of 1.07374e+09: they overflow "
+                        "float16 here") in origins[0], run.output
+
+
 @pytest.mark.parametrize("case", ["fused", "clipped"])
 def test_parameter_gradients_carry_the_scale_they_were_taken_at(tmp_path, case):
     """A fused AdamW unscales inside its step: its gradients, taken as the step begins, still
