@@ -44,13 +44,23 @@ def run_on(client: Any, fn: Callable, tasks: Iterable) -> Iterator:
     pending = client.map(fn, list(tasks), pure=False)
     try:
         while pending:
-            done, pending = wait(pending, timeout=STALL_TIMEOUT, return_when="FIRST_COMPLETED")
+            try:  # (only the wait: a task's own TimeoutError is its error, raised as it is)
+                done, pending = wait(pending, timeout=STALL_TIMEOUT,
+                                     return_when="FIRST_COMPLETED")
+            except TimeoutError as exc:
+                raise DumpError(f"--scheduler {client.scheduler.address}: no work unit "
+                                f"finished in {STALL_TIMEOUT:g} s ({len(pending)} waiting; "
+                                f"workers: {_workers_now(client)}); the workers are gone, "
+                                f"stuck or busy: check the cluster") from exc
             for future in done:
                 yield future.result()
-    except TimeoutError as exc:
-        raise DumpError(f"--scheduler {client.scheduler.address}: no work unit finished in "
-                        f"{STALL_TIMEOUT:g} s ({len(pending)} waiting; workers: "
-                        f"{len(client.scheduler_info().get('workers', {}))}); the workers are "
-                        f"gone, stuck or busy: check the cluster") from exc
     finally:
         client.cancel(list(pending))
+
+
+def _workers_now(client: Any) -> str:
+    """How many workers the scheduler reports, or "unknown" where it does not answer."""
+    try:
+        return str(len(client.scheduler_info().get("workers", {})))
+    except Exception:  # the scheduler itself gone: the stall is still what to report
+        return "unknown"
