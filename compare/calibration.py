@@ -18,7 +18,7 @@ none is expected.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -302,7 +302,11 @@ def _typical_of_others(members: pd.Series, bounded: np.ndarray, rows: np.ndarray
     is_bound = bounded[members.index.to_numpy()]
     path = module[rows]
     level, count = np.zeros(len(rows)), np.zeros(len(rows), int)
-    for each in pd.unique(path):
+    own = pd.Series(of, dtype=object).value_counts().reindex(path).fillna(0).to_numpy(int)
+    simple = own <= 1  # a module of one member at most: in one pass for every such row
+    if simple.any():
+        level[simple], count[simple] = _typical_without_one(values, is_bound, of, path[simple])
+    for each in pd.unique(path[~simple]):  # a module called several times: a pass per module
         others = of != each
         free = values[others & ~is_bound]
         if not len(free):
@@ -311,6 +315,57 @@ def _typical_of_others(members: pd.Series, bounded: np.ndarray, rows: np.ndarray
         told = values[others & (~is_bound | (values <= np.quantile(free, TYPICAL_QUANTILE)))]
         level[at], count[at] = np.quantile(told, TYPICAL_QUANTILE), len(told)
     return level, count
+
+
+def _typical_without_one(values: np.ndarray, is_bound: np.ndarray, of: np.ndarray,
+                         paths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_typical_of_others` for rows (of ``paths``) whose module has one member at most,
+    vectorised on the sorted members (``values``, ``is_bound`` and ``of``, each member's
+    path): the row's own member, where it has one, is skipped by position."""
+    n, free = len(values), np.flatnonzero(~is_bound)
+    if not len(free):
+        return np.zeros(len(paths)), np.zeros(len(paths), int)
+    by_all = np.argsort(values, kind="stable")
+    by_free = free[np.argsort(values[free], kind="stable")]
+    all_sorted, free_sorted, nf = values[by_all], values[by_free], len(free)
+    at_all, at_free = np.empty(n, int), np.full(n, nf)
+    at_all[by_all], at_free[by_free] = np.arange(n), np.arange(nf)
+    member = pd.Series(np.arange(n), index=of)
+    j = member[~member.index.duplicated()].reindex(paths).fillna(-1).to_numpy(int)
+    has = j >= 0
+    skip_all = np.where(has, at_all[j], n)  # the own member's sorted position (none: past)
+    skip_free = np.where(has, at_free[j], nf)
+    own_value = np.where(has, values[j], np.inf)
+    m_free = nf - (skip_free < nf)
+
+    def skipping(ordered: np.ndarray, skip: np.ndarray, k: np.ndarray) -> np.ndarray:
+        return ordered[np.clip(k + (k >= skip), 0, len(ordered) - 1)]
+
+    q = _interpolated(lambda k: skipping(free_sorted, skip_free, k), m_free)
+    # the members told, sorted: the others at most q (bounded or not), then the free above it
+    at_most = np.searchsorted(all_sorted, q, side="right") - (has & (own_value <= q))
+    above = np.searchsorted(free_sorted, q, side="right")
+    told = m_free + at_most - (above - ((skip_free < nf) & (own_value <= q)))
+
+    def kth_told(k: np.ndarray) -> np.ndarray:
+        past = above + k - at_most
+        past = past + ((skip_free >= above) & (past >= skip_free))
+        return np.where(k < at_most, skipping(all_sorted, skip_all, k),
+                        free_sorted[np.clip(past, 0, nf - 1)])
+
+    level = _interpolated(kth_told, told)
+    return np.where(m_free > 0, level, 0.0), np.where(m_free > 0, told, 0)
+
+
+def _interpolated(kth: Callable[[np.ndarray], np.ndarray], m: np.ndarray) -> np.ndarray:
+    """Per row, the ``TYPICAL_QUANTILE`` of ``m`` sorted values whose k-th is ``kth(k)``, by
+    linear interpolation as ``np.quantile`` computes it (its rounding too)."""
+    position = TYPICAL_QUANTILE * np.maximum(m - 1, 0)
+    low = np.floor(position).astype(int)
+    t = position - low
+    a, b = kth(low), kth(np.minimum(low + 1, np.maximum(m - 1, 0)))
+    diff = b - a
+    return np.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
 
 
 def _members(added: pd.Series, rows: np.ndarray) -> pd.Series:
