@@ -257,8 +257,8 @@ def describe_origins(frame: pd.DataFrame, shown: int = ORIGINS_SHOWN,
         also = "" if aliases.empty else " (the same values as " + ", ".join(
             fmt.record_label(a.module, a.cls, a.call_idx, a.kind, a.index)
             for a in aliases.itertuples()) + ")"
-        nonfinite = ("" if np.isfinite(r.local_rel_error) or not r.local_reason
-                     else f": {r.local_reason}")
+        nonfinite = (f": {r.local_reason}" if not np.isfinite(r.local_rel_error)
+                     and isinstance(r.local_reason, str) and r.local_reason else "")
         lines.append(f"  origin: step {fmt.step_label(r.epoch, r.step, r.rank)} "
                      f"{fmt.direction_of(r.kind)} "
                      f"{fmt.record_label(r.module, r.cls, r.call_idx, r.kind, r.index)}{arrived}"

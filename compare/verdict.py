@@ -426,7 +426,8 @@ class _Judgement:
         if r.measured[i] == st.NAN_MISMATCH:
             return ("NaN/Inf at other places than in A, and none of its sources has that"
                     + (f" (largest source: {source})" if source else "")
-                    + loss_scale_overflow(r.frame.loc[i]))
+                    + loss_scale_overflow(r.frame.loc[i],
+                                          bool((r.frame["injected"] == 1).any())))
         if r.user_tol:
             return (f"outside the given tolerance, with sources within it (rel error {err:.3g}, "
                     f"inputs {err_in:.3g})")
@@ -481,18 +482,23 @@ class _Judgement:
         return out
 
 
-def loss_scale_overflow(row: pd.Series) -> str:
-    """For a gradient record with NaN/Inf where the side that has them carries a loss scale:
-    that it overflowed there, and what a GradScaler then does (an injected re-run of a float16
-    run puts A's gradients in at its own scale, where they may overflow though B's did not);
-    else ""."""
+def loss_scale_overflow(row: pd.Series, rerun: bool = False) -> str:
+    """For a gradient record with more NaN/Inf on one side than on the other, where that side's
+    values carry a loss scale: that it overflowed there and what to do; ``rerun``: B is a
+    re-run on A's values, which puts A's gradients in at its own scale, where they may
+    overflow though B's own did not; else ""."""
     if row["kind"] not in fmt.BACKWARD_KINDS:
         return ""
-    for side, name in (("b", "B"), ("a", "A")):
+    nonfinite = {side: row[f"nan_{side}"] + row[f"inf_{side}"] for side in ("a", "b")}
+    for side, other, name in (("b", "a", "B"), ("a", "b", "A")):
         scale = row.get(f"grad_scale_{side}", fmt.NO_GRAD_SCALE)
-        if pd.notna(scale) and scale != fmt.NO_GRAD_SCALE and (
-                row[f"nan_{side}"] + row[f"inf_{side}"] > 0):
-            return (f"; {name}'s gradients carry a loss scale of {scale:.6g}: they overflow "
-                    f"{row[f'dtype_{side}']} here (a GradScaler skips such a step and lowers "
-                    f"its scale; compare a step it did not skip)")
+        if not (pd.notna(scale) and scale != fmt.NO_GRAD_SCALE
+                and nonfinite[side] > nonfinite[other]):
+            continue
+        overflow = f"{scale:.6g}: they overflow {row[f'dtype_{side}']} here"
+        if rerun and side == "b":
+            return (f"; B ran on A's gradients, put in at its loss scale of {overflow} (this "
+                    f"re-run cannot localize the step: re-run it at a lower loss scale)")
+        return (f"; {name}'s gradients carry a loss scale of {overflow} (a GradScaler skips "
+                f"such a step and lowers its scale; compare a step it did not skip)")
     return ""

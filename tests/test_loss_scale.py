@@ -214,8 +214,9 @@ def test_a_rerun_that_overflows_at_its_loss_scale_says_so_at_its_origin(tmp_path
                              + ["--injected", str(tmp_path / "c")])
     assert run.exit_code == 1, run.output
     origins = [line for line in run.output.splitlines() if line.startswith("  origin: ")]
-    assert origins and ("B's gradients carry a loss scale of 1.07374e+09: they overflow "
-                        "float16 here") in origins[0], run.output
+    assert origins and ("B ran on A's gradients, put in at its loss scale of 1.07374e+09: "
+                        "they overflow float16 here (this re-run cannot localize the step: "
+                        "re-run it at a lower loss scale)") in origins[0], run.output
 
 
 @pytest.mark.parametrize("case", ["fused", "clipped"])
