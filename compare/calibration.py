@@ -134,15 +134,19 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
 
 
 def _a_seed_rounds_once(out: Expectation, frame: pd.DataFrame) -> None:
-    """The gradient arriving at a scalar output of the model (the root's, path ``""``) is
-    what the code that calls ``backward()`` makes of one number: the seed itself (the loss
-    scale), or a product or sum of it with a few numbers, a rounding of its own dtype or two,
-    however the model computed; what it depends on the forward values with is the gain's
-    part. No level calibrated on the model's gradients applies to it (a loss gradient 10 %
-    off passed for bfloat16 rounding: 0.1 against a typical 0.021). Where none is expected
-    (an exact pair), none stays expected."""
+    """The gradient arriving at a scalar output of the model (the root's, path ``""``) that A
+    holds at 1 or ``1 / k`` (unscaled: the seed of ``backward()``, or of a loss divided by k
+    micro-batches) is what the code that calls ``backward()`` makes of one number, not the
+    model's kernels: a rounding of its own dtype at most (a loss gradient 10 % off passed for
+    bfloat16 rounding: 0.1 against a typical 0.021). Any other value may depend on the
+    forward values (a batch of one's ``2 (y - t)``, which cancels), and keeps its level, as
+    a record where none is expected (an exact pair) keeps none."""
+    rms = frame["rms_a"].to_numpy(float)
+    with np.errstate(divide="ignore", invalid="ignore"):  # (0 and NaN: no k, no seed)
+        k = np.round(1.0 / rms)
+        seed = (k >= 1) & (rms * k == 1.0)
     seeds = np.flatnonzero(((frame["kind"] == fmt.GRAD_OUTPUT) & (frame["module"] == "")
-                            & (frame["numel"] == 1)).to_numpy())
+                            & (frame["numel"] == 1)).to_numpy() & seed)
     for i in seeds:
         precision = precision_of(frame.at[i, "dtype_a"], frame.at[i, "dtype_b"])
         unit = rounding_of(precision).unit
