@@ -56,6 +56,7 @@ import numpy as np
 import pandas as pd
 
 from . import format as fmt
+from .formulas import POOLS
 
 _FIRST = {(fmt.INPUT, 0), (fmt.OUTPUT, 0), (fmt.GRAD_INPUT, 0), (fmt.GRAD_OUTPUT, 0)}
 
@@ -143,10 +144,13 @@ def linear_gains(frame: pd.DataFrame) -> np.ndarray:
     weights = {m: _weight(p) for m, p in params.groupby("module", sort=False)}
     calls = _Calls(frame)
     rms, numel = calls.rms, calls.numel
+    pools = set(frame.loc[frame["cls"].isin(list(POOLS)), "module"])
     outputs: dict[tuple, int] = {}  # per call of a module with a weight matrix: its n_out
     for key, module, first in calls:
         weight = weights.get(module)
         if weight is None:
+            if module in pools:
+                _pool_gain(calls, first, out)
             continue
         norm, shape, index = weight
         x, y = first.get((fmt.INPUT, 0)), first.get((fmt.OUTPUT, 0))
@@ -164,6 +168,20 @@ def linear_gains(frame: pd.DataFrame) -> np.ndarray:
             out[gx] = norm * rms[gy] / (math.sqrt(n_in) * rms[gx])
     _sum_gains(frame, calls, params, weights, outputs, out)
     return out
+
+
+def _pool_gain(calls: _Calls, first: dict[tuple, int], out: np.ndarray) -> None:
+    """An adaptive average pool whose bins tile its input (as many inputs per bin, ``n``):
+    each output is the mean of its bin, so ``|mean(d)| <= rms(d over the bin)`` and
+    ``||dy||² <= ||dx||² / n`` (Cauchy-Schwarz: errors that agree in sign, as drifted weights
+    give, meet it), a relative error grown by ``rms(x) / rms(y)`` at most: large where the
+    mean cancels (Swin's pool of a normalized sequence: 1.0 into 0.44, its error 2.2x
+    its input's). Backward each input gets its bin's gradient over ``n``: no gain."""
+    x, y = first.get((fmt.INPUT, 0)), first.get((fmt.OUTPUT, 0))
+    if x is None or y is None or not calls.floating[x] or not calls.rms[y] > 0 or not (
+            calls.numel[y] > 0 and calls.numel[x] % calls.numel[y] == 0):
+        return
+    out[y] = max(1.0, calls.rms[x] / calls.rms[y])
 
 
 def _sum_gains(frame: pd.DataFrame, calls: _Calls, params: pd.DataFrame, weights: dict,

@@ -356,6 +356,16 @@ def test_amplified_errors_do_not_set_the_level_they_are_judged_by(tmp_path, one_
         tmp_path, "albert", "albert.encoder.albert_layer_groups.0.albert_layers.0.ffn", seed=19)
 
 
+def test_an_average_pool_that_cancels_passes_on_its_inputs_error_grown(tmp_path, one_thread):
+    """Swin (a held-out trial, seed 21, fourth AdamW step, float64 against float32): its
+    pooler averages a normalized sequence of rms 1.0 into 0.44 and so passes on its input's
+    drift error 2.2x grown, beyond the gain of 1.1 a class of one member gets: a false alarm
+    that took the first divergence from four plants. A mean's error grows by ``rms(x) /
+    rms(y)`` at most (:func:`compare.gains.linear_gains`)."""
+    _healthy_agrees_and_plant_is_named(
+        tmp_path, "swin", "swin.encoder.layers.0.downsample.reduction", seed=21)
+
+
 _LATER_STEP = dict(steps=4, optimizer="adamw", plant_last_only=True)
 
 
