@@ -136,21 +136,23 @@ def bias_scales(frame: pd.DataFrame) -> np.ndarray:
 def linear_gains(frame: pd.DataFrame) -> np.ndarray:
     """Per row, the weight-matrix amplification above for the output (forward) and the
     grad_input of a call of a module owning a weight of two or more dimensions given a
-    floating first input (not an Embedding's indices), and for the gradients of the
-    parameters a call sums over positions (:func:`_sum_gains`); NaN elsewhere."""
+    floating first input (not an Embedding's indices), for the gradients of the parameters a
+    call sums over positions (:func:`_sum_gains`), and for an average pool's output
+    (:func:`_pool_gain`); NaN elsewhere."""
     out = np.full(len(frame), np.nan)
     params = frame.loc[frame["kind"] == fmt.PARAM,
                        ["module", "index", "path", "shape_a", "shape_b", "rms_a"]]
     weights = {m: _weight(p) for m, p in params.groupby("module", sort=False)}
     calls = _Calls(frame)
     rms, numel = calls.rms, calls.numel
-    pools = set(frame.loc[frame["cls"].isin(list(POOLS)), "module"])
+    pooled = frame.loc[frame["cls"].isin(list(POOLS)), ["module", "cls"]].drop_duplicates()
+    pools = {m: POOLS[c] for m, c in zip(pooled["module"], pooled["cls"])}  # their dims
     outputs: dict[tuple, int] = {}  # per call of a module with a weight matrix: its n_out
     for key, module, first in calls:
         weight = weights.get(module)
         if weight is None:
             if module in pools:
-                _pool_gain(calls, first, out)
+                _pool_gain(calls, first, pools[module], out)
             continue
         norm, shape, index = weight
         x, y = first.get((fmt.INPUT, 0)), first.get((fmt.OUTPUT, 0))
@@ -170,16 +172,21 @@ def linear_gains(frame: pd.DataFrame) -> np.ndarray:
     return out
 
 
-def _pool_gain(calls: _Calls, first: dict[tuple, int], out: np.ndarray) -> None:
-    """An adaptive average pool whose bins tile its input (as many inputs per bin, ``n``):
-    each output is the mean of its bin, so ``|mean(d)| <= rms(d over the bin)`` and
+def _pool_gain(calls: _Calls, first: dict[tuple, int], dims: int, out: np.ndarray) -> None:
+    """An adaptive average pool over its last ``dims`` dimensions whose bins tile its input
+    (each pooled size a multiple of the output's, so bins of ``n`` inputs that do not
+    overlap): each output is the mean of its bin, so ``|mean(d)| <= rms(d over the bin)`` and
     ``||dy||² <= ||dx||² / n`` (Cauchy-Schwarz: errors that agree in sign, as drifted weights
     give, meet it), a relative error grown by ``rms(x) / rms(y)`` at most: large where the
     mean cancels (Swin's pool of a normalized sequence: 1.0 into 0.44, its error 2.2x
     its input's). Backward each input gets its bin's gradient over ``n``: no gain."""
     x, y = first.get((fmt.INPUT, 0)), first.get((fmt.OUTPUT, 0))
-    if x is None or y is None or not calls.floating[x] or not calls.rms[y] > 0 or not (
-            calls.numel[y] > 0 and calls.numel[x] % calls.numel[y] == 0):
+    if x is None or y is None or not calls.floating[x] or not calls.rms[y] > 0:
+        return
+    shape_x, shape_y = calls.shape[x], calls.shape[y]
+    if not (isinstance(shape_x, tuple) and isinstance(shape_y, tuple)
+            and len(shape_x) == len(shape_y) >= dims and shape_x[:-dims] == shape_y[:-dims]
+            and all(o > 0 and i % o == 0 for i, o in zip(shape_x[-dims:], shape_y[-dims:]))):
         return
     out[y] = max(1.0, calls.rms[x] / calls.rms[y])
 
