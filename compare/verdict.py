@@ -426,8 +426,7 @@ class _Judgement:
         if r.measured[i] == st.NAN_MISMATCH:
             return ("NaN/Inf at other places than in A, and none of its sources has that"
                     + (f" (largest source: {source})" if source else "")
-                    + loss_scale_overflow(r.frame.loc[i],
-                                          bool((r.frame["injected"] == 1).any())))
+                    + loss_scale_overflow(r.frame.loc[i], rerun=bool(r.replaced.any())))
         if r.user_tol:
             return (f"outside the given tolerance, with sources within it (rel error {err:.3g}, "
                     f"inputs {err_in:.3g})")
