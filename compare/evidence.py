@@ -20,8 +20,7 @@ from .precision import (cast_rounding, cast_rounding_at_scale, lowest, rounding_
                         stored_scale)
 from .gains import bias_scales, linear_gains
 from .metrics import REORDERED_MARGIN
-from .formulas import (ELEMENTWISE, GATHERS, OVER_DIM, TWO_TENSORS, near_zero_roundings,
-                       rounds_operands)
+from .formulas import GATHERS, SETTINGLESS, near_zero_roundings, rounds_operands
 from .formulas import ALLOWANCE as RECOMPUTE_MARGIN
 from .formulas import allowed as recompute_allowance
 from .routing import moved_rows
@@ -229,12 +228,10 @@ class Evidence:
                 rounds_operands(frame["cls"].fillna("").to_numpy(object),
                                 frame["kind"].to_numpy(object)),
                 frame["recomputed_accumulation"].to_numpy(float))
-        # what a recomputation within rounding proves: all of an elementwise call, an op of
-        # two tensors or one over a dim (no setting of its own that B could have otherwise:
-        # a number or dim B was given otherwise than A, it is recomputed at A's), recomputed
-        # on every sample
+        # what a recomputation within rounding proves: all of a call with no setting of its
+        # own (SETTINGLESS), recomputed on every sample
         self.recomputed_whole = ((frame["recomputed_stride"].to_numpy(float) == 1) & frame[
-            "cls"].isin([*ELEMENTWISE, *TWO_TENSORS, *OVER_DIM]).to_numpy(bool))
+            "cls"].isin(list(SETTINGLESS)).to_numpy(bool))
         self.miscomputed = self.recomputed > self.recomputed_floor  # NaN: not recomputed
         # what rounding gives, without the margin that keeps a recomputation from accusing
         # a call of rounding: where a call's error is excused as its own rounding, no more

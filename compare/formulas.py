@@ -38,6 +38,8 @@ the one that A's own records follow best.
   were given (A's: B reducing over another computes something else), of the input less its
   maximum, and sums and means (:data:`REDUCTIONS`) over it, or over every dim; only their
   result is rounded;
+- scaled dot-product attention (op records, :mod:`compare.attention`): ``o = softmax(scale
+  q kᵀ + mask) v`` and the gradients of its query, key, value and mask;
 - adaptive average pools (:data:`POOLS`), at the sizes their records have: output ``i`` of a
   dimension of ``L`` inputs and ``n`` outputs is the mean of inputs ``floor(i L / n)`` to
   ``ceil((i + 1) L / n)``, PyTorch's bins; backward, each output's gradient shared equally
@@ -60,9 +62,10 @@ from typing import Callable, NamedTuple, Optional, Union
 import numpy as np
 
 from . import format as fmt
+from .attention import ATTENTION, attention
 from .centering import BATCH_NORM, NORMALIZATIONS, NOT_NORMALIZATIONS, UNCENTERED
 from .convolutions import convolution, transposed_convolution
-from .operands import Figures, Formula, Operands
+from .operands import Figures, Formula, Operands, unbroadcast
 from .precision import ROUNDING
 
 # Each term of an element rounded once per operand the call rounds and the result once, each
@@ -227,7 +230,10 @@ TWO_TENSORS = frozenset((*BINARY, *PRODUCTS))
 # adaptive average pools: their spatial dimensions
 POOLS = {"AdaptiveAvgPool1d": 1, "AdaptiveAvgPool2d": 2, "AdaptiveAvgPool3d": 3}
 # formulas that take no weights
-UNWEIGHTED = frozenset((*ELEMENTWISE, *TWO_TENSORS, *OVER_DIM, *POOLS))
+UNWEIGHTED = frozenset((*ELEMENTWISE, *TWO_TENSORS, *OVER_DIM, *POOLS, ATTENTION))
+# calls with no setting of their own that B could have otherwise than A (a number or dim B was
+# given otherwise is recomputed at A's): a recomputation of every sample is all of them
+SETTINGLESS = frozenset((*ELEMENTWISE, *TWO_TENSORS, *OVER_DIM, ATTENTION))
 # spatial dimensions; and those that compute what a convolution sends back
 CONVOLUTIONS = {"Conv1d": 1, "Conv2d": 2, "Conv3d": 3,
                 "ConvTranspose1d": 1, "ConvTranspose2d": 2, "ConvTranspose3d": 3}
@@ -315,6 +321,8 @@ def candidates(cls: str) -> list[Formula]:
         return [functools.partial(_softmax, cls == "log_softmax")]
     if cls in REDUCTIONS:
         return [functools.partial(_reduction, REDUCTIONS[cls])]
+    if cls == ATTENTION:
+        return [attention]
     if cls in CONVOLUTIONS:
         formula = transposed_convolution if cls in TRANSPOSED else convolution
         return [functools.partial(formula, CONVOLUTIONS[cls])]
@@ -456,7 +464,7 @@ def _binary(op: BinaryOp, kind: str, ops: Operands) -> Optional[Figures]:
         if g.shape != np.broadcast_shapes(x.shape, z.shape) or parts.shape != g.shape or \
                 got.shape != operand.shape:
             return None
-        return Figures(got, _unbroadcast(parts, operand.shape), float(np.square(parts).sum()),
+        return Figures(got, unbroadcast(parts, operand.shape), float(np.square(parts).sum()),
                        parts.size // max(operand.size, 1))
 
 
@@ -531,15 +539,6 @@ def _reduction(mean: bool, kind: str, ops: Operands) -> Optional[Figures]:
     return Figures(got, want, float(np.square(want).sum()), 1)
 
 
-def _unbroadcast(values: np.ndarray, shape: tuple) -> np.ndarray:
-    """``values`` summed over the axes an operand of ``shape`` was broadcast along to reach
-    them (leading ones, and those where it has size 1): the gradient it gets."""
-    lead = values.ndim - len(shape)
-    axes = (*range(lead), *(lead + i for i, n in enumerate(shape)
-                            if n == 1 and values.shape[lead + i] != 1))
-    return values.sum(axis=axes).reshape(shape)
-
-
 def _product(kind: str, ops: Operands) -> Optional[Figures]:
     """A matrix product of two tensors (:data:`PRODUCTS`), torch.matmul's: a vector operand
     taken as a matrix of one row (first) or column (second), the batch axes broadcast;
@@ -578,7 +577,7 @@ def _product(kind: str, ops: Operands) -> Optional[Figures]:
     else:
         parts = np.matmul(g, np.swapaxes(matrix_z, -1, -2))
         squared = np.matmul(np.square(g), np.swapaxes(np.square(matrix_z), -1, -2))
-    return Figures(got, _unbroadcast(parts, operand.shape).reshape(got.shape),
+    return Figures(got, unbroadcast(parts, operand.shape).reshape(got.shape),
                    float(squared.sum()), products // max(operand.size, 1))
 
 
@@ -592,7 +591,7 @@ def _linear_op(kind: str, ops: Operands) -> Optional[Figures]:
         if t[fmt.GRAD_INPUT].shape != weight.shape:
             return None
         t = {**t, fmt.GRAD_INPUT: t[fmt.GRAD_INPUT].T}
-    return _product(kind, ops._replace(tensors=t, other=weight.T))
+    return _product(kind, ops._replace(tensors=t, others=(weight.T,)))
 
 
 def _grouping(grouping: str, x: np.ndarray, params: tuple) -> Optional[tuple]:

@@ -19,10 +19,13 @@ class Operands(NamedTuple):
     """A call's records by kind (``input``, ``output``, ``grad_output``, ``grad_input``) and
     its parameters, float64; ``eps`` a normalization's (NaN: not recorded), ``conv`` a
     convolution's geometry (None: not recorded); ``rows``: for a gathering call, which rows
-    of its weight ``weight`` holds, in increasing order (None: all of them); for an op of two
-    operands, ``other`` its second (a tensor's values, or a number as a 0-d array) and
-    ``operand`` which of the two the ``grad_input`` is the gradient of (0, 1); ``dim``: the
-    dimension an op works over (a softmax's, a sum's; None: not given)."""
+    of its weight ``weight`` holds, in increasing order (None: all of them); for an op of
+    several operands, ``others`` those after the first, by position (a tensor's values, a
+    number as a 0-d array; None where it was given none: an attention without a mask), and
+    ``operand`` which of them the ``grad_input`` is the gradient of (0: the first);
+    ``dim``: the dimension an op works over (a softmax's, a sum's; None: not given);
+    ``options``: the numbers and flags an op was given, by parameter name (an attention's
+    ``scale``, ``is_causal``; absent: not given)."""
 
     tensors: dict
     weight: Optional[np.ndarray]
@@ -30,9 +33,15 @@ class Operands(NamedTuple):
     eps: float
     conv: Optional[fmt.ConvGeometry] = None
     rows: Optional[np.ndarray] = None
-    other: Optional[np.ndarray] = None
+    others: tuple = ()
     operand: int = 0
     dim: Optional[int] = None
+    options: dict = {}
+
+    @property
+    def other(self) -> Optional[np.ndarray]:
+        """The second operand (None: none)."""
+        return self.others[0] if self.others else None
 
 
 class Figures:
@@ -75,3 +84,12 @@ class Figures:
 
 
 Formula = Callable[[str, Operands], Optional[Figures]]
+
+
+def unbroadcast(values: np.ndarray, shape: tuple) -> np.ndarray:
+    """``values`` summed over the axes an operand of ``shape`` was broadcast along to reach
+    them (leading ones, and those where it has size 1): the gradient it gets."""
+    lead = values.ndim - len(shape)
+    axes = (*range(lead), *(lead + i for i, n in enumerate(shape)
+                            if n == 1 and values.shape[lead + i] != 1))
+    return values.sum(axis=axes).reshape(shape)

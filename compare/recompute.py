@@ -3,15 +3,16 @@
 Where a module's class says what it computes (:mod:`compare.formulas`: ``Linear``,
 convolutions, elementwise activations, normalizations, ``Embedding``, adaptive average
 pools; among op records, elementwise functions, elementwise ops and matrix products of two
-tensors, softmaxes, sums and means), its output
+tensors, softmaxes, sums and means, scaled dot-product attention), its output
 follows from its input and weights, and the gradient it sends back from the gradient that
 arrives and its input.
 Recomputed in float64 from B's own records of the call, the difference is what B's
 computation of that call added, whatever error its operands carried: the error of a call's
 own forward or backward, measured exactly where the error figures of
 :mod:`compare.verdict` can only bound it (a gradient that already carries 10 % hides a 10 %
-error added to it). Per ``output[0]`` and ``grad_input[0]`` record of such a call (and
-``grad_input[1]`` of an op of two operands):
+error added to it). Per ``output[0]`` and ``grad_input[0]`` record of such a call (and the
+gradients of an op's other tensor operands: ``grad_input[1]`` of an op of two, an
+attention's key, value and mask):
 
 ``recomputed_rel_err``
     ``||b - f(b's operands)|| / ||f(b's operands)||``;
@@ -58,6 +59,7 @@ from .pairing import from_shards
 from .arguments import same_number
 from .attributes import NO_ATTRIBUTES, Attributes, Recorded
 from .centering import BATCH_NORM
+from .attention import ATTENTION, ATTENTION_OPERANDS, ATTENTION_OPTIONS
 from .formulas import (BIAS_GRADIENTS, CONVOLUTIONS, ELEMENTWISE, GATHERS, OVER_DIM, POOLS,
                        PRODUCTS, ROUNDS_RESULT, TWO_TENSORS, UNWEIGHTED, WEIGHTED, allowed,
                        candidates, near_zero_roundings, rounds_operands)
@@ -74,14 +76,32 @@ SAMPLE_ELEMENTS = 1 << 20
 SAMPLE_PRODUCTS = 1 << 28
 FLOATS = ("float64", "float32", "float16", "bfloat16")  # what is recomputed from
 INDICES = ("int64", "int32")  # what a gathering call's input is (torch takes these only)
+MASKS = (*FLOATS, "bool")  # what an attention's mask is: added, or where it may look
 
 
 # the records a check reads besides its own: forward from the input, backward from the
 # gradient that arrives (and the input, for an elementwise function)
 NEEDS = {fmt.OUTPUT: (fmt.INPUT,), fmt.GRAD_INPUT: (fmt.GRAD_OUTPUT, fmt.INPUT),
          fmt.PARAM_GRAD: (fmt.GRAD_OUTPUT,)}
-# the paths of an op's two operands (TWO_TENSORS) given by position (docs/format.md, ``path``)
-OPERAND_PATHS = ("args[0]", "args[1]")
+
+
+def _argument_paths(name: str, position: Optional[int]) -> tuple[str, ...]:
+    """Where an op's argument ``name`` is recorded (docs/format.md, ``path``): at its
+    ``position`` (None: keyword only), or by name."""
+    return (*(() if position is None else (f"args[{position}]",)), f"kwargs['{name}']")
+
+
+# the paths of an op's tensor operands, by position: an op of two tensors' (TWO_TENSORS) given
+# by position, an attention's by position or name
+OPERAND_PATHS = {**{op: (("args[0]",), ("args[1]",)) for op in TWO_TENSORS},
+                 ATTENTION: tuple(_argument_paths(name, position)
+                                  for position, name in enumerate(ATTENTION_OPERANDS))}
+# an operand's position by op and path
+OPERAND_AT = {(op, path): position for op, positions in OPERAND_PATHS.items()
+              for position, paths in enumerate(positions) for path in paths}
+# the paths of an op's options (Operands.options), by parameter name
+OPTION_PATHS = {ATTENTION: {name: _argument_paths(name, position)
+                            for name, position in ATTENTION_OPTIONS.items()}}
 # where an op over a dimension (OVER_DIM) is given it
 DIM_PATHS = ("args[1]", "kwargs['dim']")
 
@@ -99,13 +119,14 @@ class _Sampling(NamedTuple):
 def recomputable(pairs: pd.DataFrame) -> pd.DataFrame:
     """The rows of calls whose class :func:`compare.formulas.candidates` knows, on both sides,
     the same class in both, first occurrences, tensor index 0 (and the calls' weights and
-    their bias's gradient; an op of two operands, both and their gradients); none put
+    their bias's gradient; an op of several operands, each and their gradients); none put
     together from shards."""
     classes = pairs["cls_a"].dropna().unique()  # NaN: recorded in B only
     known = pairs["cls_a"].isin([c for c in classes if candidates(str(c))]) & (
         pairs["cls_a"] == pairs["cls_b"])
-    operands = pairs["cls_a"].isin(list(TWO_TENSORS)) & pairs["kind"].isin(
-        [fmt.INPUT, fmt.GRAD_INPUT]) & pairs["path_a"].isin(OPERAND_PATHS)
+    operands = pd.Series(list(zip(pairs["cls_a"], pairs["path_a"])), index=pairs.index,
+                         dtype=object).isin(list(OPERAND_AT)) & pairs["kind"].isin(
+        [fmt.INPUT, fmt.GRAD_INPUT])
     data = ((pairs["index"] == 0) | operands) & (pairs["occurrence"] == 0) & pairs["kind"].isin(
         [fmt.INPUT, fmt.OUTPUT, fmt.GRAD_OUTPUT, fmt.GRAD_INPUT])
     weights = (pairs["kind"] == fmt.PARAM) & pairs["path_a"].isin(["weight", "bias"])
@@ -229,22 +250,23 @@ class _Call:
         self.metrics, self.readers, self.recorded = metrics, readers, recorded
         self.by_kind: dict[str, dict] = {}  # the call's records, and its parameters by name
         self.params: dict[str, dict] = {}
-        # an op of two tensors: its second operand's record and that one's gradient (the
-        # first's are by_kind's), by kind
-        self.second_operand: dict[str, dict] = {}
+        # an op of several operands: the records of those after the first and their
+        # gradients (the first's are by_kind's), by position, by kind
+        cls = self.cls = next(iter(rows.values()))["cls_a"]
+        self.others: list[dict[str, dict]] = [{} for _ in OPERAND_PATHS.get(cls, ())[1:]]
         self.bias_grad: Optional[dict] = None  # the gradient of its bias, summed over positions
-        cls = next(iter(rows.values()))["cls_a"]
         for label, row in rows.items():
             row = {**row, "label": label}
+            position = OPERAND_AT.get((cls, row["path_a"]))
             if row["kind"] == fmt.PARAM_GRAD:
                 self.bias_grad = row
             elif row["kind"] == fmt.PARAM:
                 self.params.setdefault(row["path_a"], row)
-            elif cls in TWO_TENSORS and row["kind"] in (fmt.INPUT, fmt.GRAD_INPUT):
-                if row["path_a"] == OPERAND_PATHS[0]:  # else given by name: not recomputed
+            elif cls in OPERAND_PATHS and row["kind"] in (fmt.INPUT, fmt.GRAD_INPUT):
+                if position:  # given elsewhere (by a name not known): not recomputed
+                    self.others[position - 1].setdefault(row["kind"], row)
+                elif position == 0:
                     self.by_kind.setdefault(row["kind"], row)
-                elif row["path_a"] == OPERAND_PATHS[1]:
-                    self.second_operand.setdefault(row["kind"], row)
             else:
                 self.by_kind.setdefault(row["kind"], row)
         self.formulas, self.takes_weights = candidates(cls), cls not in UNWEIGHTED
@@ -261,9 +283,12 @@ class _Call:
         Linear's rows or an activation's elements), or, for a BatchNorm, every k-th channel;
         None where not even one fits, or the records' samples do not line up (shapes that
         differ between the sides: the comparison did not read those values)."""
-        rows = [*self.by_kind.values(), *self.second_operand.values(), *self.params.values()]
+        rows = [*self.by_kind.values(), *(r for o in self.others for r in o.values()),
+                *self.params.values()]
         if any(_shape(r, "a") != _shape(r, "b") for r in rows):
             return None
+        if cls == ATTENTION:
+            return self._attention_sampling([_shape(r, "a") for r in rows])
         # operands broadcast against each other, or reduced over a dim: whole, where they fit
         if cls in TWO_TENSORS or cls in OVER_DIM:
             fits = max((math.prod(_shape(r, "a")) for r in rows), default=0) <= SAMPLE_ELEMENTS
@@ -301,6 +326,28 @@ class _Call:
                 return _Sampling(axes, channels, -(-count // fit))
         return None
 
+    def _attention_sampling(self, shapes: list[tuple]) -> Optional[_Sampling]:
+        """An attention's: whole where its scores (each query against each key, per batch and
+        head) fit ``SAMPLE_ELEMENTS`` and their products ``SAMPLE_PRODUCTS``, else every k-th
+        slice of the first axis where each of its records (``shapes``) has it (a batch); None
+        where neither fits."""
+        query, key = self.by_kind.get(fmt.INPUT), self.others[0].get(fmt.INPUT)
+        result = self.by_kind.get(fmt.OUTPUT) or self.by_kind.get(fmt.GRAD_OUTPUT)
+        if query is None or key is None or result is None:
+            return None
+        query, key, result = (_shape(r, "a") for r in (query, key, result))
+        if min(len(query), len(key), len(result)) < 2:
+            return None
+        scores = math.prod(result[:-1]) * key[-2]
+        features = max(query[-1], result[-1], 1)
+        count = result[0] if all(len(s) >= 3 and s[0] == result[0] for s in shapes) else 1
+        per_sample = -(-scores // max(count, 1))
+        fit = min(SAMPLE_ELEMENTS // max(per_sample, 1),
+                  SAMPLE_PRODUCTS // max(per_sample * features, 1))
+        if fit >= count:
+            return _Sampling(0, False, 1)
+        return _Sampling(1, False, -(-count // fit)) if fit >= 1 and count > 1 else None
+
     def _sample_axes(self, cls: str, ndim: int, shapes: list[tuple]) -> int:
         """How many leading axes of the call's records hold samples its formula treats apart
         (0: it needs them whole)."""
@@ -324,8 +371,9 @@ class _Call:
         """``(kind, operand)`` of the records :meth:`check` recomputes: the output and the
         gradient sent back, of an op of two tensors for each operand, and its bias's
         gradient."""
-        return [(fmt.OUTPUT, 0), (fmt.GRAD_INPUT, 0)] + (
-            [(fmt.GRAD_INPUT, 1)] if self.second_operand else []) + (
+        return [(fmt.OUTPUT, 0), (fmt.GRAD_INPUT, 0)] + [
+            (fmt.GRAD_INPUT, position) for position, records in enumerate(self.others, 1)
+            if fmt.GRAD_INPUT in records] + (
             [(fmt.PARAM_GRAD, 0)] if self.bias_grad is not None else [])
 
     def check(self, kind: str, operand: int = 0) -> tuple[Optional[int], Optional[dict]]:
@@ -333,7 +381,7 @@ class _Call:
         gradient of ``operand``) and B's figures, recomputed by the formula A's records follow
         best within A's rounding; None, None where none does."""
         records = self.by_kind if operand == 0 else {
-            **self.by_kind, kind: self.second_operand.get(kind)}
+            **self.by_kind, kind: self.others[operand - 1].get(kind)}
         summed = kind == fmt.PARAM_GRAD  # over every position: each sample is needed
         if summed:
             records = {**records, kind: self.bias_grad}
@@ -350,9 +398,10 @@ class _Call:
         # a call rounds through the lowest dtype it is given (an op's second operand too),
         # or, rounding only its result, through the result's
         given = [*(records[k] for k in needed), *self.params.values(),
-                 *([self.second_operand[fmt.INPUT]] if fmt.INPUT in self.second_operand else [])]
+                 *(o[fmt.INPUT] for o in self.others if fmt.INPUT in o)]
         dtype = {side: row[f"dtype_{side}"] if row["cls_a"] in ROUNDS_RESULT and not summed
-                 else lowest([r[f"dtype_{side}"] for r in given]) for side in ("a", "b")}
+                 else lowest([r[f"dtype_{side}"] for r in given if r[f"dtype_{side}"] in FLOATS])
+                 for side in ("a", "b")}
         rounding = rounding_of(dtype["a"])
         # (where A's rounding underflows: at the scale A held its values at, a loss scale's)
         scale = self.metrics.get(row["label"], {}).get("rms_a", math.nan) * row["grad_scale_a"]
@@ -382,28 +431,50 @@ class _Call:
         tensors = {k: self._operand(row, side) if k != kind else self._tensor(row, side)
                    for k, row in needed.items()}
         params = {p: self._weight(p, side) for p in ("weight", "bias") if p in self.params}
-        other = self._other(side)
-        if any(v is None for v in (*tensors.values(), *params.values())) or (
-                self.two_operands and other is None):
+        others = self._others(side)
+        if any(v is None for v in (*tensors.values(), *params.values())) or others is None:
             return None
         if not params and self.takes_weights and needed[kind]["call_idx"] > 0:
             return None  # its weights are recorded at the module's first call only
         recorded = self.recorded[side]
         return Operands(tensors, params.get("weight"), params.get("bias"), eps=recorded.eps,
                         conv=recorded.conv, rows=self._rows() if self.gathers else None,
-                        other=other, operand=operand, dim=self._dim(side))
+                        others=others, operand=operand, dim=self._dim(side),
+                        options=self._options(side))
 
-    def _other(self, side: str) -> Optional[np.ndarray]:
-        """An op of two operands' second on ``side``: its tensor, or the number it was given
-        at ``OPERAND_PATHS[1]`` (``x * 0.5``; a 0-d array, which broadcasts; B's as
-        :func:`_numbers_for_b` says), None where neither is known or the call takes none."""
-        if not self.two_operands:
-            return None
-        row = self.second_operand.get(fmt.INPUT)
-        if row is not None:
-            return self._operand(row, side)
-        number = self.recorded[side].numbers.get(OPERAND_PATHS[1])
-        return None if number is None else np.array(number)
+    def _others(self, side: str) -> Optional[tuple]:
+        """An op's operands after its first on ``side``, by position (:attr:`Operands.others`):
+        their tensors; of an op of two operands, else the number it was given at
+        ``args[1]`` (``x * 0.5``; a 0-d array, which broadcasts; B's as :func:`_numbers_for_b`
+        says); an attention's mask as added to its scores (a boolean one: ``-inf`` where it
+        may not look), None where it was given none. None where one given is not known."""
+        values = []
+        for position, records in enumerate(self.others, 1):
+            row = records.get(fmt.INPUT)
+            if row is not None:
+                value = self._operand(row, side)
+                if value is not None and row[f"dtype_{side}"] == "bool":
+                    value = np.where(value != 0, 0.0, -np.inf)
+            elif self.two_operands:
+                number = self.recorded[side].numbers.get(OPERAND_PATHS[self.cls][position][0])
+                value = None if number is None else np.array(number)
+            else:
+                values.append(None)  # given none
+                continue
+            if value is None:
+                return None
+            values.append(value)
+        return tuple(values)
+
+    def _options(self, side: str) -> dict:
+        """The numbers and flags the call was given, by parameter name
+        (:attr:`Operands.options`; B's as :func:`_numbers_for_b` says)."""
+        numbers, options = self.recorded[side].numbers, {}
+        for name, paths in OPTION_PATHS.get(self.cls, {}).items():
+            given = [numbers[path] for path in paths if path in numbers]
+            if given:
+                options[name] = given[0]
+        return options
 
     def _dim(self, side: str) -> Optional[int]:
         """The dimension the call was given to work over (``DIM_PATHS``; B's as
@@ -435,7 +506,7 @@ class _Call:
             key = (row["label"], "a as b")
             if key not in self.cache:
                 values = self._tensor(row, "a")
-                self.cache[key] = (values if values is None or row["dtype_b"] in INDICES
+                self.cache[key] = (values if values is None or row["dtype_b"] not in FLOATS
                                    else rounded(values, row["dtype_b"], row["grad_scale_b"]))
             return self.cache[key]
         return self._tensor(row, side)
@@ -463,7 +534,8 @@ class _Call:
             param, sampling = row["kind"] in (fmt.PARAM, fmt.PARAM_GRAD), self.sampling
             gathered = param and self.gathers  # read at the rows its input names only
             rows = self._rows() if gathered else None  # (reads the inputs)
-            dtypes = INDICES if self.gathers and row["kind"] == fmt.INPUT else FLOATS
+            dtypes = (INDICES if self.gathers and row["kind"] == fmt.INPUT else
+                      MASKS if row["kind"] == fmt.INPUT and self.cls == ATTENTION else FLOATS)
             elements = math.prod(shape) if rows is None else len(rows) * math.prod(shape[1:])
             usable = (row[f"dataset_{side}"] and row[f"dtype_{side}"] in dtypes and
                       row[f"digest_{side}"] == fmt.NO_DIGEST and sampling is not None and

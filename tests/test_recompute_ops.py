@@ -112,7 +112,7 @@ def _autograd_figures(name: str, x: torch.Tensor, z: torch.Tensor) -> list:
                fmt.GRAD_OUTPUT: g.numpy()}
     [formula] = formulas.candidates(name)
     return [formula(kind, formulas.Operands({**tensors, fmt.GRAD_INPUT: got.detach().numpy()},
-                                            None, None, math.nan, other=z.detach().numpy(),
+                                            None, None, math.nan, others=(z.detach().numpy(),),
                                             operand=operand)).columns()
             for kind, operand, got in ((fmt.OUTPUT, 0, y), (fmt.GRAD_INPUT, 0, x.grad),
                                        (fmt.GRAD_INPUT, 1, z.grad))]
