@@ -79,7 +79,7 @@ def _same(a: str, type_a: str, b: str, type_b: str, unit: float) -> bool:
         return True
     if type_a == type_b == "int":  # (exactly, beyond float's 2**53)
         return False
-    x, y = _number(a, type_a), _number(b, type_b)
+    x, y = parsed_number(a, type_a), parsed_number(b, type_b)
     if x is None or y is None:
         return False
     if x == y:
@@ -99,7 +99,7 @@ def same_number(x: float, y: float, unit: float) -> bool:
         abs(x - y) <= unit * max(abs(x), abs(y))
 
 
-def _number(text: str, type_name: str) -> Optional[float]:
+def parsed_number(text: str, type_name: str) -> Optional[float]:
     """The value of a recorded int, float or bool (None for a str, or text cut short)."""
     if type_name == "bool":
         return {"True": 1.0, "False": 0.0}.get(text)

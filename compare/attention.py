@@ -1,34 +1,39 @@
-"""What torch's scaled dot-product attention computes, in float64 (:mod:`compare.formulas`),
-and how far rounding may move it: ``F.scaled_dot_product_attention(q, k, v, attn_mask,
-dropout_p, is_causal, scale=, enable_gqa=)`` without dropout (a random mask is nothing to
-recompute).
+"""What torch's scaled dot-product attention computes, in float64 (:mod:`compare.formulas`), and
+how far rounding may move it: ``F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p,
+is_causal, scale=, enable_gqa=)`` without dropout (a random mask is nothing to recompute).
 
 Over the last two axes of each batch and head (``L`` queries, ``S`` keys), the others
-broadcast: ``s = scale q kᵀ + m`` (``scale`` by default ``1 / sqrt(E)`` of the queries'
-``E`` features; ``m`` the mask added: a boolean one's False and a causal one's keys after
-the query, torch's lower triangle from the top left, at ``-inf``), ``p = softmax(s)`` over
-the keys, ``o = p v``. Backward, from ``g``: ``gv = pᵀ g``, ``gs = p (g vᵀ - rowsum(g o))``,
-``gq = scale gs k``, ``gk = scale gsᵀ q``, and the mask's gradient ``gs``, each summed over
-the axes its operand was broadcast along; with ``enable_gqa`` each key and value head serves
-``H / H_kv`` neighbouring query heads, and its gradients sum theirs.
+broadcast: ``s = scale q kᵀ + m`` (``scale`` by default ``1 / sqrt(E)`` of the queries' ``E``
+features; ``m`` the mask added: a boolean one's False and a causal one's keys after the query,
+torch's lower triangle from the top left, at ``-inf``), ``p = softmax(s)`` over the keys (0
+where a query sees no key, as torch's), ``o = p v``. Backward, from ``g``: ``gv = pᵀ g``, ``gs
+= p (g vᵀ - rowsum(g o))``, ``gq = scale gs k``, ``gk = scale gsᵀ q``, and the mask's gradient
+``gs``, each summed over the axes its operand was broadcast along; with ``enable_gqa`` each key
+and value head serves ``H / H_kv`` neighbouring query heads, and its gradients sum theirs.
 
 Terms (:class:`compare.operands.Figures`), in root sum of squares per element: the products
-each result sums (``p v``; ``gs k``, ``gs q``; ``p g``), and what the scores' rounding moves:
-a kernel holds ``s`` at a unit of ``|s|`` or of the terms of its product, ``t = scale² q²
-k²ᵀ``, which moves each probability relatively by ``sqrt(s² + t)`` (forward, ``o`` by ``p (v
-- o)`` times that). Backward, ``gs`` is a difference that may cancel: its terms are ``gs``
-times ``sqrt(1 + s² + t)`` and ``p`` times the roundings of ``g vᵀ`` (``sqrt(g² v²ᵀ)``) and of
-``rowsum(g o)`` (``sqrt(rowsum(g² o²))``), and each gradient of it carries them through its
-product (``scale² gs_terms² k²``).
+each result sums (``p v``; ``gs k``, ``gs q``; ``p g``), and what the scores' rounding moves: a
+kernel holds ``s`` at a unit of ``|s|`` or of the terms of its product, ``t = scale² q² k²ᵀ``,
+which moves each probability relatively by ``sqrt(s² + t)`` (forward, ``o`` by ``p (v - o)``
+times that; none where the mask holds a fill, ``finfo(dtype).min``, which the score rounds to
+on both sides: a query whose keys are all hidden so sees each alike). Backward, ``gs`` is a
+difference that may cancel: its terms are ``gs`` times ``sqrt(1 + s² + t)`` and ``p`` times the
+roundings of ``g vᵀ`` (``sqrt(g² v²ᵀ)``) and of ``rowsum(g o)`` (``sqrt(rowsum(g² o²))``), and
+each gradient of it carries them through its product (``scale² gs_terms² k²``). ``K``: the
+lengths of the two sums an element goes through, times the elements an operand's gradient sums
+over its broadcast axes and query heads. The scores' rounding is one rounding, counted as the
+products' (also in the accumulator's random walk, :func:`compare.formulas.allowed`): an upper
+bound, several times torch's CPU kernels' error.
 """
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Mapping, NamedTuple, Optional
 
 import numpy as np
 
 from . import format as fmt
+from .metrics import FILLS
 from .operands import Figures, Operands, unbroadcast
 
 ATTENTION = "scaled_dot_product_attention"
@@ -40,21 +45,22 @@ ATTENTION_OPTIONS = {"dropout_p": 4, "is_causal": 5, "scale": None, "enable_gqa"
 
 class _Scores(NamedTuple):
     """One attention call's forward in float64: its operands (keys and values repeated for
-    the query heads they serve), the scores, the squared terms of their product, the
-    probabilities and the result."""
+    the query heads they serve), the scores as a kernel holds them (0 at a mask's fill, which
+    absorbs them), the squared terms of their product, the probabilities and the result."""
 
     q: np.ndarray
     k: np.ndarray
     v: np.ndarray
     scale: float
-    s: np.ndarray
+    held: np.ndarray
     t: np.ndarray
     p: np.ndarray
     o: np.ndarray
 
     def moved(self) -> np.ndarray:
         """``s² + t`` where a key counts (``p > 0``: a hidden key's score may be ``-inf``)."""
-        return np.where(self.p > 0, np.square(np.where(self.p > 0, self.s, 0.0)) + self.t, 0.0)
+        counts = self.p > 0
+        return np.where(counts, np.square(np.where(counts, self.held, 0.0)) + self.t, 0.0)
 
 
 def attention(kind: str, ops: Operands) -> Optional[Figures]:
@@ -98,8 +104,8 @@ def _groups(q: np.ndarray, k: np.ndarray, v: np.ndarray, gqa: bool) -> Optional[
 
 
 def _forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Optional[np.ndarray],
-             groups: int, options: dict) -> Optional[_Scores]:
-    """The call's forward (None where its shapes do not broadcast, or a query sees no key)."""
+             groups: int, options: Mapping[str, float]) -> Optional[_Scores]:
+    """The call's forward (None where its shapes do not broadcast)."""
     if groups > 1:
         k, v = np.repeat(k, groups, axis=-3), np.repeat(v, groups, axis=-3)
     scale = options.get("scale", 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else math.nan)
@@ -107,18 +113,22 @@ def _forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Optional[np.ndar
         s = scale * np.matmul(q, np.swapaxes(k, -1, -2))
         if options.get("is_causal", 0.0):
             s = np.where(np.tri(*s.shape[-2:], dtype=bool), s, -np.inf)
+        held = s
         if mask is not None:
             s = s + mask
+            held = np.where(np.isin(mask, FILLS), 0.0, s)
         t = scale ** 2 * np.matmul(np.square(q), np.swapaxes(np.square(k), -1, -2))
         np.broadcast_shapes(s.shape[:-2], v.shape[:-2])
     except ValueError:
         return None
+    if s.shape[-1] == 0:
+        return None
     top = s.max(axis=-1, keepdims=True)
-    if s.shape[-1] == 0 or not np.isfinite(top).all():
-        return None  # a query that sees no key: torch gives NaN, or zeros
-    exp = np.exp(s - top)
-    p = exp / exp.sum(axis=-1, keepdims=True)
-    return _Scores(q, k, v, scale, s, np.broadcast_to(t, s.shape), p, np.matmul(p, v))
+    exp = np.exp(s - np.where(np.isfinite(top), top, 0.0))
+    total = exp.sum(axis=-1, keepdims=True)
+    p = np.divide(exp, total, out=np.zeros(exp.shape), where=total > 0)
+    return _Scores(q, k, v, scale, np.broadcast_to(held, s.shape), np.broadcast_to(t, s.shape),
+                   p, np.matmul(p, v))
 
 
 def _output(f: _Scores, got: np.ndarray) -> Optional[Figures]:
@@ -131,7 +141,7 @@ def _output(f: _Scores, got: np.ndarray) -> Optional[Figures]:
     moved = np.matmul(w, np.square(f.v)) - 2.0 * f.o * np.matmul(w, f.v) + np.square(
         f.o) * w.sum(axis=-1, keepdims=True)
     terms = np.matmul(p2, np.square(f.v)) + np.maximum(moved, 0.0)
-    return Figures(got, f.o, terms, f.s.shape[-1] + f.q.shape[-1])
+    return Figures(got, f.o, terms, f.p.shape[-1] + f.q.shape[-1])
 
 
 def _gradient(f: _Scores, g: np.ndarray, operand: int, shape: tuple, groups: int,
@@ -148,17 +158,18 @@ def _gradient(f: _Scores, g: np.ndarray, operand: int, shape: tuple, groups: int
     if operand == 0:
         want = f.scale * np.matmul(ds, f.k)
         terms = f.scale ** 2 * np.matmul(ds_terms, np.square(f.k))
-        count = f.s.shape[-1] + g.shape[-1]
+        count = f.p.shape[-1] + g.shape[-1]
     elif operand == 1:
         want = f.scale * np.matmul(np.swapaxes(ds, -1, -2), f.q)
         terms = f.scale ** 2 * np.matmul(np.swapaxes(ds_terms, -1, -2), np.square(f.q))
-        count = f.s.shape[-2] + g.shape[-1]
+        count = f.p.shape[-2] + g.shape[-1]
     elif operand == 2:
         want = np.matmul(np.swapaxes(f.p, -1, -2), g)
         terms = np.matmul(np.swapaxes(p2 * (1.0 + moved), -1, -2), np.square(g))
-        count = f.s.shape[-2] + f.q.shape[-1]
+        count = f.p.shape[-2] + f.q.shape[-1]
     else:
         want, terms, count = ds, ds_terms, g.shape[-1]
+    count *= want.size // max(math.prod(shape), 1)  # summed over broadcast axes and heads
     if operand in (1, 2) and groups > 1:  # a key or value head's gradient sums its queries'
         want, terms = (_heads_summed(a, groups) for a in (want, terms))
     try:

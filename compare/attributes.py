@@ -3,9 +3,9 @@ normalization's eps (``fmt.EPS_PATH``) and a convolution's geometry (``fmt.CONV_
 ``(epoch, step, rank, module)`` (rank -1 where not distributed): per step, as a module may
 normalize by its batch's statistics in one step and not in another (a BatchNorm in training,
 then in eval); and the numbers a call was given (non-tensor ``input`` rows of an ``int`` or
-``float``, their ``repr`` exact, and flags, a ``bool``'s as 1 or 0), per ``(epoch, step, rank, call)`` and path (``x * 0.5``'s
-``args[1]``): by the call's own number in its run, which pairing maps between the runs
-(ops aligned by name, calls made in another order)."""
+``float``, their ``repr`` exact, and flags, a ``bool``'s as 1 or 0), per ``(epoch, step,
+rank, call)`` and path (``x * 0.5``'s ``args[1]``): by the call's own number in its run,
+which pairing maps between the runs (ops aligned by name, calls made in another order)."""
 from __future__ import annotations
 
 import math
@@ -14,6 +14,7 @@ from typing import NamedTuple, Optional
 import pandas as pd
 
 from . import format as fmt
+from .arguments import parsed_number
 
 
 def _recorded(index: pd.DataFrame, path: str) -> dict[tuple, str]:
@@ -45,22 +46,18 @@ def recorded_conv(index: pd.DataFrame) -> dict[tuple, fmt.ConvGeometry]:
     return {key: geometry for key, geometry in parsed.items() if geometry is not None}
 
 
-_FLAGS = {"True": 1.0, "False": 0.0}  # a bool's repr
-
-
 def recorded_numbers(index: pd.DataFrame) -> dict[tuple, dict[str, float]]:
     """``(epoch, step, rank, call) -> {path: value}`` of the numbers each call in a dump's
     index was given (a flag's as 1.0 or 0.0)."""
     rows = index[(index["kind"] == fmt.INPUT) & (index["index"] < 0)
                  & index["dtype"].isin(["int", "float", "bool"])]
     out: dict[tuple, dict[str, float]] = {}
-    for key, path, value in zip(zip(rows["epoch"], rows["step"], rows["rank"].fillna(-1),
-                                    rows["call"]),
-                                rows["path"], rows["value"]):
-        try:
-            out.setdefault(key, {}).setdefault(path, float(_FLAGS.get(value, value)))
-        except ValueError:
-            continue
+    for key, path, value, dtype in zip(zip(rows["epoch"], rows["step"], rows["rank"].fillna(-1),
+                                           rows["call"]),
+                                       rows["path"], rows["value"], rows["dtype"]):
+        number = parsed_number(value, dtype)
+        if number is not None:
+            out.setdefault(key, {}).setdefault(path, number)
     return out
 
 

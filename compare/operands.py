@@ -3,7 +3,8 @@ as :class:`Operands`, and the sums of one recomputation as :class:`Figures`."""
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple, Optional, Union
+from types import MappingProxyType
+from typing import Callable, Mapping, NamedTuple, Optional, Union
 
 import numpy as np
 
@@ -36,7 +37,7 @@ class Operands(NamedTuple):
     others: tuple = ()
     operand: int = 0
     dim: Optional[int] = None
-    options: dict = {}
+    options: Mapping[str, float] = MappingProxyType({})
 
     @property
     def other(self) -> Optional[np.ndarray]:

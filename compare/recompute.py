@@ -77,6 +77,7 @@ SAMPLE_PRODUCTS = 1 << 28
 FLOATS = ("float64", "float32", "float16", "bfloat16")  # what is recomputed from
 INDICES = ("int64", "int32")  # what a gathering call's input is (torch takes these only)
 MASKS = (*FLOATS, "bool")  # what an attention's mask is: added, or where it may look
+MASK = ATTENTION_OPERANDS.index("attn_mask")  # its position
 
 
 # the records a check reads besides its own: forward from the input, backward from the
@@ -263,10 +264,10 @@ class _Call:
             elif row["kind"] == fmt.PARAM:
                 self.params.setdefault(row["path_a"], row)
             elif cls in OPERAND_PATHS and row["kind"] in (fmt.INPUT, fmt.GRAD_INPUT):
-                if position:  # given elsewhere (by a name not known): not recomputed
-                    self.others[position - 1].setdefault(row["kind"], row)
-                elif position == 0:
+                if position == 0:
                     self.by_kind.setdefault(row["kind"], row)
+                elif position is not None:  # (else given by a name not known: not recomputed)
+                    self.others[position - 1].setdefault(row["kind"], row)
             else:
                 self.by_kind.setdefault(row["kind"], row)
         self.formulas, self.takes_weights = candidates(cls), cls not in UNWEIGHTED
@@ -340,7 +341,9 @@ class _Call:
             return None
         scores = math.prod(result[:-1]) * key[-2]
         features = max(query[-1], result[-1], 1)
-        count = result[0] if all(len(s) >= 3 and s[0] == result[0] for s in shapes) else 1
+        # (a mask of fewer axes broadcasts along the leading ones: not a batch's)
+        count = result[0] if all(len(s) == len(result) >= 3 and s[0] == result[0]
+                                 for s in shapes) else 1
         per_sample = -(-scores // max(count, 1))
         fit = min(SAMPLE_ELEMENTS // max(per_sample, 1),
                   SAMPLE_PRODUCTS // max(per_sample * features, 1))
@@ -369,15 +372,16 @@ class _Call:
 
     def records(self) -> list[tuple[str, int]]:
         """``(kind, operand)`` of the records :meth:`check` recomputes: the output and the
-        gradient sent back, of an op of two tensors for each operand, and its bias's
-        gradient."""
+        gradient sent back, of an op of several operands for each, and its bias's gradient.
+        (One tensor given at several places, ``x * x``, has its gradient recorded once, the
+        sum of what each place sends back: A's records do not follow the formula there.)"""
         return [(fmt.OUTPUT, 0), (fmt.GRAD_INPUT, 0)] + [
             (fmt.GRAD_INPUT, position) for position, records in enumerate(self.others, 1)
             if fmt.GRAD_INPUT in records] + (
             [(fmt.PARAM_GRAD, 0)] if self.bias_grad is not None else [])
 
     def check(self, kind: str, operand: int = 0) -> tuple[Optional[int], Optional[dict]]:
-        """The row label of the call's ``kind`` record (of an op of two operands, the
+        """The row label of the call's ``kind`` record (of an op of several operands, the
         gradient of ``operand``) and B's figures, recomputed by the formula A's records follow
         best within A's rounding; None, None where none does."""
         records = self.by_kind if operand == 0 else {
@@ -400,8 +404,7 @@ class _Call:
         given = [*(records[k] for k in needed), *self.params.values(),
                  *(o[fmt.INPUT] for o in self.others if fmt.INPUT in o)]
         dtype = {side: row[f"dtype_{side}"] if row["cls_a"] in ROUNDS_RESULT and not summed
-                 else lowest([r[f"dtype_{side}"] for r in given if r[f"dtype_{side}"] in FLOATS])
-                 for side in ("a", "b")}
+                 else lowest([r[f"dtype_{side}"] for r in given]) for side in ("a", "b")}
         rounding = rounding_of(dtype["a"])
         # (where A's rounding underflows: at the scale A held its values at, a loss scale's)
         scale = self.metrics.get(row["label"], {}).get("rms_a", math.nan) * row["grad_scale_a"]
@@ -426,8 +429,8 @@ class _Call:
 
     def _operands(self, kind: str, needed: dict[str, dict], side: str, operand: int
                   ) -> Optional[Operands]:
-        """The call's records ``needed`` (by kind) and parameters on ``side``, and an op's
-        second operand (None where one of them is not known)."""
+        """The call's records ``needed`` (by kind) and parameters on ``side``, an op's other
+        operands and options (None where one of them is not known)."""
         tensors = {k: self._operand(row, side) if k != kind else self._tensor(row, side)
                    for k, row in needed.items()}
         params = {p: self._weight(p, side) for p in ("weight", "bias") if p in self.params}
@@ -534,8 +537,9 @@ class _Call:
             param, sampling = row["kind"] in (fmt.PARAM, fmt.PARAM_GRAD), self.sampling
             gathered = param and self.gathers  # read at the rows its input names only
             rows = self._rows() if gathered else None  # (reads the inputs)
+            mask = row["kind"] == fmt.INPUT and OPERAND_AT.get((self.cls, row["path_a"])) == MASK
             dtypes = (INDICES if self.gathers and row["kind"] == fmt.INPUT else
-                      MASKS if row["kind"] == fmt.INPUT and self.cls == ATTENTION else FLOATS)
+                      MASKS if mask else FLOATS)
             elements = math.prod(shape) if rows is None else len(rows) * math.prod(shape[1:])
             usable = (row[f"dataset_{side}"] and row[f"dtype_{side}"] in dtypes and
                       row[f"digest_{side}"] == fmt.NO_DIGEST and sampling is not None and
@@ -548,7 +552,9 @@ class _Call:
                 stored = ds[rows] if gathered else _sampled(ds, shape, sampling, param)
                 values = unscaled(decode(stored, row[f"dtype_{side}"], row[f"encoding_{side}"]),
                                   row[f"grad_scale_{side}"])
-                if not np.iscomplexobj(values) and np.isfinite(values).all():
+                # (a mask may hide keys at -inf)
+                finite = ~np.isnan(values) & (values != np.inf) & (mask | (values != -np.inf))
+                if not np.iscomplexobj(values) and finite.all():
                     self.cache[key] = values.astype(np.float64)
         return self.cache[key]
 

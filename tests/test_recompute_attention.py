@@ -21,9 +21,10 @@ from compare.cli import main
 from compare.precision import ROUNDING
 from compare.status import ORIGIN
 from compare.verdict import MISCOMPUTED
+from dumper import HookerAndDumper
 
 from architectures import run_step
-from test_recompute_ops import _WrongOp
+from test_recompute_ops import _dumped, _WrongOp
 
 ATTENTION = "scaled_dot_product_attention"
 # (query, key, value shapes, mask shape or None, options); "bool" masks where it may look
@@ -156,3 +157,143 @@ def test_t5_in_float64_against_float32_after_four_steps_has_no_false_origin(tmp_
     attention = found[found["cls"] == ATTENTION]
     assert attention["local_rel_error"].notna().any(), found
     assert not (found["verdict"] == ORIGIN).any(), found[found["verdict"] == ORIGIN]
+
+
+class _MaskedAttention(nn.Module):
+    """Attention over a padded batch as model code writes it: a float mask filled with
+    ``finfo.min`` (the first sample's last query sees no key: it averages them all), a
+    boolean one, one at ``-inf`` (the first sample's first query sees none: torch gives
+    zeros), causal self-attention of one tensor given as query, key and value, and its square
+    ``v * v``: one tensor at two places, whose gradient is recorded once."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, x):
+        batch, length, width = x.shape
+        q, k, v = (t.view(batch, length, 2, width // 2).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, dim=-1))
+        keep = torch.ones(batch, 1, length, length, dtype=torch.bool)
+        keep[1, ..., -2:] = False  # the second sample's last two positions are padding
+        zeros = torch.zeros(keep.shape, dtype=q.dtype)
+        filled = zeros.masked_fill(~keep, torch.finfo(q.dtype).min)
+        filled[0, :, -1] = torch.finfo(q.dtype).min
+        hidden = zeros.masked_fill(~keep, -math.inf)
+        hidden[0, :, 0] = -math.inf
+        attend = nn.functional.scaled_dot_product_attention
+        out = (attend(q, k, v, attn_mask=filled) + attend(q, k, v, attn_mask=keep)
+               + attend(q, k, v, hidden) + attend(v, v, v, is_causal=True) + v * v)
+        return out.transpose(1, 2).reshape(batch, length, width)
+
+
+def test_masks_fills_and_a_tensor_given_twice_are_recomputed_as_torch_computes_them(tmp_path):
+    """Through the dumper and h5cmp: the attention records of a healthy float32 A against
+    bfloat16 B recomputed within rounding (masks of fills, booleans and ``-inf``, rows that
+        see no key, a recorded ``is_causal``), but the gradient of a tensor given twice (the sum
+    of both places', which A's records do not follow either), and the pair passes; an output
+    10 % off in a bfloat16 B, where a query sees only fills, is the first divergence, found by
+    its recomputation (the fills do not widen what rounding allows)."""
+    a = _dumped(tmp_path / "a", _MaskedAttention, "float32")
+    result = compare_dumps(a, _dumped(tmp_path / "b", _MaskedAttention, "bfloat16"))
+    rows = result[result["cls"].isin([ATTENTION, "mul"])
+                  & result["kind"].isin(["output", "grad_input"])].set_index(["module", "kind",
+                                                                               "index"])
+    shared = [(f"/{ATTENTION}#3", "grad_input", 0), ("/mul#0", "grad_input", 0)]
+    assert rows.loc[shared, "recomputed_rel_err"].isna().all()
+    # (torch's float32 backward of a query that sees only fills is not its float64 one, nor
+    # the same in its two CPU kernels: A's records need not follow the formula there)
+    filled = [(f"/{ATTENTION}#0", "grad_input", i) for i in range(3)]
+    recomputed = rows.drop(shared + filled)
+    assert len(recomputed) == 3 * 3 + 2, recomputed
+    assert recomputed["recomputed_rel_err"].notna().all(), recomputed["recomputed_rel_err"]
+    assert (rows["status"] != st.DIFF).all() and summarize(result).ok, summarize(result).verdict()
+    wrong = _dumped(tmp_path / "wrong", _MaskedAttention, "bfloat16",
+                    wrong={"where": "output", "scale": 1.1, "op": ATTENTION})
+    first = summarize(compare_dumps(a, wrong)).first
+    assert (first.row["module"], first.row["kind"]) == (f"/{ATTENTION}#0", "output"), first.row
+    assert first.row["recomputed_rel_err"] == pytest.approx(0.1, rel=0.05)
+    assert MISCOMPUTED in first.row["reason"]
+    assert CliRunner().invoke(main, [str(a), str(wrong)]).exit_code == 1
+
+
+class _LongAttention(nn.Module):
+    """Attention whose scores (8 samples, 4 heads, 192 queries against 192 keys) are more
+    than a recomputation takes whole, with a padding mask per sample."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, x):
+        batch, length, width = x.shape
+        q, k, v = (t.view(batch, length, 4, width // 4).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, dim=-1))
+        keep = torch.ones(batch, 1, 1, length, dtype=torch.bool)
+        keep[::2, ..., -7:] = False
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return out.transpose(1, 2).reshape(batch, length, width)
+
+
+def test_a_long_attention_is_recomputed_on_every_kth_sample(tmp_path):
+    """Scores beyond ``SAMPLE_ELEMENTS``: recomputed on every second sample of the batch (its
+    mask's too), within rounding in a healthy float32 A against bfloat16 B; a query gradient
+    10 % off in a bfloat16 B is found by the recomputation."""
+    def dumped(name: str, precision: str, wrong: dict = None):
+        torch.manual_seed(0)
+        model = _LongAttention()
+        batch = torch.randn(8, 192, 16, generator=torch.Generator().manual_seed(1))
+        with _WrongOp(**wrong) if wrong else contextlib.nullcontext(), \
+                HookerAndDumper(tmp_path / name, ops="*").hooks(model, 0, 0):
+            with torch.autocast("cpu", dtype=getattr(torch, precision),
+                                enabled=precision != "float32"):
+                loss = model(batch).float().pow(2).mean()
+            loss.backward()
+        return tmp_path / name
+
+    a = dumped("a", "float32")
+    result = compare_dumps(a, dumped("b", "bfloat16"))
+    rows = result[(result["cls"] == ATTENTION) & result["kind"].isin(["output", "grad_input"])]
+    assert len(rows) == 4 and (rows["recomputed_stride"] == 2).all(), rows["recomputed_stride"]
+    assert summarize(result).ok, summarize(result).verdict()
+    wrong = dumped("wrong", "bfloat16", {"where": "grad_input", "scale": 1.1, "op": ATTENTION,
+                                         "operand": 0})
+    first = summarize(compare_dumps(a, wrong)).first
+    assert (first.row["module"], first.row["kind"], first.row["index"]) == (
+        f"/{ATTENTION}#0", "grad_input", 0), first.row
+    assert first.row["recomputed_rel_err"] == pytest.approx(0.1, rel=0.1)
+
+
+class _Padded(nn.Module):
+    """Attention given a padding mask, or (``masked=False``: the classic bug of code that
+    drops it) none."""
+
+    def __init__(self, masked: bool = True, width: int = 16):
+        super().__init__()
+        self.masked, self.qkv = masked, nn.Linear(width, 3 * width)
+
+    def forward(self, x):
+        q, k, v = (t.unflatten(-1, (2, -1)).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, dim=-1))
+        keep = torch.ones(x.shape[0], 1, 1, x.shape[1], dtype=torch.bool)
+        keep[0, ..., -3:] = False
+        out = nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=keep if self.masked else None)
+        return out.transpose(1, 2).flatten(-2)
+
+
+def test_an_attention_given_a_mask_in_one_run_only_is_named(tmp_path):
+    """A gives a mask and B none: B's call is not recomputed as if it had A's operands (A's
+    records do not follow the formula without one), and it is the first divergence; B gives
+    one A did not: B's call, recomputed from its records as A's code computes it, is not."""
+    masked = _dumped(tmp_path / "masked", _Padded, "float32")
+    unmasked = _dumped(tmp_path / "unmasked", lambda: _Padded(masked=False), "float32")
+    for a, b in ((masked, unmasked), (unmasked, masked)):
+        result = compare_dumps(a, b)
+        recomputed = result.loc[result["cls"] == ATTENTION, "recomputed_rel_err"]
+        first = summarize(result).first
+        assert (first.row["module"], first.row["kind"]) == (f"/{ATTENTION}#0", "output")
+        if a == masked:
+            assert recomputed.isna().all(), recomputed
+        else:
+            assert first.row["recomputed_rel_err"] > 0.1 and MISCOMPUTED in first.row["reason"]
