@@ -159,21 +159,34 @@ def test_t5_in_float64_against_float32_after_four_steps_has_no_false_origin(tmp_
     assert not (found["verdict"] == ORIGIN).any(), found[found["verdict"] == ORIGIN]
 
 
-class _MaskedAttention(nn.Module):
+class _Projected(nn.Module):
+    """Attention's query, key and value projection, split into ``heads`` heads."""
+
+    def __init__(self, heads: int = 2, width: int = 16):
+        super().__init__()
+        self.heads, self.qkv = heads, nn.Linear(width, 3 * width)
+
+    def split(self, x: torch.Tensor) -> tuple:
+        """Query, key and value of ``x`` (batch, length, width), heads on axis 1."""
+        return tuple(t.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+                     for t in self.qkv(x).chunk(3, dim=-1))
+
+    @staticmethod
+    def merged(out: torch.Tensor) -> torch.Tensor:
+        """The heads of ``out`` side by side again."""
+        return out.transpose(1, 2).flatten(-2)
+
+
+class _MaskedAttention(_Projected):
     """Attention over a padded batch as model code writes it: a float mask filled with
     ``finfo.min`` (the first sample's last query sees no key: it averages them all), a
     boolean one, one at ``-inf`` (the first sample's first query sees none: torch gives
     zeros), causal self-attention of one tensor given as query, key and value, and its square
     ``v * v``: one tensor at two places, whose gradient is recorded once."""
 
-    def __init__(self, width: int = 16):
-        super().__init__()
-        self.qkv = nn.Linear(width, 3 * width)
-
     def forward(self, x):
-        batch, length, width = x.shape
-        q, k, v = (t.view(batch, length, 2, width // 2).transpose(1, 2)
-                   for t in self.qkv(x).chunk(3, dim=-1))
+        batch, length, _ = x.shape
+        q, k, v = self.split(x)
         keep = torch.ones(batch, 1, length, length, dtype=torch.bool)
         keep[1, ..., -2:] = False  # the second sample's last two positions are padding
         zeros = torch.zeros(keep.shape, dtype=q.dtype)
@@ -184,7 +197,7 @@ class _MaskedAttention(nn.Module):
         attend = nn.functional.scaled_dot_product_attention
         out = (attend(q, k, v, attn_mask=filled) + attend(q, k, v, attn_mask=keep)
                + attend(q, k, v, hidden) + attend(v, v, v, is_causal=True) + v * v)
-        return out.transpose(1, 2).reshape(batch, length, width)
+        return self.merged(out)
 
 
 def test_masks_fills_and_a_tensor_given_twice_are_recomputed_as_torch_computes_them(tmp_path):
@@ -217,22 +230,18 @@ def test_masks_fills_and_a_tensor_given_twice_are_recomputed_as_torch_computes_t
     assert CliRunner().invoke(main, [str(a), str(wrong)]).exit_code == 1
 
 
-class _LongAttention(nn.Module):
+class _LongAttention(_Projected):
     """Attention whose scores (8 samples, 4 heads, 192 queries against 192 keys) are more
     than a recomputation takes whole, with a padding mask per sample."""
 
-    def __init__(self, width: int = 16):
-        super().__init__()
-        self.qkv = nn.Linear(width, 3 * width)
+    def __init__(self):
+        super().__init__(heads=4)
 
     def forward(self, x):
-        batch, length, width = x.shape
-        q, k, v = (t.view(batch, length, 4, width // 4).transpose(1, 2)
-                   for t in self.qkv(x).chunk(3, dim=-1))
-        keep = torch.ones(batch, 1, 1, length, dtype=torch.bool)
+        keep = torch.ones(x.shape[0], 1, 1, x.shape[1], dtype=torch.bool)
         keep[::2, ..., -7:] = False
-        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
-        return out.transpose(1, 2).reshape(batch, length, width)
+        return self.merged(nn.functional.scaled_dot_product_attention(*self.split(x),
+                                                                      attn_mask=keep))
 
 
 def test_a_long_attention_is_recomputed_on_every_kth_sample(tmp_path):
@@ -264,22 +273,19 @@ def test_a_long_attention_is_recomputed_on_every_kth_sample(tmp_path):
     assert first.row["recomputed_rel_err"] == pytest.approx(0.1, rel=0.1)
 
 
-class _Padded(nn.Module):
+class _Padded(_Projected):
     """Attention given a padding mask, or (``masked=False``: the classic bug of code that
     drops it) none."""
 
-    def __init__(self, masked: bool = True, width: int = 16):
+    def __init__(self, masked: bool = True):
         super().__init__()
-        self.masked, self.qkv = masked, nn.Linear(width, 3 * width)
+        self.masked = masked
 
     def forward(self, x):
-        q, k, v = (t.unflatten(-1, (2, -1)).transpose(1, 2)
-                   for t in self.qkv(x).chunk(3, dim=-1))
         keep = torch.ones(x.shape[0], 1, 1, x.shape[1], dtype=torch.bool)
         keep[0, ..., -3:] = False
-        out = nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=keep if self.masked else None)
-        return out.transpose(1, 2).flatten(-2)
+        return self.merged(nn.functional.scaled_dot_product_attention(
+            *self.split(x), attn_mask=keep if self.masked else None))
 
 
 def test_an_attention_given_a_mask_in_one_run_only_is_named(tmp_path):
