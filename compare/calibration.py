@@ -6,9 +6,9 @@ computes, the consumers' classes or the parent's own code for a gradient arrivin
 and the dtypes they were computed in (:func:`compare.precision.computed_in`). A record's
 expected added error is the lower quartile of the added errors of comparable records of other
 modules (a shared module's other calls left out; an added error that amplifying its record's
-input error by ``GAIN`` explains only where it is below the others' typical:
-:func:`_typical_of_others`; of all records of that kind and dtype pair when, the record
-included, fewer than ``MIN_GROUP`` are comparable), each counted in roundings of
+input error, or its sources' errors summed, by ``GAIN`` explains only where it is below the
+others' typical: :func:`_typical_of_others`; of all records of that kind and dtype pair when,
+the record included, fewer than ``MIN_GROUP`` are comparable), each counted in roundings of
 the lower precision at its own scale (``hypot(unit, underflow / rms)``, the rms a side held its
 values at, loss scale included: where float16 gradients underflow, a tensor of rms 5e-8 rounds
 to 60 % of itself, one of 2e-5 to 0.2 %), at least one such rounding. Where both runs ran the
@@ -53,15 +53,17 @@ class Expectation(NamedTuple):
     underflow: np.ndarray
 
 
-def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: np.ndarray,
-              calibrating: np.ndarray, same_kernels: bool,
+def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, summed_in: np.ndarray,
+              added: np.ndarray, calibrating: np.ndarray, same_kernels: bool,
               computed: tuple[pd.Series, pd.Series]) -> Expectation:
     """Per row, the expected added error of its group of comparable records (see the module
     docstring), and the gain allowed: how much such records amplify an error they receive (the
     upper quartile of ``rel_error / input_rel_error`` where the input's error dominates, at
     least 1, times ``GAIN``, at most ``MAX_GAIN``; at least ``EXACT_GAIN`` where no error is
-    expected: amplification is then all there is to allow for). ``computed``: the dtype each
-    record was computed in, per side (:func:`compare.precision.computed_in`)."""
+    expected: amplification is then all there is to allow for). ``summed_in``: the sum of
+    each record's sources' errors (``Evidence.summed_in``: what a product of them carries),
+    ``computed``: the dtype each record was computed in, per side
+    (:func:`compare.precision.computed_in`)."""
     direction = np.where(frame["kind"].isin(list(fmt.BACKWARD_KINDS)), "backward", "forward")
     dtype_a, dtype_b = computed
     pair = dtype_a + "/" + dtype_b
@@ -87,10 +89,13 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, added: n
     out = Expectation(np.zeros(len(frame)), np.full(len(frame), "", object),
                       np.full(len(frame), GAIN), relative, underflow)
     # where amplification by GAIN explains a record's error, its added error only bounds what
-    # it adds (ALBERT's GELU passes on a 3 % error planted upstream 1.026 times: it "adds" 0.7 %)
+    # it adds (ALBERT's GELU passes on a 3 % error planted upstream 1.026 times: it "adds" 0.7 %),
+    # and so where its sources' errors summed do: a product of two functions of its input (a
+    # fused gated MLP, Mixtral's experts) carries both (twice a 0.1 % planted upstream, which
+    # then set the level every float32 output was judged by, 2e-4, and hid the plant)
     with np.errstate(divide="ignore", invalid="ignore"):
         added_s = pd.Series(added / rounding)
-    bounded = ~(err > GAIN * err_in)
+    bounded = ~(err > GAIN * summed_in)
     fans = fan_in_out(frame)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = pd.Series(np.where((err_in > 0) & (added <= err_in), err / err_in, np.nan))

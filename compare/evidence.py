@@ -80,6 +80,13 @@ def _combined(errors: np.ndarray, weights: np.ndarray) -> float:
     return math.hypot(data.max() if len(data) else 0.0, drift.max() if len(drift) else 0.0)
 
 
+def _summed(errors: np.ndarray, weights: np.ndarray) -> float:
+    """The error sources give a product of the data (``~weights``): the sum of the data's
+    errors, and the largest of the weights', in quadrature."""
+    drift = errors[weights]
+    return math.hypot(errors[~weights].sum(), drift.max() if len(drift) else 0.0)
+
+
 class Evidence:
     """The rows of one comparison as arrays: errors, sources (records that are the same
     tensor merged), and what holds without a bound."""
@@ -182,6 +189,10 @@ class Evidence:
         with np.errstate(invalid="ignore"):  # inf - inf: a non-finite record, judged apart
             self.added = np.sqrt(np.clip(err ** 2 - self.err_in ** 2, 0.0, None))
         self.added[np.isnan(self.added)] = np.inf
+        # a product of its sources carries the sum of their errors (a gated MLP's
+        # silu(x W) * x V twice its input's): at most what amplification explains in a record
+        self.summed_in = np.fmax(self.err_in, [_summed(self.given[s], self.params[s])
+                                               for s in self.sources])
         self.through_code = self._through_code(frame)
         self.linear_gain = linear_gains(frame)
         self.scale_added = added_scale(frame, self.sources, self.replaced)

@@ -140,7 +140,7 @@ def judge(result: pd.DataFrame, rtol: Optional[float] = None, atol: Optional[flo
     computed = computed_in(frame, tf32)
     records = Evidence(frame, user_tol=rtol is not None or atol is not None,
                        computed=computed)
-    expected = calibrate(frame, records.err, records.err_in, records.added,
+    expected = calibrate(frame, records.err, records.err_in, records.summed_in, records.added,
                          records.compared & records.has_sources & ~records.repeat,
                          same_kernels, computed)
     judgement = _Judgement(records, expected)

@@ -356,6 +356,16 @@ def test_amplified_errors_do_not_set_the_level_they_are_judged_by(tmp_path, one_
         tmp_path, "albert", "albert.encoder.albert_layer_groups.0.albert_layers.0.ffn", seed=19)
 
 
+def test_a_product_of_two_functions_of_its_input_does_not_set_the_level(tmp_path, one_thread):
+    """Mixtral (seed 22): its fused experts multiply ``silu(x W_g)`` by ``x W_u``, so a 0.1 %
+    error planted in the norm before them comes out twice as large, which ``GAIN`` does not
+    explain. As the only forward output adding error beyond amplification, it set the level
+    every float32 output was judged by (2e-4) and the plant, 233x its bound, passed for
+    typical. A record whose error its sources' errors summed explain does not calibrate."""
+    _healthy_agrees_and_plant_is_named(
+        tmp_path, "mixtral", "model.layers.1.post_attention_layernorm", seed=22)
+
+
 def test_an_average_pool_that_cancels_passes_on_its_inputs_error_grown(tmp_path, one_thread):
     """Swin (a held-out trial, seed 21, fourth AdamW step, float64 against float32): its
     pooler averages a normalized sequence of rms 1.0 into 0.44 and so passes on its input's
