@@ -87,6 +87,33 @@ def _summed(errors: np.ndarray, weights: np.ndarray) -> float:
     return math.hypot(errors[~weights].sum(), drift.max() if len(drift) else 0.0)
 
 
+def _summed_over_broadcast(i: int, gradients: np.ndarray, values: np.ndarray,
+                           given: np.ndarray, shapes: np.ndarray, rms: np.ndarray) -> float:
+    """The error of gradient ``i`` where code's backward sums a product of a gradient ``g``
+    (of ``gradients``) and a forward value ``x`` (of ``values``) of g's shape over the
+    positions that ``i``'s shape was broadcast along (an SE layer's ``x * attention``): the
+    sum may cancel. An error of relative size ``e`` random over g's elements gives
+    ``e ||g|| rms(x)`` in the sum (its squares add), ``F = ||g|| rms(x) / ||i||`` times ``e``
+    relatively, and so for an error in ``x``; one proportional to g gives ``e`` (``F`` at
+    least 1). The largest ``F (e_g + e_x)`` of such pairs, 0 where none is (A's rms)."""
+    shape = shapes[i]
+    if not isinstance(shape, tuple) or not rms[i] > 0:
+        return 0.0
+    numel = math.prod(shape)
+    out = 0.0
+    for j in gradients:
+        full = shapes[j]
+        if not (isinstance(full, tuple) and math.prod(full) > numel and len(full) >= len(shape)
+                and all(n in (1, m) for n, m in zip(shape[::-1], full[::-1]))):
+            continue
+        norm = rms[j] * math.sqrt(math.prod(full))
+        for v in values[[shapes[v] == full for v in values]]:
+            gain = max(norm * rms[v] / (rms[i] * math.sqrt(numel)), 1.0)
+            if math.isfinite(gain):
+                out = max(out, gain * (given[j] + given[v]))
+    return out
+
+
 class Evidence:
     """The rows of one comparison as arrays: errors, sources (records that are the same
     tensor merged), and what holds without a bound."""
@@ -399,19 +426,29 @@ class Evidence:
     def _through_code(self, frame: pd.DataFrame) -> np.ndarray:
         """For a gradient that comes back through its parent's own code (attention, a gate),
         the error of the gradients it is sent back from plus that of the forward values the
-        code's backward multiplies them by (:func:`compare.sources.code_values`: the
-        probabilities, keys and values of attention): where one upstream error reaches every
-        factor of a product, their relative errors add, and the forward values all carry the
-        error of the input they were computed from (SegFormer's key gradient, float32
-        against float64: 5.5e-7 where the largest factor's is 2.6e-7). The dump does not
-        show which values the code multiplies: where it only adds the gradient on (a
-        residual), this allows up to twice the error that passes through."""
+        code's backward multiplies them by (:func:`compare.sources.code_values`, of every
+        record of the tensor: the probabilities, keys and values of attention): where one
+        upstream error reaches every factor of a product, their relative errors add, and the
+        forward values all carry the error of the input they were computed from (SegFormer's
+        key gradient, float32 against float64: 5.5e-7 where the largest factor's is 2.6e-7).
+        The dump does not show which values the code multiplies: where it only adds the
+        gradient on (a residual), this allows up to twice the error that passes through.
+        Where the gradient is a broadcast product's, summed over positions, that sum may
+        cancel (:func:`_summed_over_broadcast`)."""
         out = np.zeros(self.n)
+        of_tensor: dict[int, list[np.ndarray]] = {}
         for i, values in enumerate(code_values(frame)):
-            values = np.intersect1d(values, self.sources[i])
+            of_tensor.setdefault(self.first[i], []).append(values)
+        shapes = frame["shape_a"].to_numpy(object)
+        rms = frame["rms_a"].to_numpy(float)
+        for i in range(self.n):
+            values = np.intersect1d(np.concatenate(of_tensor[self.first[i]]), self.sources[i])
             gradients = np.setdiff1d(self.sources[i], values)
             if len(values) and len(gradients):
-                out[i] = self.combined(self.given, gradients) + self.combined(self.given, values)
+                out[i] = max(self.combined(self.given, gradients)
+                             + self.combined(self.given, values),
+                             _summed_over_broadcast(i, gradients[~self.params[gradients]],
+                                                    values, self.given, shapes, rms))
         return out
 
     def combined(self, errors: np.ndarray, rows: np.ndarray) -> float:

@@ -366,6 +366,28 @@ def test_a_product_of_two_functions_of_its_input_does_not_set_the_level(tmp_path
         tmp_path, "mixtral", "model.layers.1.post_attention_layernorm", seed=22)
 
 
+def test_a_gradient_summed_over_a_broadcast_products_positions_may_cancel(tmp_path, one_thread):
+    """RegNet (a held-out trial, seed 23, fourth AdamW step, bfloat16 autocast against float32,
+    weights up to 52 % apart): its SE layer's own ``x * attention`` sends back to the
+    Sigmoid's output its incoming gradient (30 % off) times ``x``, summed over every position,
+    and that sum cancels: 64 % off, a false alarm at "144x bfloat16 rounding". An error random
+    over the terms gives ``||g|| rms(x) / ||sum||`` (2.2 there) times its size; a 0.1 % error
+    planted in that gradient, float64 against float32, is still named."""
+    se = "regnet.encoder.stages.0.layers.0.layer.2"
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_step("regnet", "float32", a, dumper_options={"params": True}, seed=23, **_LATER_STEP)
+    run_step("regnet", "bfloat16", b, seed=23, **_LATER_STEP)
+    healthy = summarize(compare_dumps(a, b))
+    assert healthy.first is None, healthy.verdict()
+    first_a, planted = tmp_path / "first_a", tmp_path / "planted"
+    run_step("regnet", "float64", first_a, dumper_options={"params": True}, seed=23)
+    run_step("regnet", "float32", planted, seed=23, plant={
+        "include": [f"{se}.attention.3"], "where": "grad_output", "scale": 1.001})
+    first = summarize(compare_dumps(first_a, planted)).first
+    assert first is not None, "nothing named"
+    assert (first.row["module"], first.row["kind"]) == (f"{se}.attention.3", "grad_output")
+
+
 def test_an_average_pool_that_cancels_passes_on_its_inputs_error_grown(tmp_path, one_thread):
     """Swin (a held-out trial, seed 21, fourth AdamW step, float64 against float32): its
     pooler averages a normalized sequence of rms 1.0 into 0.44 and so passes on its input's
