@@ -6,7 +6,7 @@ computes, the consumers' classes or the parent's own code for a gradient arrivin
 and the dtypes they were computed in (:func:`compare.precision.computed_in`). A record's
 expected added error is the lower quartile of the added errors of comparable records of other
 modules (a shared module's other calls left out; an added error that amplifying its record's
-input error, or its sources' errors summed, by ``GAIN`` explains only where it is below the
+input error, or an output's sources' errors summed, by ``GAIN`` explains only where it is below the
 others' typical: :func:`_typical_of_others`; of all records of that kind and dtype pair when,
 the record included, fewer than ``MIN_GROUP`` are comparable), each counted in roundings of
 the lower precision at its own scale (``hypot(unit, underflow / rms)``, the rms a side held its
@@ -60,9 +60,9 @@ def calibrate(frame: pd.DataFrame, err: np.ndarray, err_in: np.ndarray, summed_i
     docstring), and the gain allowed: how much such records amplify an error they receive (the
     upper quartile of ``rel_error / input_rel_error`` where the input's error dominates, at
     least 1, times ``GAIN``, at most ``MAX_GAIN``; at least ``EXACT_GAIN`` where no error is
-    expected: amplification is then all there is to allow for). ``summed_in``: the sum of
-    each record's sources' errors (``Evidence.summed_in``: what a product of them carries),
-    ``computed``: the dtype each record was computed in, per side
+    expected: amplification is then all there is to allow for). ``summed_in``: at least
+    ``err_in``, an output's sources' errors summed (``Evidence.summed_in``: what a product of
+    them carries); ``computed``: the dtype each record was computed in, per side
     (:func:`compare.precision.computed_in`)."""
     direction = np.where(frame["kind"].isin(list(fmt.BACKWARD_KINDS)), "backward", "forward")
     dtype_a, dtype_b = computed

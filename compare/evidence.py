@@ -216,10 +216,14 @@ class Evidence:
         with np.errstate(invalid="ignore"):  # inf - inf: a non-finite record, judged apart
             self.added = np.sqrt(np.clip(err ** 2 - self.err_in ** 2, 0.0, None))
         self.added[np.isnan(self.added)] = np.inf
-        # a product of its sources carries the sum of their errors (a gated MLP's
-        # silu(x W) * x V twice its input's): at most what amplification explains in a record
-        self.summed_in = np.fmax(self.err_in, [_summed(self.given[s], self.params[s])
-                                               for s in self.sources])
+        # an output that multiplies its sources carries the sum of their errors (a gated
+        # MLP's silu(x W) * x V twice its input's): at most what amplification explains in a
+        # forward record (a gradient through code gets its factors' sum as it is: through_code;
+        # every value that code uses summed as well, Whisper's attention code calibrated its
+        # query gradients on too few of its others and a healthy re-run named two origins)
+        products = [_summed(self.given[s], self.params[s]) if kind == fmt.OUTPUT else 0.0
+                    for s, kind in zip(self.sources, frame["kind"])]
+        self.summed_in = np.fmax(self.err_in, products)
         self.through_code = self._through_code(frame)
         self.linear_gain = linear_gains(frame)
         self.scale_added = added_scale(frame, self.sources, self.replaced)
