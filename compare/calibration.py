@@ -294,8 +294,8 @@ def _typical_of_others(members: pd.Series, bounded: np.ndarray, rows: np.ndarray
     row's path; a layer shared by every depth, as ALBERT's, repeats one computation, and an
     error in it, in each of its calls, set the level it was judged by).
 
-    A member that is ``bounded`` (per row of the frame: amplifying its input's error by
-    ``GAIN`` explains its error) only bounds what its record adds: it tells only where it is
+    A member that is ``bounded`` (per row of the frame: amplifying its input's error, or an
+    output's sources' errors summed, by ``GAIN`` explains its error) only bounds what its record adds: it tells only where it is
     at most the lower quartile of the others' unbounded members (the record adds no more than
     that, below the typical). A bound above it says nothing (ALBERT's GELU passes on a 0.1 %
     error planted upstream 1.026 times and so "adds" 0.02 %); dropping the low ones too

@@ -50,6 +50,9 @@ DECIDING_SHARE = 0.25  # least share of an input a ReLU-like decision passes gra
 WEIGHT_GAIN = 4.0
 # Losses of logits that log-sum-exp them (modules and op records): Evidence._cross_entropy
 CROSS_ENTROPIES = frozenset({"CrossEntropyLoss", "NLLLoss", "cross_entropy", "nll_loss"})
+# Modules whose output, in (0, 1), scales other values in their parent's code (an SE
+# layer's attention, a gate): what the gradient it gets sums may cancel (_summed_over_broadcast)
+GATES = frozenset({"Sigmoid", "Hardsigmoid", "Softmax"})
 # Error propagation by gains is first-order: inputs off by their own size are other values.
 UNRELATED = 1.0
 
@@ -80,22 +83,27 @@ def _combined(errors: np.ndarray, weights: np.ndarray) -> float:
     return math.hypot(data.max() if len(data) else 0.0, drift.max() if len(drift) else 0.0)
 
 
-def _summed(errors: np.ndarray, weights: np.ndarray) -> float:
+def _summed(errors: np.ndarray, weights: np.ndarray, tensors: np.ndarray) -> float:
     """The error sources give a product of the data (``~weights``): the sum of the data's
-    errors, and the largest of the weights', in quadrature."""
+    errors, one per tensor (``tensors``: each source's first record of its tensor; the
+    largest of its records'), and the largest of the weights', in quadrature."""
     drift = errors[weights]
-    return math.hypot(errors[~weights].sum(), drift.max() if len(drift) else 0.0)
+    data, of = errors[~weights], tensors[~weights]
+    order = np.lexsort((-data, of))  # per tensor, its largest first
+    largest = np.r_[True, of[order][1:] != of[order][:-1]] if len(of) else np.zeros(0, bool)
+    return math.hypot(data[order][largest].sum(), drift.max() if len(drift) else 0.0)
 
 
 def _summed_over_broadcast(i: int, gradients: np.ndarray, values: np.ndarray,
                            given: np.ndarray, shapes: np.ndarray, rms: np.ndarray) -> float:
-    """The error of gradient ``i`` where code's backward sums a product of a gradient ``g``
-    (of ``gradients``) and a forward value ``x`` (of ``values``) of g's shape over the
-    positions that ``i``'s shape was broadcast along (an SE layer's ``x * attention``): the
-    sum may cancel. An error of relative size ``e`` random over g's elements gives
-    ``e ||g|| rms(x)`` in the sum (its squares add), ``F = ||g|| rms(x) / ||i||`` times ``e``
-    relatively, and so for an error in ``x``; one proportional to g gives ``e`` (``F`` at
-    least 1). The largest ``F (e_g + e_x)`` of such pairs, 0 where none is (A's rms)."""
+    """The error of gradient ``i`` (a ``GATES`` output's) where code's backward sums a product
+    of a gradient ``g`` (of ``gradients``) and a forward value ``x`` (of ``values``) of g's
+    shape over the positions that ``i``'s shape was broadcast along (an SE layer's
+    ``x * attention``): the sum may cancel. An error of relative size ``e`` random over g's
+    elements, and unrelated to ``|x|``, gives ``e ||g|| rms(x)`` in the sum (its squares
+    add), ``F = ||g|| rms(x) / ||i||`` times ``e`` relatively, and so for an error in ``x``;
+    one proportional to g gives ``e`` (``F`` at least 1). The largest ``F (e_g + e_x)`` of
+    such pairs, 0 where none is (A's rms)."""
     shape = shapes[i]
     if not isinstance(shape, tuple) or not rms[i] > 0:
         return 0.0
@@ -217,13 +225,16 @@ class Evidence:
             self.added = np.sqrt(np.clip(err ** 2 - self.err_in ** 2, 0.0, None))
         self.added[np.isnan(self.added)] = np.inf
         # an output that multiplies its sources carries the sum of their errors (a gated
-        # MLP's silu(x W) * x V twice its input's): at most what amplification explains in a
-        # forward record (a gradient through code gets its factors' sum as it is: through_code;
-        # every value that code uses summed as well, Whisper's attention code calibrated its
-        # query gradients on too few of its others and a healthy re-run named two origins)
-        products = [_summed(self.given[s], self.params[s]) if kind == fmt.OUTPUT else 0.0
-                    for s, kind in zip(self.sources, frame["kind"])]
-        self.summed_in = np.fmax(self.err_in, products)
+        # MLP's silu(x W) * x V twice its input's): what amplification may explain of it.
+        # Only outputs: a gradient through code has its factors' sum in through_code, and
+        # summing every value its code uses left Whisper's query gradients calibrated on too
+        # few others; integers are no factor, and a lookup has its exact bound
+        products = [_summed(self.given[s], self.params[s], self.first[s])
+                    if kind == fmt.OUTPUT else 0.0
+                    for s, kind in zip((s[~self.discrete[s]] for s in self.sources),
+                                       frame["kind"])]
+        self.summed_in = np.where(np.isnan(self.looked_up), np.fmax(self.err_in, products),
+                                  self.err_in)
         self.through_code = self._through_code(frame)
         self.linear_gain = linear_gains(frame)
         self.scale_added = added_scale(frame, self.sources, self.replaced)
@@ -437,22 +448,25 @@ class Evidence:
         key gradient, float32 against float64: 5.5e-7 where the largest factor's is 2.6e-7).
         The dump does not show which values the code multiplies: where it only adds the
         gradient on (a residual), this allows up to twice the error that passes through.
-        Where the gradient is a broadcast product's, summed over positions, that sum may
-        cancel (:func:`_summed_over_broadcast`)."""
+        Where the gradient is a gate's (``GATES``) and a broadcast product's, summed over
+        positions, that sum may cancel (:func:`_summed_over_broadcast`)."""
         out = np.zeros(self.n)
         of_tensor: dict[int, list[np.ndarray]] = {}
         for i, values in enumerate(code_values(frame)):
             of_tensor.setdefault(self.first[i], []).append(values)
         shapes = frame["shape_a"].to_numpy(object)
         rms = frame["rms_a"].to_numpy(float)
+        gate = set(self.first[frame["cls"].isin(list(GATES)).to_numpy()])  # (by tensor)
+        backward = frame["kind"].isin([fmt.GRAD_OUTPUT, fmt.GRAD_INPUT]).to_numpy()
         for i in range(self.n):
             values = np.intersect1d(np.concatenate(of_tensor[self.first[i]]), self.sources[i])
             gradients = np.setdiff1d(self.sources[i], values)
             if len(values) and len(gradients):
-                out[i] = max(self.combined(self.given, gradients)
-                             + self.combined(self.given, values),
-                             _summed_over_broadcast(i, gradients[~self.params[gradients]],
-                                                    values, self.given, shapes, rms))
+                out[i] = self.combined(self.given, gradients) + self.combined(self.given, values)
+                if self.first[i] in gate:
+                    factors = values[~self.params[values] & ~self.discrete[values]]
+                    out[i] = max(out[i], _summed_over_broadcast(
+                        i, gradients[backward[gradients]], factors, self.given, shapes, rms))
         return out
 
     def combined(self, errors: np.ndarray, rows: np.ndarray) -> float:

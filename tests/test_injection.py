@@ -79,7 +79,8 @@ def test_a_localizing_rerun_names_the_planted_module(tmp_path, pair, arch, steps
             table["verdict"] == ORIGIN]
 
 
-def test_attention_codes_gradients_are_calibrated_on_their_peers_in_a_rerun(tmp_path):
+def test_attention_codes_gradients_are_calibrated_on_their_peers_in_a_rerun(tmp_path,
+                                                                          one_thread):
     """Whisper (a held-out trial, seed 22, float64 against float32): the gradients its
     attention code sends its query, key and value projections are calibrated on each other.
     Counting every value that code multiplies as a factor of a product bounded nearly all of

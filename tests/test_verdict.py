@@ -388,6 +388,32 @@ def test_a_gradient_summed_over_a_broadcast_products_positions_may_cancel(tmp_pa
     assert (first.row["module"], first.row["kind"]) == (f"{se}.attention.3", "grad_output")
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_broadcast_products_sum_passes_on_a_random_error_as_modelled(seed):
+    """``sum_p g x`` over 25 positions, where x is made to cancel 80 % of each sum (F about
+    5): a 1 % error random over g's elements moves it by what ``F e_g`` says, within a
+    quarter (128 sums: the norm spreads by 6 %). Terms of one sign (F < 1): a random error
+    averages out, one proportional to g gives its own size, the least modelled."""
+    from compare.evidence import _summed_over_broadcast
+    rng = np.random.default_rng(seed)
+    g, r = rng.standard_normal((2, 8, 16, 5, 5))
+    along = (g * r).sum(axis=(2, 3), keepdims=True) / (g * g).sum(axis=(2, 3), keepdims=True)
+    for g, x, least in ((g, r - 0.8 * along * g, False),
+                        (1 + rng.random(g.shape), 1 + rng.random(g.shape), True)):
+        s = (g * x).sum(axis=(2, 3), keepdims=True)
+        rms = np.array([np.sqrt(np.mean(t ** 2)) for t in (s, g, x)])
+        shapes = np.empty(3, object)
+        shapes[:] = [s.shape, g.shape, x.shape]
+        modelled = _summed_over_broadcast(0, np.array([1]), np.array([2]),
+                                          np.array([0.0, 0.01, 0.0]), shapes, rms)
+        error = 0.01 * rms[1] * rng.standard_normal(g.shape)
+        measured = np.linalg.norm((error * x).sum(axis=(2, 3))) / np.linalg.norm(s)
+        if least:
+            assert modelled == 0.01 and measured < 0.01
+        else:
+            assert modelled > 0.03 and 0.75 < measured / modelled < 1.25, (measured, modelled)
+
+
 def test_an_average_pool_that_cancels_passes_on_its_inputs_error_grown(tmp_path, one_thread):
     """Swin (a held-out trial, seed 21, fourth AdamW step, float64 against float32): its
     pooler averages a normalized sequence of rms 1.0 into 0.44 and so passes on its input's
