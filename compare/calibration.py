@@ -295,9 +295,9 @@ def _typical_of_others(members: pd.Series, bounded: np.ndarray, rows: np.ndarray
     error in it, in each of its calls, set the level it was judged by).
 
     A member that is ``bounded`` (per row of the frame: amplifying its input's error, or an
-    output's sources' errors summed, by ``GAIN`` explains its error) only bounds what its record adds: it tells only where it is
-    at most the lower quartile of the others' unbounded members (the record adds no more than
-    that, below the typical). A bound above it says nothing (ALBERT's GELU passes on a 0.1 %
+    output's sources' errors summed, by ``GAIN`` explains its error) only bounds what its
+    record adds: it tells only where it is at most the lower quartile of the others'
+    unbounded members (the record adds no more than that, below the typical). A bound above it says nothing (ALBERT's GELU passes on a 0.1 %
     error planted upstream 1.026 times and so "adds" 0.02 %); dropping the low ones too
     raised the level of a T5 value projection's gradient and hid a 10 % error planted in it.
     Where no other module's member is unbounded, none tells.
