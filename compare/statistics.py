@@ -48,18 +48,25 @@ def sketch_signs() -> tuple[np.ndarray, np.ndarray]:
 
 
 def sketch_of_chunks(chunks: Iterable[np.ndarray]) -> tuple[float, ...]:
-    """The sketch (see above) of a tensor given as consecutive flat chunks."""
+    """The sketch (see above) of a tensor given as consecutive flat chunks. Besides a chunk's
+    float64 copy it needs SKETCH_SIZE x P sums, whatever the chunk's size: a chunk's full rows
+    of P elements are multiplied by their row signs in one matrix product (as the dumper's
+    ``sketch_on_device`` does), a row cut by a chunk's end is carried into the next, and the
+    last partial row is multiplied by its elements' signs."""
     col_signs, row_signs = sketch_signs()
     p, q = SKETCH_COLUMNS_P, SKETCH_ROWS_Q
-    total = np.zeros(SKETCH_SIZE)
-    offset = 0
-    for chunk in chunks:
-        x = np.abs(chunk) if np.iscomplexobj(chunk) else chunk
-        x = x.astype(np.float64, copy=False).reshape(-1)
-        positions = offset + np.arange(x.size)
-        with np.errstate(all="ignore"):  # inf and NaN propagate, as in the other statistics
-            total += ((col_signs[:, positions % p] * row_signs[:, (positions // p) % q]) @ x)
-        offset += x.size
+    by_column = np.zeros((SKETCH_SIZE, p))  # [k, c]: the sum over rows r of T[k, r % q] x[r, c]
+    row, carry = 0, np.zeros(0)
+    with np.errstate(all="ignore"):  # inf and NaN propagate, as in the other statistics
+        for chunk in chunks:
+            x = np.abs(chunk) if np.iscomplexobj(chunk) else chunk
+            x = np.concatenate([carry, x.astype(np.float64, copy=False).reshape(-1)])
+            rows = x.size // p
+            by_column += row_signs[:, np.arange(row, row + rows) % q] @ \
+                x[:rows * p].reshape(rows, p)
+            row, carry = row + rows, x[rows * p:]
+        total = (by_column * col_signs).sum(1)
+        total += (row_signs[:, row % q, None] * col_signs[:, :carry.size]) @ carry
     return tuple(float(v) for v in total)
 
 

@@ -36,6 +36,32 @@ def test_the_dumper_and_the_reader_draw_the_same_sketch(shape, dtype):
                                rtol=1e-12, atol=1e-12)
 
 
+def test_the_readers_sketch_is_the_same_however_the_values_are_chunked():
+    """Chunks cut rows of P elements anywhere (empty ones too); NaN propagates."""
+    values = np.random.default_rng(5).standard_normal(5 * 1021 + 17)
+    whole = sketch_of_chunks([values])
+    for cuts in ([1], [700, 700], [1020, 1021, 2043], [3000, 3000, 5122]):
+        pieces = np.split(values, np.cumsum(cuts))
+        np.testing.assert_allclose(sketch_of_chunks(pieces), whole, rtol=1e-12, atol=1e-12)
+    values[4000] = np.nan
+    assert all(math.isnan(v) for v in sketch_of_chunks(np.split(values, [3000])))
+
+
+def test_the_readers_sketch_needs_scratch_of_a_few_chunk_copies():
+    """A chunk of 2^20 values (what the reader reads at a time): the sketch's scratch stays
+    within four float64 copies of it, not SKETCH_SIZE of them."""
+    import tracemalloc
+    chunk = np.random.default_rng(6).standard_normal(1 << 20).astype(np.float32)
+    sketch_of_chunks([chunk[:10]])  # the sign tables, built once and kept
+    tracemalloc.start()
+    try:
+        sketch_of_chunks([chunk, chunk])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 8 * chunk.size, f"{peak / 2**20:.0f} MiB of scratch"
+
+
 @pytest.mark.parametrize("kind", ["random", "rank-1", "scale"])
 def test_the_sketch_estimates_a_drift_within_a_factor_of_three(kind):
     gen = torch.Generator().manual_seed(3)
