@@ -3,6 +3,7 @@ still found, and their drift is not blamed on the modules they feed."""
 from __future__ import annotations
 
 import math
+import tracemalloc
 import zlib
 
 import h5py
@@ -50,7 +51,6 @@ def test_the_readers_sketch_is_the_same_however_the_values_are_chunked():
 def test_the_readers_sketch_needs_scratch_of_a_few_chunk_copies():
     """A chunk of 2^20 values (what the reader reads at a time): the sketch's scratch stays
     within four float64 copies of it, not SKETCH_SIZE of them."""
-    import tracemalloc
     chunk = np.random.default_rng(6).standard_normal(1 << 20).astype(np.float32)
     sketch_of_chunks([chunk[:10]])  # the sign tables, built once and kept
     tracemalloc.start()
